@@ -1,0 +1,107 @@
+"""The device protocol: the only way runtime modules touch a device API.
+
+Every backend (torch CPU, torch CUDA, ttnn, and the fault-injecting wrapper) implements
+`Device`. Runtime modules allocate, copy, synchronize and trace through it, so ownership and
+leak accounting (`live_allocations`) are uniform across backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+
+class DeviceError(RuntimeError):
+    """A backend refused an operation (double free, foreign tensor, released trace)."""
+
+
+@attrs.define(eq=False)
+class Event:
+    """A point in a device's stream; `Device.event_synchronize` waits for it."""
+
+    device_name: str
+    sequence: int
+    handle: Any = None
+
+
+@attrs.define(eq=False)
+class TraceHandle:
+    """A captured trace: replaying it rewrites `outputs` in place from the persistent inputs."""
+
+    device_name: str
+    trace_id: int
+    outputs: Any
+    handle: Any = None
+    released: bool = False
+
+
+@runtime_checkable
+class Device(Protocol):
+    """What every runtime module may ask of a device."""
+
+    @property
+    def name(self) -> str:
+        """A stable identifier such as ``cpu``, ``cuda:0`` or ``ttnn:0``."""
+        ...
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Where tensors returned by `allocate` live (host surrogate for ttnn)."""
+        ...
+
+    @property
+    def live_allocations(self) -> int:
+        """Tensors allocated through this device and not yet deallocated."""
+        ...
+
+    @property
+    def live_traces(self) -> int:
+        """Traces captured on this device and not yet released."""
+        ...
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0) -> Any:
+        """Allocate an owned device tensor filled with `fill`."""
+        ...
+
+    def from_host(self, host: torch.Tensor, *, into: Any | None = None) -> Any:
+        """Copy a host tensor to the device: a new owned tensor, or in place into `into`."""
+        ...
+
+    def to_host(self, tensor: Any, *, blocking: bool = True) -> tuple[torch.Tensor, Event | None]:
+        """Copy to host. Non-blocking copies return an event to wait on before reading."""
+        ...
+
+    def is_owned(self, tensor: Any) -> bool:
+        """Whether `tensor` is a live allocation of this device."""
+        ...
+
+    def deallocate(self, tensor: Any) -> None:
+        """Release an owned tensor; a second release raises `DeviceError`."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+        ...
+
+    def record_event(self) -> Event:
+        """Record an event after the work queued so far."""
+        ...
+
+    def event_synchronize(self, event: Event) -> None:
+        """Wait until `event` completed."""
+        ...
+
+    def capture(self, fn: Callable[[], Any]) -> TraceHandle:
+        """Capture `fn` (reading persistent inputs) as a replayable trace."""
+        ...
+
+    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> Any:
+        """Replay a captured trace; returns its (trace-owned) outputs."""
+        ...
+
+    def release_trace(self, trace: TraceHandle) -> None:
+        """Release a captured trace; a second release raises `DeviceError`."""
+        ...
