@@ -1,0 +1,207 @@
+"""`LifecycleHost`: the base class model-family executors subclass.
+
+The host owns one phase machine (`lifecycle.phases`). Its public phase methods are guarded
+and transactional: a subclass overrides the `_do_*` hooks with the work of each transition
+(resolve capacity, seal, allocate, compile, capture, serve, close) and never touches the
+machine itself. A hook returns a short detail string for the journal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import ClassVar
+
+from lifecycle.errors import attach_cleanup_failures
+from lifecycle.journal import Journal
+from lifecycle.machine import MachineTable, StateMachine, guard_table, guarded
+from lifecycle.phases import HOST_TABLE, Phase
+
+logger = logging.getLogger(__name__)
+
+
+class LifecycleHost:
+    """A phase-guarded owner of device resources.
+
+    Phase order: CONSTRUCTED -> CAPACITY_RESOLVED -> SEALED -> ALLOCATED -> COMPILED ->
+    (CAPTURED ->) SERVING; `close()` from anywhere reaches TERMINAL, or CLOSING while
+    cleanup left resources. Subclasses set `PHASE_TABLE` to a `host_table(next_calls=...)`
+    to teach their own onward calls.
+    """
+
+    PHASE_TABLE: ClassVar[MachineTable] = HOST_TABLE
+
+    def __init__(self, *, owner_name: str | None = None, journal: Journal | None = None) -> None:
+        self._lifecycle: StateMachine = self.PHASE_TABLE.build(
+            owner=owner_name or type(self).__name__, journal=journal
+        )
+
+    # -- introspection -------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        """The current phase."""
+        state = self._lifecycle.state
+        assert isinstance(state, Phase)
+        return state
+
+    @property
+    def journal(self) -> Journal:
+        """Every transition attempt so far (shared with components built on the same journal)."""
+        return self._lifecycle.journal
+
+    @property
+    def owner_name(self) -> str:
+        """The name used in error messages and journal entries."""
+        return self._lifecycle.owner
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the host reached TERMINAL (absorbing)."""
+        return self._lifecycle.state is Phase.TERMINAL
+
+    @classmethod
+    def guard_table(cls) -> dict[str, frozenset[Phase]]:
+        """Operation -> phases where it is legal, for docs, diagrams and property tests."""
+        return {
+            name: frozenset(Phase(s.value) for s in states)
+            for name, states in guard_table(cls).items()
+        }
+
+    # -- hooks a subclass overrides --------------------------------------------------------
+
+    def _do_resolve_capacity(self, num_blocks: int | None) -> str:
+        """Make physical KV capacity final. Returns a journal detail."""
+        return ""
+
+    def _do_seal(self) -> str:
+        """Freeze runtime configuration."""
+        return ""
+
+    def _do_allocate(self) -> str:
+        """Allocate and bind device memory (the paged KV cache)."""
+        return ""
+
+    def _do_compile(self) -> str:
+        """Compile every configured program (the whole warmup)."""
+        return ""
+
+    def _do_capture(self) -> str:
+        """Capture traces; after this, nothing new may compile."""
+        return ""
+
+    def _do_serve(self) -> str:
+        """Last checks before requests may run."""
+        return ""
+
+    def _requires_capture(self) -> bool:
+        """Whether `serve()` needs `capture()` first (a trace mode other than none)."""
+        return False
+
+    def _do_close(self) -> Sequence[BaseException]:
+        """Release everything owned, attempting every step; return the failures."""
+        return ()
+
+    # -- guarded phase calls ---------------------------------------------------------------
+
+    @guarded(Phase.CONSTRUCTED)
+    def resolve_capacity(self, num_blocks: int | None = None) -> None:
+        """CONSTRUCTED -> CAPACITY_RESOLVED."""
+        self._lifecycle.transact(
+            "resolve_capacity", lambda: self._do_resolve_capacity(num_blocks), detail=_same
+        )
+
+    @guarded(Phase.CAPACITY_RESOLVED)
+    def seal(self) -> None:
+        """CAPACITY_RESOLVED -> SEALED."""
+        self._lifecycle.transact("seal", self._do_seal, detail=_same)
+
+    @guarded(Phase.SEALED)
+    def allocate(self) -> None:
+        """SEALED -> ALLOCATED."""
+        self._lifecycle.transact("allocate", self._do_allocate, detail=_same)
+
+    @guarded(Phase.ALLOCATED)
+    def compile(self) -> None:
+        """ALLOCATED -> COMPILED."""
+        self._lifecycle.transact("compile", self._do_compile, detail=_same)
+
+    @guarded(Phase.COMPILED)
+    def capture(self) -> None:
+        """COMPILED -> CAPTURED."""
+        if not self._requires_capture():
+            raise self._lifecycle.refusal(
+                "capture",
+                {Phase.COMPILED},
+                reason="trace mode none has nothing to capture; call serve()",
+            )
+        self._lifecycle.transact("capture", self._do_capture, detail=_same)
+
+    @guarded(Phase.COMPILED, Phase.CAPTURED)
+    def serve(self) -> None:
+        """COMPILED (no traces) or CAPTURED -> SERVING."""
+        if self.phase is Phase.COMPILED and self._requires_capture():
+            raise self._lifecycle.refusal(
+                "serve", {Phase.CAPTURED}, reason="traces must be captured first; call capture()"
+            )
+        self._lifecycle.transact("serve", self._do_serve, detail=_same)
+
+    def start(self) -> None:
+        """Run every phase from wherever the host is up to SERVING."""
+        if self.phase is Phase.CONSTRUCTED:
+            self.resolve_capacity()
+        if self.phase is Phase.CAPACITY_RESOLVED:
+            self.seal()
+        if self.phase is Phase.SEALED:
+            self.allocate()
+        if self.phase is Phase.ALLOCATED:
+            self.compile()
+        if self.phase is Phase.COMPILED and self._requires_capture():
+            self.capture()
+        if self.phase in (Phase.COMPILED, Phase.CAPTURED):
+            self.serve()
+        if self.phase is not Phase.SERVING:
+            raise self._lifecycle.refusal("start", {Phase.SERVING} - {self.phase})
+
+    def close(self) -> None:
+        """Release everything; legal in every phase, idempotent once TERMINAL.
+
+        Every cleanup step is attempted. When any failed, the host moves to CLOSING and the
+        first failure is raised with the rest attached as `cleanup_failures`; calling
+        `close()` again retries what is left.
+        """
+        if self._lifecycle.state is Phase.TERMINAL:
+            return
+        clock = time.perf_counter()
+        try:
+            failures = list(self._do_close())
+        except Exception as error:  # a hook that raised instead of collecting
+            failures = [error]
+        elapsed = time.perf_counter() - clock
+        if not failures:
+            self._lifecycle.fire("close", detail="all resources released", duration_s=elapsed)
+            return
+        self._lifecycle.fire(
+            "close_incomplete",
+            detail=f"{len(failures)} cleanup failure(s); close() again retries",
+            duration_s=elapsed,
+        )
+        logger.warning("%s: cleanup left %d failure(s)", self.owner_name, len(failures))
+        primary = failures[0]
+        attach_cleanup_failures(primary, failures[1:])
+        raise primary
+
+    def cleanup(self) -> None:
+        """The seed's name for `close()`."""
+        self.close()
+
+    def __enter__(self) -> LifecycleHost:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _same(detail: str) -> str:
+    return detail
