@@ -74,6 +74,7 @@ PROGRAM_COMPILER_TABLE = MachineTable(
         TransitionSpec("begin_capture", (CompilerState.OPEN,), CompilerState.CAPTURING),
         TransitionSpec("activate", (CompilerState.CAPTURING,), CompilerState.ACTIVE),
         TransitionSpec("rollback", (CompilerState.CAPTURING,), CompilerState.OPEN),
+        TransitionSpec("deactivate", (CompilerState.ACTIVE,), CompilerState.OPEN),
         TransitionSpec(
             "release",
             (CompilerState.OPEN, CompilerState.CAPTURING, CompilerState.ACTIVE),
