@@ -8,6 +8,7 @@ the call is legal and what to call next.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 
 class LifecycleError(RuntimeError):
@@ -62,29 +63,42 @@ class TransitionRefused(PhaseError):
     """A trigger was fired from a state that has no such transition."""
 
 
+CLEANUP_NOTE_PREFIX = "Cleanup also encountered"
+
+
 def attach_cleanup_failures(
-    primary: BaseException,
-    failures: Sequence[BaseException],
-    *,
-    note: str = "Cleanup also encountered {count} failure(s)",
+    primary: BaseException, failures: Sequence[BaseException], *, note: str | None = None
 ) -> BaseException:
     """Record later cleanup failures on the primary error without hiding it.
 
-    Failures accumulate on `primary.cleanup_failures` (a tuple); a PEP 678 note says how many.
+    Failures accumulate on `primary.cleanup_failures` (a tuple) and a PEP 678 note reads
+    "Cleanup also encountered N failure(s)", followed by `note` (context such as which owner
+    was cleaning up) when given. `primary` itself and failures already attached are skipped,
+    so repeated attachment never duplicates or creates cycles. Returns `primary`.
     """
-    extra = tuple(failure for failure in failures if failure is not primary)
-    if not extra:
+    existing: tuple[BaseException, ...] = tuple(getattr(primary, "cleanup_failures", ()))
+    seen = {id(primary), *(id(failure) for failure in existing)}
+    added: list[BaseException] = []
+    for failure in failures:
+        if id(failure) not in seen:
+            seen.add(id(failure))
+            added.append(failure)
+    if not added:
         return primary
-    previous: tuple[BaseException, ...] = tuple(getattr(primary, "cleanup_failures", ()))
-    primary.cleanup_failures = previous + extra  # type: ignore[attr-defined]
-    primary.add_note(note.format(count=len(extra)))
+    primary.cleanup_failures = existing + tuple(added)  # type: ignore[attr-defined]
+    summary = "; ".join(f"{type(failure).__name__}: {failure}" for failure in added)
+    context = f" while {note}" if note else ""
+    primary.add_note(f"{CLEANUP_NOTE_PREFIX} {len(added)} failure(s){context}: {summary}")
     return primary
 
 
-def raise_cleanup_failures(failures: Sequence[BaseException]) -> None:
-    """Raise the first failure with the rest attached; an empty list is a caller bug."""
+def raise_cleanup_failures(failures: Sequence[BaseException]) -> NoReturn:
+    """Raise the first failure with the rest attached as its `cleanup_failures`."""
     if not failures:
-        raise ValueError("raise_cleanup_failures() needs at least one failure, got none")
+        raise ValueError(
+            "raise_cleanup_failures needs at least one failure, got an empty sequence; "
+            "check for failures before calling it"
+        )
     first = failures[0]
     attach_cleanup_failures(first, failures[1:])
     raise first

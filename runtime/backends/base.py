@@ -18,6 +18,10 @@ class DeviceError(RuntimeError):
     """A backend refused an operation (double free, foreign tensor, released trace)."""
 
 
+class DoubleDeallocationError(DeviceError):
+    """A tensor this device already released was released again (a double free)."""
+
+
 @attrs.define(eq=False)
 class Event:
     """A point in a device's stream; `Device.event_synchronize` waits for it."""
