@@ -1,0 +1,582 @@
+"""`EagerExecutor` and `TracedExecutor`: compose the runtimes, never fall back.
+
+There is one eager execution object (prefill runtime, decode runtime, program compiler) and,
+when tracing is configured, one traced object over that exact eager instance and its
+compiler. A traced operation preflights its complete prepared call before any device work; a
+coverage miss raises `TraceCoverageError` naming the missing signature and the remedies. It
+is never silently downgraded to eager execution: choosing eager is the caller's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, ProgramKey, signature_digest
+from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
+from runtime.trace_compiler import (
+    InputRefreshPolicy,
+    PersistentInputs,
+    RefreshDecision,
+    TraceArtifact,
+    TraceCapturePlan,
+    TraceCompiler,
+)
+
+logger = logging.getLogger(__name__)
+
+TRACE_MODES = ("none", "decode_only", "all")
+_REMEDIES = (
+    "Remedies: (1) add the missing signature to construction-time trace coverage "
+    "(WarmupConfig prefill_seq_lens / prefill_batch_sizes, or warm it up before capture); "
+    "(2) rerun with TraceConfig(mode='none') (--trace none) for debugging."
+)
+
+
+class TraceCoverageError(RuntimeError):
+    """A traced operation's prepared request has no captured trace; nothing ran."""
+
+
+@attrs.frozen
+class PrefillReplayEvidence:
+    """What one traced prefill request replayed (for bring-up logs and tests)."""
+
+    operation: str
+    variant: str
+    sampling_path: str
+    active_batch_size: int
+    padded_batch_size: int
+    padded_sequence_length: int
+    lane: int
+    program_key: str
+    trace_key: str
+    replay_steps: int
+
+
+def _model_name(model: object) -> str:
+    cls = type(model)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _result_spec(result: Any) -> OutputSpec:
+    return OutputSpec.from_value(result.value)
+
+
+def _result_owned(result: Any) -> Any:
+    return result.owned
+
+
+def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
+    if "kv_cache" in kwargs:
+        raise TypeError(
+            f"{operation}() got an unexpected keyword argument 'kv_cache': executors use the "
+            "manager-owned cache; validate the borrowed handle at the model executor"
+        )
+    if kwargs:
+        name = next(iter(kwargs))
+        raise TypeError(f"{operation}() got an unexpected keyword argument {name!r}")
+
+
+class EagerExecutor:
+    """Compiles and runs eager requests over the prefill and decode runtimes."""
+
+    def __init__(self, *, prefill: Any, decode: Any, program_compiler: ProgramCompiler) -> None:
+        if not isinstance(program_compiler, ProgramCompiler):
+            raise TypeError(
+                f"program_compiler must be a ProgramCompiler, got {type(program_compiler).__name__}"
+            )
+        for name, value, needs in (
+            ("prefill", prefill, ("prepare", "invoke", "assemble")),
+            ("decode", decode, ("prepare", "invoke", "consume", "program_signature")),
+        ):
+            missing = [attr for attr in needs if not callable(getattr(value, attr, None))]
+            if missing:
+                raise TypeError(f"{name} runtime lacks {', '.join(missing)}(); got {value!r}")
+        self.prefill = prefill
+        self.decode = decode
+        self.program_compiler = program_compiler
+        self._eager_prefill_count = 0
+        self._eager_decode_count = 0
+
+    @property
+    def eager_prefill_count(self) -> int:
+        """Eager prefill requests executed (compile runs not counted)."""
+        return self._eager_prefill_count
+
+    @property
+    def eager_decode_count(self) -> int:
+        """Eager decode steps executed (compile runs not counted)."""
+        return self._eager_decode_count
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def prepare_prefill(self, **request: Any) -> tuple[Any, ...]:
+        """Plan and classify a prefill call once."""
+        return tuple(self.prefill.prepare(**request))
+
+    def compile_prefill_prepared(self, prepared: Sequence[Any]) -> tuple[CompiledProgram, ...]:
+        """Compile every program signature of already prepared requests."""
+        programs: list[CompiledProgram] = []
+        for item in prepared:
+            for signature in item.program_signatures:
+                programs.append(
+                    self.program_compiler.compile(
+                        signature,
+                        self._compile_invoke(item),
+                        output_spec=_result_spec,
+                        release_output=_result_owned,
+                    )
+                )
+        return tuple(programs)
+
+    def _compile_invoke(self, prepared: Any) -> Callable[[Any], Any]:
+        def invoke(context: Any) -> Any:
+            return self.prefill.invoke(prepared, count_tokens=False)
+
+        return invoke
+
+    def compile_prefill(
+        self,
+        *,
+        tokens: Any,
+        page_table: Any,
+        prompt_lens: Any = None,
+        start_pos: Any = None,
+        empty_slots: Any = None,
+        sampling_params: Any = None,
+        prompt_tokens: Any = None,
+        output_tokens: Any = None,
+        slot_remap: Any = None,
+        **unexpected: Any,
+    ) -> tuple[CompiledProgram, ...]:
+        """Compile the programs a prefill call needs (run once each, outputs released)."""
+        _reject_kv_cache(unexpected, "compile_prefill")
+        prepared = self.prepare_prefill(
+            tokens=tokens,
+            page_table=page_table,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            sampling_params=sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+        )
+        return self.compile_prefill_prepared(prepared)
+
+    def prefill_forward(
+        self,
+        *,
+        tokens: Any,
+        page_table: Any,
+        prompt_lens: Any = None,
+        start_pos: Any = None,
+        empty_slots: Any = None,
+        sampling_params: Any = None,
+        prompt_tokens: Any = None,
+        output_tokens: Any = None,
+        slot_remap: Any = None,
+        **unexpected: Any,
+    ) -> Any:
+        """Run prefill eagerly; after capture, only already-compiled signatures may run."""
+        _reject_kv_cache(unexpected, "prefill_forward")
+        prepared = self.prepare_prefill(
+            tokens=tokens,
+            page_table=page_table,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            sampling_params=sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+        )
+        if self.program_compiler.gate_closed:
+            for item in prepared:
+                for signature in item.program_signatures:
+                    self.program_compiler.require_compiled(
+                        self.program_compiler.key_for(signature), signature
+                    )
+
+        def results() -> Iterator[tuple[Any, Any]]:
+            for item in prepared:
+                result = self.prefill.invoke(item)
+                self._eager_prefill_count += 1
+                yield item, result
+
+        return self.prefill.assemble(
+            results(), batch_size=int(tokens.shape[0]), sampling_params=sampling_params
+        )
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def prepare_decode(self, **request: Any) -> Any:
+        """Validate and stage a decode call once."""
+        return self.decode.prepare(**request)
+
+    def compile_decode_prepared(self, prepared: Any) -> CompiledProgram:
+        """Compile the program of an already prepared decode call."""
+        signature = self.decode.program_signature(prepared)
+        return self.program_compiler.compile(
+            signature,
+            lambda context: self.decode.invoke(prepared, device_feedback=prepared.device_feedback),
+            output_spec=_result_spec,
+            release_output=_result_owned,
+        )
+
+    def compile_decode(
+        self,
+        *,
+        tokens: Any,
+        start_pos: Any,
+        page_table: Any,
+        sampling_params: Any = None,
+        prompt_tokens: Any = None,
+        output_tokens: Any = None,
+        slot_remap: Any = None,
+        reset_batch: bool = False,
+        **unexpected: Any,
+    ) -> CompiledProgram:
+        """Compile the decode program of this lane shape and sampling path."""
+        _reject_kv_cache(unexpected, "compile_decode")
+        prepared = self.prepare_decode(
+            tokens=tokens,
+            start_pos=start_pos,
+            page_table=page_table,
+            sampling_params=sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+            reset_batch=reset_batch,
+        )
+        return self.compile_decode_prepared(prepared)
+
+    def decode_forward(
+        self,
+        *,
+        tokens: Any,
+        start_pos: Any,
+        page_table: Any,
+        sampling_params: Any = None,
+        prompt_tokens: Any = None,
+        output_tokens: Any = None,
+        slot_remap: Any = None,
+        reset_batch: bool = False,
+        read_from_device: bool = True,
+        **unexpected: Any,
+    ) -> Any:
+        """Run one decode step eagerly (only compiled signatures once the gate closed)."""
+        _reject_kv_cache(unexpected, "decode_forward")
+        prepared = self.prepare_decode(
+            tokens=tokens,
+            start_pos=start_pos,
+            page_table=page_table,
+            sampling_params=sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+            reset_batch=reset_batch,
+        )
+        if self.program_compiler.gate_closed:
+            signature = self.decode.program_signature(prepared)
+            self.program_compiler.require_compiled(
+                self.program_compiler.key_for(signature), signature
+            )
+        result = self.decode.invoke(prepared, device_feedback=False)
+        self._eager_decode_count += 1
+        return self.decode.consume(result, read_from_device=read_from_device)
+
+    def runtime_summary(self) -> dict[str, Any]:
+        """Counters for bring-up logs."""
+        return {
+            "eager_prefill_executions": self._eager_prefill_count,
+            "eager_decode_executions": self._eager_decode_count,
+            "semantic_program_count": len(self.program_compiler.compiled_programs),
+            "rejected_post_activation_compile_attempts": (
+                self.program_compiler.post_activation_compile_rejections
+            ),
+        }
+
+
+class TracedExecutor:
+    """Registers and replays traces over the exact eager executor; misses raise."""
+
+    def __init__(
+        self, *, eager: EagerExecutor, trace_compiler: TraceCompiler, trace_mode: str = "all"
+    ) -> None:
+        if not isinstance(eager, EagerExecutor):
+            raise TypeError(f"eager must be an EagerExecutor, got {type(eager).__name__}")
+        if not isinstance(trace_compiler, TraceCompiler):
+            raise TypeError(
+                f"trace_compiler must be a TraceCompiler, got {type(trace_compiler).__name__}"
+            )
+        if trace_compiler.program_compiler is not eager.program_compiler:
+            raise ValueError("trace_compiler must compose eager.program_compiler")
+        if trace_mode not in ("decode_only", "all"):
+            raise ValueError(
+                f"trace_mode must be 'decode_only' or 'all' for a TracedExecutor, got "
+                f"{trace_mode!r} (trace mode 'none' uses the EagerExecutor alone)"
+            )
+        self.eager_executor = eager
+        self.trace_compiler = trace_compiler
+        self.trace_mode = trace_mode
+        self._coverage_misses = 0
+        self.recent_prefill_replay_evidence: tuple[PrefillReplayEvidence, ...] = ()
+
+    @property
+    def program_compiler(self) -> ProgramCompiler:
+        """The one compiler shared with the eager executor."""
+        return self.eager_executor.program_compiler
+
+    @property
+    def prefill(self) -> Any:
+        """The prefill runtime of the eager executor."""
+        return self.eager_executor.prefill
+
+    @property
+    def decode(self) -> Any:
+        """The decode runtime of the eager executor."""
+        return self.eager_executor.decode
+
+    @property
+    def coverage_miss_count(self) -> int:
+        """Traced calls refused because coverage was missing."""
+        return self._coverage_misses
+
+    @property
+    def prefill_traced(self) -> bool:
+        """Whether prefill is a traced operation in this mode."""
+        return self.trace_mode == "all"
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def compile_prefill(self, **request: Any) -> tuple[CompiledProgram, ...]:
+        """Compile eagerly, then register a capture plan for each new program."""
+        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "compile_prefill")
+        prepared = self.eager_executor.prepare_prefill(**request)
+        programs = self.eager_executor.compile_prefill_prepared(prepared)
+        by_key = {program.key: program for program in programs}
+        for item in prepared:
+            if item.trace_signature is None:
+                continue
+            for signature in item.program_signatures:
+                key = self.program_compiler.key_for(signature)
+                if key not in by_key or self.trace_compiler.trace_key_for_program(key):
+                    continue
+                self.trace_compiler.register_capture_plan(self._prefill_plan(key, item))
+        return programs
+
+    def _prefill_plan(self, program_key: ProgramKey, prepared: Any) -> TraceCapturePlan:
+        plan = self.prefill.capture_plan(prepared)
+        return TraceCapturePlan(
+            program_key=program_key,
+            trace_signature=prepared.trace_signature,
+            operation="prefill",
+            prepare_inputs=plan.prepare_inputs,
+            capture=lambda persistent: plan.capture(persistent.values),
+            refresh_policy=InputRefreshPolicy(every_replay=tuple(plan.refresh_fields)),
+            schema_fingerprint=plan.schema_fingerprint,
+            prepare_workspace=plan.prepare_workspace,
+            workspace_fingerprint=plan.workspace_fingerprint,
+        )
+
+    def preflight_prefill(self, prepared: Sequence[Any]) -> tuple[Any, ...]:
+        """Check every prepared request has a captured trace before anything runs."""
+        for item in prepared:
+            if item.trace_signature is None:
+                self._miss_prefill(item, None, "the prepared request is not trace-eligible")
+            for signature in item.program_signatures:
+                key = self.program_compiler.key_for(signature)
+                if not self.program_compiler.is_compiled(signature) or not (
+                    self.trace_compiler.is_captured(key)
+                ):
+                    self._miss_prefill(
+                        item, signature, "the required trace is not registered and captured"
+                    )
+        return tuple(prepared)
+
+    def _coverage_text(self, operation: str) -> str:
+        coverage = self.trace_compiler.registered_coverage(operation)
+        listed = "; ".join(f"{key.digest[:16]}={signature!r}" for key, signature in coverage)
+        return f"[{listed}]"
+
+    def _miss_prefill(self, item: Any, signature: Any, reason: str) -> None:
+        self._coverage_misses += 1
+        trace_signature = item.trace_signature
+        trace_digest = (
+            signature_digest(TRACE_KEY_DOMAIN, KEY_SCHEMA_VERSION, trace_signature)
+            if trace_signature is not None
+            else "unavailable"
+        )
+        program_key = (
+            self.program_compiler.key_for(signature).digest if signature is not None else "n/a"
+        )
+        raise TraceCoverageError(
+            f"Required prefill trace is unavailable ({reason}): operation=prefill; "
+            f"trace_mode={self.trace_mode}; model={_model_name(self.prefill.config.model)}; "
+            f"signature={trace_signature if trace_signature is not None else signature!r}; "
+            f"signature_digest={trace_digest}; program_key={program_key}; "
+            f"trace_key={trace_digest}; configured_coverage={self._coverage_text('prefill')}. "
+            f"Nothing was executed. {_REMEDIES}"
+        )
+
+    def execute_prepared_prefill(
+        self,
+        prepared: Sequence[Any],
+        *,
+        batch_size: int,
+        sampling_params: Any = None,
+        lane: int = 0,
+    ) -> Any:
+        """Replay preflighted requests chunk by chunk and assemble in source-row order."""
+        evidence: list[PrefillReplayEvidence] = []
+
+        def results() -> Iterator[tuple[Any, Any]]:
+            for item in prepared:
+                keys = {self.program_compiler.key_for(s) for s in item.program_signatures}
+                if len(keys) != 1:
+                    raise RuntimeError(
+                        "Traced chunk replay requires one shared program geometry per prepared "
+                        f"request, got {len(keys)}"
+                    )
+                key = next(iter(keys))
+                workspace = self.trace_compiler.workspace_for_program(key)
+                output: Any = None
+                steps = 0
+                for chunk in item.request.chunks:
+
+                    def refresh(
+                        artifact: TraceArtifact,
+                        decision: RefreshDecision,
+                        item: Any = item,
+                        workspace: Any = workspace,
+                        chunk: Any = chunk,
+                    ) -> None:
+                        self.prefill.refresh_trace(
+                            item, artifact.persistent_inputs.values, workspace, chunk
+                        )
+
+                    output = self.trace_compiler.replay(key, refresh, reset_batch=True)
+                    steps += 1
+                result = self.prefill.finish_trace(item, output, workspace)
+                trace_key = self.trace_compiler.trace_key_for_program(key)
+                evidence.append(
+                    PrefillReplayEvidence(
+                        operation="prefill",
+                        variant=item.program_signatures[0].operation_variant,
+                        sampling_path=item.sampling_path,
+                        active_batch_size=len(item.request.source_rows),
+                        padded_batch_size=item.request.padded_batch_size,
+                        padded_sequence_length=item.request.padded_sequence_length,
+                        lane=lane,
+                        program_key=key.digest,
+                        trace_key=trace_key.digest if trace_key else "unavailable",
+                        replay_steps=steps,
+                    )
+                )
+                yield item, result
+
+        value = self.prefill.assemble(
+            results(), batch_size=batch_size, sampling_params=sampling_params
+        )
+        self.recent_prefill_replay_evidence = tuple(evidence)
+        return value
+
+    def prefill_forward(self, **request: Any) -> Any:
+        """Prepare, preflight every request, then replay (mode 'all' only)."""
+        if not self.prefill_traced:
+            raise TraceCoverageError(
+                f"prefill is not traced in trace_mode={self.trace_mode}; call "
+                f"eager_executor.prefill_forward() for intentionally eager prefill. {_REMEDIES}"
+            )
+        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "prefill_forward")
+        prepared = self.preflight_prefill(self.eager_executor.prepare_prefill(**request))
+        return self.execute_prepared_prefill(
+            prepared,
+            batch_size=int(request["tokens"].shape[0]),
+            sampling_params=request.get("sampling_params"),
+        )
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def compile_decode(self, **request: Any) -> CompiledProgram:
+        """Compile eagerly, then register the decode capture plan if it has none."""
+        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "compile_decode")
+        prepared = self.eager_executor.prepare_decode(**request)
+        program = self.eager_executor.compile_decode_prepared(prepared)
+        if self.trace_compiler.trace_key_for_program(program.key) is None:
+            plan = self.decode.capture_plan(prepared)
+            self.trace_compiler.register_capture_plan(
+                TraceCapturePlan(
+                    program_key=program.key,
+                    trace_signature=self.decode.trace_signature(prepared),
+                    operation="decode",
+                    prepare_inputs=plan.prepare_inputs,
+                    capture=lambda persistent: plan.capture(persistent.values),
+                    refresh_policy=plan.refresh_policy,
+                )
+            )
+        return program
+
+    def decode_forward(self, *, read_from_device: bool = True, **request: Any) -> Any:
+        """Replay the captured decode trace for this call, or raise `TraceCoverageError`."""
+        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "decode_forward")
+        prepared = self.eager_executor.prepare_decode(**request)
+        signature = self.decode.program_signature(prepared)
+        key = self.program_compiler.key_for(signature)
+        if not self.program_compiler.is_compiled(signature) or not self.trace_compiler.is_captured(
+            key
+        ):
+            self._coverage_misses += 1
+            trace_signature = self.decode.trace_signature(prepared)
+            digest = signature_digest(TRACE_KEY_DOMAIN, KEY_SCHEMA_VERSION, trace_signature)
+            raise TraceCoverageError(
+                "Required decode trace is unavailable: operation=decode; "
+                f"trace_mode={self.trace_mode}; model={_model_name(self.decode.config.model)}; "
+                f"signature={trace_signature!r}; signature_digest={digest}; "
+                f"program_key={key.digest}; trace_key=unavailable; "
+                f"configured_coverage={self._coverage_text('decode')}. Nothing was executed. "
+                f"{_REMEDIES}"
+            )
+
+        def refresh(artifact: TraceArtifact, decision: RefreshDecision) -> None:
+            self.decode.refresh_trace(artifact, prepared, decision)
+
+        outputs = self.trace_compiler.replay(
+            key,
+            refresh,
+            reset_batch=bool(request.get("reset_batch", False)),
+            device_feedback_enabled=self.decode.config.position_feedback_capable,
+            feedback_compatible=prepared.device_feedback,
+            page_table_changed=prepared.page_table_changed,
+        )
+        self.decode.note_submitted(prepared)
+        result = self.decode.borrowed_result(outputs, prepared)
+        return self.decode.consume(result, read_from_device=read_from_device)
+
+    def runtime_summary(self) -> dict[str, Any]:
+        """Eager counters plus replay and coverage counters."""
+        summary = self.eager_executor.runtime_summary()
+        summary.update(
+            {
+                "successful_trace_replays": self.trace_compiler.replay_count,
+                "trace_replays_by_operation": self.trace_compiler.replay_counts,
+                "strict_coverage_misses": self._coverage_misses,
+                "semantic_trace_count": self.trace_compiler.trace_count,
+                "trace_association_count": self.trace_compiler.trace_association_count,
+            }
+        )
+        return summary
+
+
+__all__ = [
+    "TRACE_MODES",
+    "EagerExecutor",
+    "PersistentInputs",
+    "PrefillReplayEvidence",
+    "TraceCoverageError",
+    "TracedExecutor",
+]

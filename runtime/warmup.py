@@ -1,0 +1,631 @@
+"""Warmup coverage and the prefill/decode capture barrier.
+
+The coverage plan is declared up front from static policy (lengths, batch sizes, sampling
+paths), so users can see what start-up compiles and trim it. `warmup_prefill` and
+`warmup_decode` may run in either order and repeatedly: each compiles (and, when tracing,
+registers) only what is not yet covered. Capture happens exactly once, only after every
+configured operation registered its complete case set; a lane group can defer it and
+activate all lanes together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from runtime.config import PageTableLayout, TraceConfig, WarmupConfig
+from runtime.execution import EagerExecutor, TracedExecutor
+from runtime.identity import TraceKey, key_material_of
+from runtime.program_compiler import CompiledProgram
+from runtime.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Operation = Literal["prefill", "decode"]
+WarmupPath = Literal["logits", "argmax", "topk"]
+Progress = Callable[[str, int, int], None]
+
+GREEDY_RECIPE = SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
+TOPK_RECIPE = SamplingParams(temperature=1.0, top_k=32, top_p=0.08)
+
+
+@attrs.frozen
+class WarmupCase:
+    """One shape warmup compiles: operation, physical batch, length, sampling path."""
+
+    operation: Operation
+    batch_size: int
+    sequence_length: int | None
+    sampling_path: WarmupPath
+    cached_tokens: int = 0
+
+    def describe(self) -> str:
+        """A short label for progress output."""
+        if self.operation == "decode":
+            return f"decode batch={self.batch_size} {self.sampling_path}"
+        cached = f" cached={self.cached_tokens}" if self.cached_tokens else ""
+        return (
+            f"prefill batch={self.batch_size} len={self.sequence_length}{cached} "
+            f"{self.sampling_path}"
+        )
+
+
+@attrs.frozen
+class WarmupPlan:
+    """Every case warmup covers, prefill then decode."""
+
+    prefill: tuple[WarmupCase, ...]
+    decode: tuple[WarmupCase, ...]
+
+
+@attrs.frozen
+class CoverageAlias:
+    """A compiled program and the trace it replays through."""
+
+    program_signature: Any
+    trace_signature: Any
+
+
+@attrs.frozen
+class CoverageManifest:
+    """What warmup made available: eager programs, traced programs, traces, aliases."""
+
+    eager_program_signatures: tuple[Any, ...]
+    traced_source_program_signatures: tuple[Any, ...]
+    trace_signatures: tuple[Any, ...]
+    aliases: tuple[CoverageAlias, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready description (signatures as their key material)."""
+
+        def material(signature: Any) -> Any:
+            return _jsonable(key_material_of(signature))
+
+        return {
+            "eager_programs": [material(s) for s in self.eager_program_signatures],
+            "traced_programs": [material(s) for s in self.traced_source_program_signatures],
+            "traces": [
+                {"trace_key": TraceKey.from_signature(s).digest, "signature": material(s)}
+                for s in self.trace_signatures
+            ],
+            "aliases": [
+                {
+                    "program": material(alias.program_signature),
+                    "trace_key": TraceKey.from_signature(alias.trace_signature).digest,
+                }
+                for alias in self.aliases
+            ],
+        }
+
+    def dumps(self) -> str:
+        """The manifest as indented JSON text."""
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+
+def build_warmup_plan(
+    *,
+    warmup: WarmupConfig,
+    prefill_sequence_lengths: Sequence[int],
+    batched_sequence_lengths: Sequence[int],
+    lane_batch_size: int,
+    max_prefill_batch_size: int,
+    max_batched_prefill_tokens: int,
+    can_sample_on_device: bool,
+    allow_force_argmax: bool,
+    block_size: int,
+    raw_capacity_width: int,
+) -> WarmupPlan:
+    """The cases for one sampling decision (reference 2.19, batched lengths configurable).
+
+    Batch sizes above 1 apply to `batched_sequence_lengths` only (the reference batches the
+    smallest bucket); other lengths use single rows. Each length also gets a cached case when
+    the KV capacity holds one block plus the length.
+    """
+    paths: list[WarmupPath] = ["logits"]
+    if can_sample_on_device:
+        paths.append("topk")
+    prefill: list[WarmupCase] = []
+    for length in prefill_sequence_lengths:
+        sizes = warmup.prefill_batch_sizes if length in batched_sequence_lengths else (1,)
+        for batch in sizes:
+            if batch > lane_batch_size or batch > max(1, max_prefill_batch_size):
+                continue
+            if batch > 1 and batch * length >= max_batched_prefill_tokens:
+                continue
+            batch_paths = list(paths)
+            if can_sample_on_device and allow_force_argmax and batch == 1:
+                batch_paths.append("argmax")
+            prefill.extend(WarmupCase("prefill", batch, length, p) for p in batch_paths)
+        if block_size + length <= raw_capacity_width * block_size:
+            cached_paths = list(paths)
+            if can_sample_on_device and allow_force_argmax:
+                cached_paths.append("argmax")
+            prefill.extend(
+                WarmupCase("prefill", 1, length, p, cached_tokens=block_size) for p in cached_paths
+            )
+    decode_paths: list[WarmupPath] = ["logits"]
+    if can_sample_on_device and allow_force_argmax:
+        decode_paths.append("argmax")
+    if can_sample_on_device and (not allow_force_argmax or warmup.include_decode_top_k):
+        decode_paths.append("topk")
+    decode = tuple(WarmupCase("decode", lane_batch_size, None, p) for p in decode_paths)
+    return WarmupPlan(prefill=tuple(prefill), decode=decode)
+
+
+def _unique_positive(name: str, values: object) -> tuple[int, ...]:
+    if not isinstance(values, tuple) or not values:
+        raise ValueError(f"{name} must be a non-empty tuple of positive integers, got {values!r}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must contain positive integers, got {value!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name} must be unique, got {values!r}")
+    return values
+
+
+@attrs.frozen
+class WarmupCoordinatorConfig:
+    """Resolved warmup policy shared by prefill and decode of one lane."""
+
+    warmup: WarmupConfig
+    trace: TraceConfig
+    model: Any
+    page_table_layout: PageTableLayout
+    prefill_sequence_lengths: tuple[int, ...]
+    batched_sequence_lengths: tuple[int, ...]
+    lane_batch_size: int
+    max_prefill_batch_size: int
+    max_batched_prefill_tokens: int
+    device_sampling_enabled: bool
+    allow_force_argmax: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        warmup: WarmupConfig,
+        trace: TraceConfig,
+        prefill: Any,
+        decode: Any,
+        prefill_sequence_lengths: tuple[int, ...],
+        batched_sequence_lengths: tuple[int, ...] | None = None,
+    ) -> WarmupCoordinatorConfig:
+        """Validate that prefill and decode agree, and fix the coverage lengths."""
+        if not isinstance(warmup, WarmupConfig):
+            raise TypeError(f"warmup must be a WarmupConfig, got {type(warmup).__name__}")
+        if not isinstance(trace, TraceConfig):
+            raise TypeError(f"trace must be a TraceConfig, got {type(trace).__name__}")
+        p, d = prefill.config, decode.config
+        if p.model is not d.model:
+            raise ValueError("prefill and decode runtimes must share one model")
+        if p.page_table_layout is not d.page_table_layout:
+            raise ValueError("prefill and decode runtimes must share one page-table layout")
+        if p.max_batch_size != d.lane_capacity:
+            raise ValueError(
+                f"prefill and decode runtimes must share one lane capacity: "
+                f"{p.max_batch_size} != {d.lane_capacity}"
+            )
+        if p.device_sampling_enabled != d.device_sampling_enabled:
+            raise ValueError("prefill and decode runtimes must share device-sampling policy")
+        lengths = _unique_positive(
+            "prefill_sequence_lengths",
+            warmup.prefill_seq_lens
+            if warmup.prefill_seq_lens is not None
+            else prefill_sequence_lengths,
+        )
+        batched = lengths[:1] if batched_sequence_lengths is None else batched_sequence_lengths
+        return cls(
+            warmup=warmup,
+            trace=trace,
+            model=p.model,
+            page_table_layout=p.page_table_layout,
+            prefill_sequence_lengths=lengths,
+            batched_sequence_lengths=tuple(batched),
+            lane_batch_size=d.lane_capacity,
+            max_prefill_batch_size=p.max_prefill_batch_size,
+            max_batched_prefill_tokens=p.policy.max_batched_prefill_tokens,
+            device_sampling_enabled=d.device_sampling_enabled,
+            allow_force_argmax=d.allow_force_argmax,
+        )
+
+    def with_page_table_layout(self, layout: PageTableLayout) -> WarmupCoordinatorConfig:
+        """The same policy over a (late, smaller) layout."""
+        if not isinstance(layout, PageTableLayout):
+            raise TypeError(f"layout must be a PageTableLayout, got {type(layout).__name__}")
+        return attrs.evolve(self, page_table_layout=layout)
+
+    def plan(self, *, can_sample_on_device: bool) -> WarmupPlan:
+        """The coverage plan for one sampling decision."""
+        layout = self.page_table_layout
+        return build_warmup_plan(
+            warmup=self.warmup,
+            prefill_sequence_lengths=self.prefill_sequence_lengths,
+            batched_sequence_lengths=self.batched_sequence_lengths,
+            lane_batch_size=self.lane_batch_size,
+            max_prefill_batch_size=self.max_prefill_batch_size,
+            max_batched_prefill_tokens=self.max_batched_prefill_tokens,
+            can_sample_on_device=can_sample_on_device and self.device_sampling_enabled,
+            allow_force_argmax=self.allow_force_argmax,
+            block_size=layout.block_size,
+            raw_capacity_width=layout.raw_capacity_width,
+        )
+
+
+class WarmupCoordinator:
+    """Compiles declared coverage in any order and captures traces exactly once."""
+
+    def __init__(
+        self,
+        *,
+        config: WarmupCoordinatorConfig,
+        execution: EagerExecutor | TracedExecutor,
+        ensure_sampling_buffers: Callable[[], None],
+        validate_bound_cache: Callable[[Any], None],
+        progress: Progress | None = None,
+        auto_capture: bool = True,
+    ) -> None:
+        if not isinstance(config, WarmupCoordinatorConfig):
+            raise TypeError(f"config must be a WarmupCoordinatorConfig, got {config!r}")
+        if isinstance(execution, TracedExecutor):
+            self._eager = execution.eager_executor
+            self._traced: TracedExecutor | None = execution
+        elif isinstance(execution, EagerExecutor):
+            self._eager = execution
+            self._traced = None
+        else:
+            raise TypeError(
+                f"execution must be an EagerExecutor or TracedExecutor, got {execution!r}"
+            )
+        for name, callback in (
+            ("ensure_sampling_buffers", ensure_sampling_buffers),
+            ("validate_bound_cache", validate_bound_cache),
+        ):
+            if not callable(callback):
+                raise TypeError(f"{name} must be callable, got {callback!r}")
+        if self._eager.prefill.config.model is not config.model:
+            raise ValueError("the warmup config and the executor must share one model")
+        self.config = config
+        self._ensure_sampling_buffers = ensure_sampling_buffers
+        self._validate_bound_cache = validate_bound_cache
+        self._progress = progress
+        self._auto_capture = auto_capture
+        self._compiled: set[WarmupCase] = set()
+        self._registered: set[WarmupCase] = set()
+        self._decisions: dict[Operation, tuple[bool, bool]] = {}
+        self._required: list[CompiledProgram] = []
+        self._required_traced: list[CompiledProgram] = []
+        self._deferring = False
+        self._capture_pending = False
+        self._trace_activated = False
+        self._sealed = False
+        self.coverage_manifest: CoverageManifest | None = None
+        self.case_seconds: dict[WarmupCase, float] = {}
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def trace_activated(self) -> bool:
+        """Whether capture ran (exactly once)."""
+        return self._trace_activated
+
+    @property
+    def capture_pending(self) -> bool:
+        """Whether capture is ready but deferred (lane-group barrier)."""
+        return self._capture_pending
+
+    @property
+    def sealed(self) -> bool:
+        """Whether layout configuration is frozen (any warmup call seals it)."""
+        return self._sealed
+
+    def seal_configuration(self) -> None:
+        """Freeze the layout: warmup shapes are about to be compiled against it."""
+        self._sealed = True
+
+    def configure_page_table_layout(self, layout: PageTableLayout) -> None:
+        """Adopt a late (smaller) layout before warmup starts."""
+        if not isinstance(layout, PageTableLayout):
+            raise TypeError(f"layout must be a PageTableLayout, got {type(layout).__name__}")
+        if self._sealed:
+            raise RuntimeError("warmup configuration is sealed; configure capacity before warmup")
+        self.config = self.config.with_page_table_layout(layout)
+
+    def operation_complete(self, operation: Operation) -> bool:
+        """Whether the latest decision's cases of `operation` are all covered."""
+        decision = self._decisions.get(operation)
+        if decision is None:
+            return False
+        sampling, trace = decision
+        cases = self._cases(operation, sampling)
+        done = self._registered if trace else self._compiled
+        return all(case in done for case in cases)
+
+    @property
+    def complete(self) -> bool:
+        """Whether prefill and decode are both covered (and captured when traced)."""
+        covered = self.operation_complete("prefill") and self.operation_complete("decode")
+        return covered and (
+            self._traced is None or not self._trace_required() or self._trace_activated
+        )
+
+    def _cases(self, operation: Operation, sampling: bool) -> tuple[WarmupCase, ...]:
+        plan = self.config.plan(can_sample_on_device=sampling)
+        return plan.prefill if operation == "prefill" else plan.decode
+
+    # -- warmup calls ---------------------------------------------------------------------------
+
+    def warmup_prefill(
+        self, *, kv_cache: Any, can_sample_on_device: bool, enable_trace: bool
+    ) -> None:
+        """Compile (and register for capture) every declared prefill case not yet covered."""
+        self._check_hints("prefill", can_sample_on_device, enable_trace)
+        self._validate_bound_cache(kv_cache)
+        self._run("prefill", can_sample_on_device, enable_trace, num_blocks=None)
+
+    def warmup_decode(
+        self,
+        *,
+        kv_cache: Any,
+        max_batch_size: int,
+        num_blocks: int,
+        can_sample_on_device: bool,
+        enable_trace: bool,
+    ) -> None:
+        """Compile (and register for capture) every declared decode case not yet covered."""
+        self._check_hints("decode", can_sample_on_device, enable_trace)
+        self._validate_bound_cache(kv_cache)
+        if max_batch_size != self.config.lane_batch_size:
+            raise ValueError(
+                f"max_batch_size must equal the lane capacity {self.config.lane_batch_size}, "
+                f"got {max_batch_size}"
+            )
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self._run("decode", can_sample_on_device, enable_trace, num_blocks=num_blocks)
+
+    def _check_hints(self, operation: Operation, sampling: bool, trace: bool) -> None:
+        for name, value in (("can_sample_on_device", sampling), ("enable_trace", trace)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be bool, got {value!r}")
+        configured = (
+            self.config.trace.prefill_enabled
+            if operation == "prefill"
+            else self.config.trace.decode_enabled
+        )
+        if trace and (not configured or self._traced is None):
+            raise ValueError(
+                f"{operation} trace warmup exceeds the configured trace policy "
+                f"(trace mode {self.config.trace.mode!r})"
+            )
+        if sampling and not self.config.device_sampling_enabled:
+            raise ValueError(
+                f"{operation} warmup asked for device sampling, which is statically disabled"
+            )
+
+    def _run(
+        self, operation: Operation, sampling: bool, trace: bool, *, num_blocks: int | None
+    ) -> None:
+        self._decisions[operation] = (sampling, trace)
+        self._sealed = True
+        if self._trace_activated and trace:
+            return  # capture already happened; coverage is fixed
+        if sampling:
+            self._ensure_sampling_buffers()
+        cases = list(self._cases(operation, sampling))
+        if trace and sampling:
+            cases.sort(key=lambda case: case.sampling_path != "topk")
+        done = self._registered if trace else self._compiled
+        todo = [case for case in cases if case not in done]
+        for index, case in enumerate(todo, start=1):
+            if self._progress is not None:
+                self._progress(case.describe(), index, len(todo))
+            started = time.perf_counter()
+            programs = self._compile_case(case, trace=trace, num_blocks=num_blocks)
+            self.case_seconds[case] = time.perf_counter() - started
+            self._required.extend(programs)
+            self._compiled.add(case)
+            if trace:
+                self._required_traced.extend(programs)
+                self._registered.add(case)
+        self._maybe_capture()
+
+    def _compile_case(
+        self, case: WarmupCase, *, trace: bool, num_blocks: int | None
+    ) -> tuple[CompiledProgram, ...]:
+        target: Any = self._traced if trace else self._eager
+        sampling = None
+        if case.sampling_path == "argmax":
+            sampling = GREEDY_RECIPE
+        elif case.sampling_path == "topk":
+            sampling = TOPK_RECIPE
+        block = self.config.page_table_layout.block_size
+        if case.operation == "prefill":
+            assert case.sequence_length is not None
+            prompt = case.cached_tokens + case.sequence_length
+            width = math.ceil(prompt / block)
+            tokens = torch.zeros(case.batch_size, prompt, dtype=torch.long)
+            request: dict[str, Any] = {
+                "tokens": tokens,
+                "page_table": torch.zeros(case.batch_size, width, dtype=torch.int32),
+                "prompt_lens": torch.full((case.batch_size,), prompt, dtype=torch.long),
+                "empty_slots": list(range(case.batch_size)),
+                "sampling_params": _broadcast(sampling, case.batch_size),
+            }
+            if case.cached_tokens:
+                request["start_pos"] = torch.full(
+                    (case.batch_size,), case.cached_tokens, dtype=torch.long
+                )
+            return tuple(target.compile_prefill(**request))
+        assert num_blocks is not None
+        lane = case.batch_size
+        program = target.compile_decode(
+            tokens=torch.zeros(lane, dtype=torch.long),
+            start_pos=torch.zeros(lane, dtype=torch.long),
+            page_table=torch.zeros(
+                lane, min(num_blocks, self.config.page_table_layout.decode_width), dtype=torch.int32
+            ),
+            sampling_params=_broadcast(sampling, lane),
+        )
+        return (program,)
+
+    # -- capture barrier ------------------------------------------------------------------------
+
+    def _trace_required(self) -> bool:
+        trace = self.config.trace
+        return trace.prefill_enabled or trace.decode_enabled
+
+    def _maybe_capture(self) -> None:
+        if self._traced is None or self._trace_activated or self._capture_pending:
+            return
+        wanted = False
+        for operation, enabled in (
+            ("prefill", self.config.trace.prefill_enabled),
+            ("decode", self.config.trace.decode_enabled),
+        ):
+            if not enabled:
+                continue
+            decision = self._decisions.get(operation)  # type: ignore[call-overload]
+            if decision is None:
+                return  # wait for the other operation's warmup
+            if decision[1]:
+                if not self.operation_complete(operation):  # type: ignore[arg-type]
+                    return
+                wanted = True
+        if not wanted:
+            return
+        manifest = self._resolve_manifest()
+        if self._deferring or not self._auto_capture:
+            self._capture_pending = True
+            self.coverage_manifest = manifest
+            return
+        self._capture(manifest)
+
+    def _capture(self, manifest: CoverageManifest) -> None:
+        assert self._traced is not None
+        self._traced.trace_compiler.capture_all()
+        self._trace_activated = True
+        self._capture_pending = False
+        self.coverage_manifest = manifest
+        logger.info(
+            "captured %d trace(s) for %d program(s)",
+            len(manifest.trace_signatures),
+            len(manifest.aliases),
+        )
+
+    def _resolve_manifest(self) -> CoverageManifest:
+        compiler = self._eager.program_compiler
+        eager = _dedupe(p.signature for p in self._required)
+        traced = _dedupe(p.signature for p in self._required_traced)
+        aliases: list[CoverageAlias] = []
+        missing: list[str] = []
+        traces: list[Any] = []
+        for program in _dedupe_programs(self._required_traced):
+            if program.key not in {p.key for p in compiler.compiled_programs}:
+                missing.append(program.key.digest)
+                continue
+            if self._traced is None:
+                continue
+            trace_key = self._traced.trace_compiler.trace_key_for_program(program.key)
+            if trace_key is None:
+                missing.append(program.key.digest)
+                continue
+            record = self._traced.trace_compiler.get(trace_key)
+            assert record is not None
+            aliases.append(CoverageAlias(program.signature, record.signature))
+            if all(key_material_of(t) != key_material_of(record.signature) for t in traces):
+                traces.append(record.signature)
+        if missing:
+            raise RuntimeError(
+                f"Coverage manifest is missing required compiled programs/trace aliases: {missing}"
+            )
+        if not aliases:
+            raise RuntimeError("Configured trace warmup registered no program-to-trace aliases")
+        return CoverageManifest(
+            eager_program_signatures=eager,
+            traced_source_program_signatures=traced,
+            trace_signatures=tuple(traces),
+            aliases=tuple(aliases),
+        )
+
+    def eager_manifest(self) -> CoverageManifest:
+        """The manifest of an untraced warmup (no traces, no aliases)."""
+        eager = _dedupe(p.signature for p in self._required)
+        return CoverageManifest(eager, (), (), ())
+
+    @contextlib.contextmanager
+    def defer_capture(self) -> Iterator[None]:
+        """Stage capture instead of running it (a lane group activates every lane together)."""
+        if self._deferring or self._capture_pending:
+            raise RuntimeError("capture is already deferred or pending")
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            if self._capture_pending:
+                self._capture_pending = False
+                self.coverage_manifest = None
+
+    def capture_pending_traces(self) -> CoverageManifest:
+        """Capture a staged manifest now (hosts that make capture an explicit phase)."""
+        if self._deferring or not self._capture_pending or self.coverage_manifest is None:
+            raise RuntimeError(
+                "no capture is pending: warm up every traced operation first "
+                "(warmup_prefill() and warmup_decode())"
+            )
+        manifest = self.coverage_manifest
+        self._capture(manifest)
+        return manifest
+
+    def activate_pending_capture(self) -> None:
+        """Capture the staged manifest (only inside `defer_capture` with something pending)."""
+        if not self._deferring or not self._capture_pending or self.coverage_manifest is None:
+            raise RuntimeError("no deferred capture is pending")
+        self._capture(self.coverage_manifest)
+
+
+def _broadcast(sampling: SamplingParams | None, rows: int) -> SamplingParams | None:
+    """One recipe per row: a scalar would describe a single active row."""
+    if sampling is None:
+        return None
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    assert isinstance(temperature, float) and isinstance(top_k, int)
+    assert isinstance(top_p, float)
+    return SamplingParams(
+        temperature=[temperature] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def _dedupe(signatures: Iterator[Any] | Any) -> tuple[Any, ...]:
+    seen: list[Any] = []
+    keys: set[Any] = set()
+    for signature in signatures:
+        material = key_material_of(signature)
+        if material not in keys:
+            keys.add(material)
+            seen.append(signature)
+    return tuple(seen)
+
+
+def _dedupe_programs(programs: Sequence[CompiledProgram]) -> list[CompiledProgram]:
+    seen: dict[Any, CompiledProgram] = {}
+    for program in programs:
+        seen.setdefault(program.key, program)
+    return list(seen.values())
