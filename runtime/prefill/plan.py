@@ -1,0 +1,707 @@
+"""The prefill planner: pure host logic that turns a prefill call into immutable requests.
+
+Prefix caching, batching into padded waves and chunking are decided once, here, so the
+runtime that executes a plan never re-derives them. A plan depends only on each row's tokens,
+prompt length, cached prefix and the allocated prefix of its page-table row: stale scheduler
+tails beyond `ceil(prompt_len / block_size)` are never read.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypeGuard, TypeVar
+
+import attrs
+import torch
+
+from runtime.config import RuntimePolicy
+
+logger = logging.getLogger(__name__)
+
+PrefillKind = Literal["single", "batched"]
+PREFILL_KINDS: tuple[PrefillKind, ...] = ("single", "batched")
+
+DISABLE_BATCHED_PREFILL_ENV = "DISABLE_BATCHED_PREFILL"
+_TRUE_VALUES = frozenset({"1", "true", "yes"})
+
+TTNN_POLICY = RuntimePolicy.ttnn()
+"""The reference policy; the planner's default so the reference examples reproduce."""
+
+_SKIP_BLOCK = -1
+"""Regular page-table filler: the KV write skips these entries (padding rows, tails)."""
+_SDPA_SAFE_BLOCK = 0
+"""Chunked full-table filler: attention reads the whole table, so entries must be valid."""
+
+_T = TypeVar("_T")
+
+
+def batched_prefill_disabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `DISABLE_BATCHED_PREFILL` turns batching off; read on every call.
+
+    Only `1`, `true` or `yes` (any case) disable batching. Any other non-empty value is
+    ignored with a warning, because the reference runtime would have treated it (even `0`)
+    as "disable".
+    """
+    value = (os.environ if environ is None else environ).get(DISABLE_BATCHED_PREFILL_ENV, "")
+    if not value:
+        return False
+    if value.strip().lower() in _TRUE_VALUES:
+        return True
+    _warn_ignored_env_value(value)
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_ignored_env_value(value: str) -> None:
+    # Cached per value: the variable is read on every prefill call; one warning is enough.
+    logger.warning(
+        "%s=%r is not one of 1/true/yes (case-insensitive); batched prefill stays enabled",
+        DISABLE_BATCHED_PREFILL_ENV,
+        value,
+    )
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def _tensors_equal(left: torch.Tensor, right: torch.Tensor) -> bool:
+    return (
+        left.shape == right.shape
+        and left.dtype == right.dtype
+        and left.device == right.device
+        and bool(torch.equal(left, right))
+    )
+
+
+def _optional_tensors_equal(left: torch.Tensor | None, right: torch.Tensor | None) -> bool:
+    if left is None or right is None:
+        return left is right
+    return _tensors_equal(left, right)
+
+
+_TENSOR_EQ = attrs.cmp_using(eq=_tensors_equal)
+_OPTIONAL_TENSOR_EQ = attrs.cmp_using(eq=_optional_tensors_equal)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_positive_int(name: str, value: object) -> int:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+@attrs.frozen
+class PrefillChunk:
+    """One model invocation of a request: a token slice at an absolute cache position.
+
+    `token_slice` indexes the request's (uncached, padded) token tensor; `chunk_start_idx` is
+    the absolute position of its first token (cached prefix included).
+    """
+
+    token_slice: slice = attrs.field(hash=False)
+    chunk_start_idx: int
+    chunk_size: int
+    chunk_page_table: torch.Tensor | None = attrs.field(eq=_OPTIONAL_TENSOR_EQ, hash=False)
+    contains_last_token: bool
+
+    def __attrs_post_init__(self) -> None:
+        piece = self.token_slice
+        if not isinstance(piece, slice):
+            raise ValueError(f"token_slice must be a slice, got {piece!r}")
+        if piece.step not in (None, 1):
+            raise ValueError(f"token_slice step must be None or 1, got {piece!r}")
+        if not _is_int(piece.start) or not _is_int(piece.stop):
+            raise ValueError(f"token_slice start and stop must be explicit ints, got {piece!r}")
+        if not 0 <= piece.start < piece.stop:
+            raise ValueError(f"token_slice must satisfy 0 <= start < stop, got {piece!r}")
+        if not _is_int(self.chunk_start_idx) or self.chunk_start_idx < 0:
+            raise ValueError(f"chunk_start_idx must be an int >= 0, got {self.chunk_start_idx!r}")
+        _require_positive_int("chunk_size", self.chunk_size)
+        if piece.stop - piece.start != self.chunk_size:
+            raise ValueError(
+                f"token_slice {piece!r} covers {piece.stop - piece.start} tokens, "
+                f"chunk_size is {self.chunk_size}"
+            )
+        table = self.chunk_page_table
+        if table is not None and (not isinstance(table, torch.Tensor) or table.dim() != 2):
+            raise ValueError(
+                f"chunk_page_table must be None or a rank-2 torch tensor, got {table!r:.80}"
+            )
+        _require_bool("contains_last_token", self.contains_last_token)
+
+    @property
+    def chunk_page_table_width(self) -> int | None:
+        return None if self.chunk_page_table is None else int(self.chunk_page_table.shape[1])
+
+
+def _int_tuple(
+    instance: object, attribute: attrs.Attribute[tuple[int, ...]], value: object
+) -> None:
+    if not isinstance(value, tuple) or not value or not all(_is_int(v) for v in value):
+        raise ValueError(f"{attribute.name} must be a non-empty tuple of ints, got {value!r}")
+
+
+@attrs.frozen
+class PrefillRequest:
+    """One planned invocation sequence: a single row or one padded batched wave.
+
+    Device tensors use padded geometry; `source_rows`, `slots` and the per-row tuples hold
+    the logical (active) rows, in the wave's local row order.
+    """
+
+    kind: PrefillKind
+    source_rows: tuple[int, ...] = attrs.field(validator=_int_tuple)
+    slots: tuple[int, ...] = attrs.field(validator=_int_tuple)
+    tokens: torch.Tensor = attrs.field(eq=_TENSOR_EQ, hash=False)
+    page_table: torch.Tensor = attrs.field(eq=_TENSOR_EQ, hash=False)
+    prompt_lengths: tuple[int, ...] = attrs.field(validator=_int_tuple)
+    cached_tokens: tuple[int, ...] = attrs.field(validator=_int_tuple)
+    last_token_indices: tuple[int, ...] = attrs.field(validator=_int_tuple)
+    padded_sequence_length: int
+    padded_batch_size: int
+    chunks: tuple[PrefillChunk, ...]
+    uses_chunked_prefill: bool
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in PREFILL_KINDS:
+            raise ValueError(f"kind must be one of {PREFILL_KINDS}, got {self.kind!r}")
+        seq = _require_positive_int("padded_sequence_length", self.padded_sequence_length)
+        batch = _require_positive_int("padded_batch_size", self.padded_batch_size)
+        self._check_rows(batch)
+        self._check_row_positions(seq)
+        for name, tensor in (("tokens", self.tokens), ("page_table", self.page_table)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+                raise ValueError(f"{name} must be a rank-2 torch tensor, got {tensor!r:.80}")
+        if tuple(self.tokens.shape) != (batch, seq):
+            raise ValueError(
+                f"tokens shape {tuple(self.tokens.shape)} must be (padded_batch_size, "
+                f"padded_sequence_length) = {(batch, seq)}"
+            )
+        if self.page_table.shape[0] != batch:
+            raise ValueError(
+                f"page_table has {self.page_table.shape[0]} rows, padded_batch_size is {batch}"
+            )
+        self._check_chunks(seq, batch)
+
+    def _check_rows(self, batch: int) -> None:
+        rows = len(self.source_rows)
+        per_row = {
+            "slots": self.slots,
+            "prompt_lengths": self.prompt_lengths,
+            "cached_tokens": self.cached_tokens,
+            "last_token_indices": self.last_token_indices,
+        }
+        for name, values in per_row.items():
+            if len(values) != rows:
+                raise ValueError(f"{name} has {len(values)} entries, source_rows has {rows}")
+        if self.kind == "single" and (rows != 1 or batch != 1):
+            raise ValueError(
+                f"a single request has exactly one row and padded_batch_size 1, got {rows} "
+                f"rows and padded_batch_size {batch}"
+            )
+        if rows > batch:
+            raise ValueError(f"{rows} active rows exceed padded_batch_size {batch}")
+        if len(set(self.source_rows)) != rows or len(set(self.slots)) != rows:
+            raise ValueError(
+                f"source_rows {self.source_rows} and slots {self.slots} must be unique"
+            )
+
+    def _check_row_positions(self, seq: int) -> None:
+        for prompt, cached, last in zip(
+            self.prompt_lengths, self.cached_tokens, self.last_token_indices, strict=True
+        ):
+            if not 0 <= cached <= last < prompt or last - cached >= seq:
+                raise ValueError(
+                    f"row positions must satisfy 0 <= cached <= last < prompt_length and "
+                    f"last - cached < padded_sequence_length ({seq}); got cached {cached}, "
+                    f"last {last}, prompt_length {prompt}"
+                )
+
+    def _check_chunks(self, seq: int, batch: int) -> None:
+        chunks = self.chunks
+        if not isinstance(chunks, tuple) or not chunks:
+            raise ValueError(f"chunks must be a non-empty tuple of PrefillChunk, got {chunks!r}")
+        if not all(isinstance(chunk, PrefillChunk) for chunk in chunks):
+            raise ValueError(f"chunks must contain only PrefillChunk values, got {chunks!r}")
+        last_flags = [chunk.contains_last_token for chunk in chunks]
+        if last_flags.count(True) != 1 or not last_flags[-1]:
+            raise ValueError(
+                f"exactly one chunk, the final one, must contain the last token; "
+                f"contains_last_token flags are {last_flags}"
+            )
+        for chunk in chunks:
+            if chunk.token_slice.stop > seq:
+                raise ValueError(
+                    f"chunk {chunk.token_slice!r} extends beyond padded_sequence_length {seq}"
+                )
+            table = chunk.chunk_page_table
+            if table is not None and table.shape[0] != batch:
+                raise ValueError(
+                    f"chunk page table has {table.shape[0]} rows, padded_batch_size is {batch}"
+                )
+        has_tables = any(chunk.chunk_page_table is not None for chunk in chunks)
+        if _require_bool("uses_chunked_prefill", self.uses_chunked_prefill) != has_tables:
+            raise ValueError(
+                f"uses_chunked_prefill={self.uses_chunked_prefill} must equal whether any "
+                f"chunk has a chunk page table ({has_tables})"
+            )
+
+    @property
+    def page_table_width(self) -> int:
+        return int(self.page_table.shape[1])
+
+    @property
+    def active_batch_size(self) -> int:
+        return len(self.source_rows)
+
+    @property
+    def first_chunk(self) -> PrefillChunk:
+        return self.chunks[0]
+
+    @property
+    def final_chunk(self) -> PrefillChunk:
+        return self.chunks[-1]
+
+
+def prefill_chunk_size(
+    padded_length: int, max_prefill_chunk_size: int, *, policy: RuntimePolicy = TTNN_POLICY
+) -> int:
+    """Tokens per invocation of a request whose padded length is `padded_length`.
+
+    The padded length itself when it fits; otherwise the largest multiple of
+    `policy.chunk_size_multiple` that is `<= max_prefill_chunk_size` and divides the padded
+    length, so every chunk has the same (traceable) size.
+    """
+    if padded_length <= max_prefill_chunk_size:
+        return padded_length
+    multiple = policy.chunk_size_multiple
+    if padded_length <= 0 or max_prefill_chunk_size <= 0:
+        raise ValueError(
+            f"prefill chunk lengths must be positive, got padded length {padded_length} and "
+            f"max_prefill_chunk_size {max_prefill_chunk_size}"
+        )
+    if padded_length % multiple or max_prefill_chunk_size % multiple:
+        raise ValueError(
+            f"prefill chunk lengths must be multiples of {multiple} (policy "
+            f"chunk_size_multiple), got padded length {padded_length} and "
+            f"max_prefill_chunk_size {max_prefill_chunk_size}"
+        )
+    candidate = min(padded_length, max_prefill_chunk_size)
+    while padded_length % candidate:
+        candidate -= multiple
+    return candidate
+
+
+@attrs.frozen(eq=False)
+class _Rows:
+    """Validated per-row inputs of one planning call."""
+
+    tokens: torch.Tensor
+    page_table: torch.Tensor
+    prompt_lens: tuple[int, ...]
+    cached: tuple[int, ...]
+    slots: tuple[int, ...]
+    block_size: int
+    max_prefill_chunk_size: int
+    max_actual_width: int | None
+    canonical_width: int | None
+    policy: RuntimePolicy
+
+    def uncached(self, row: int) -> int:
+        return self.prompt_lens[row] - self.cached[row]
+
+    def padded(self, row: int) -> int:
+        return self.policy.padded_prefill_length(self.uncached(row))
+
+    def allocated_width(self, row: int) -> int:
+        """Page-table columns the row's prompt occupies; validated against the caller."""
+        needed = _ceil_div(self.prompt_lens[row], self.block_size)
+        if self.max_actual_width is not None and needed > self.max_actual_width:
+            raise ValueError(
+                f"row {row} with prompt length {self.prompt_lens[row]} needs {needed} blocks "
+                f"of {self.block_size} tokens, which exceeds the configured paged-KV capacity "
+                f"of {self.max_actual_width} blocks (max_actual_page_table_width)"
+            )
+        if self.page_table.shape[1] < needed:
+            raise ValueError(
+                f"page table is too narrow for row {row}: prompt length "
+                f"{self.prompt_lens[row]} needs {needed} blocks of {self.block_size} tokens, "
+                f"the page table has {self.page_table.shape[1]} columns"
+            )
+        return needed
+
+
+def _vector(name: str, value: object, batch: int, default: tuple[int, ...]) -> tuple[int, ...]:
+    if value is None:
+        return default
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            raise ValueError(
+                f"{name} must be a rank-1 integer tensor, got shape {tuple(value.shape)} "
+                f"dtype {value.dtype}"
+            )
+        items: tuple[object, ...] = tuple(int(v) for v in value.tolist())
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        items = tuple(value)
+    else:
+        raise ValueError(f"{name} must be a rank-1 tensor or a sequence of ints, got {value!r}")
+    ints = [item for item in items if _is_int(item)]
+    if len(ints) != len(items):
+        raise ValueError(f"{name} must contain only ints, got {items!r}")
+    if len(ints) != batch:
+        raise ValueError(f"{name} has {len(ints)} entries, the batch has {batch} rows")
+    return tuple(ints)
+
+
+def _check_matrix(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        raise ValueError(f"{name} must be a rank-2 torch tensor, got {value!r:.80}")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype, got {value.dtype}")
+    return value
+
+
+def _validate(
+    *,
+    tokens: object,
+    page_table: object,
+    prompt_lens: object,
+    start_pos: object,
+    empty_slots: object,
+    block_size: int,
+    max_batch_size: int,
+    max_prefill_chunk_size: int,
+    max_actual_page_table_width: int | None,
+    canonical_page_table_width: int | None,
+    policy: RuntimePolicy,
+) -> _Rows:
+    token_matrix = _check_matrix("tokens", tokens)
+    table = _check_matrix("page_table", page_table)
+    batch, width = int(token_matrix.shape[0]), int(token_matrix.shape[1])
+    if table.shape[0] != batch:
+        raise ValueError(
+            f"tokens and page_table must have the same batch, got {batch} and {table.shape[0]}"
+        )
+    if batch == 0:
+        raise ValueError("tokens must have at least one row, got batch 0")
+    prompts = _vector("prompt_lens", prompt_lens, batch, (width,) * batch)
+    cached = _vector("start_pos", start_pos, batch, (0,) * batch)
+    slots = _vector("empty_slots", empty_slots, batch, tuple(range(batch)))
+    if len(set(slots)) != batch or not all(0 <= slot < max_batch_size for slot in slots):
+        raise ValueError(
+            f"empty_slots must contain unique lane-local slots in [0, {max_batch_size}) "
+            f"(max_batch_size), got {slots}"
+        )
+    if (max_actual_page_table_width is None) != (canonical_page_table_width is None):
+        raise ValueError(
+            f"max_actual_page_table_width and canonical_page_table_width must be given "
+            f"together, got {max_actual_page_table_width!r} and {canonical_page_table_width!r}"
+        )
+    if max_actual_page_table_width is not None and canonical_page_table_width is not None:
+        actual = _require_positive_int("max_actual_page_table_width", max_actual_page_table_width)
+        canonical = _require_positive_int("canonical_page_table_width", canonical_page_table_width)
+        align = policy.page_table_width_alignment
+        if canonical < actual or canonical % align:
+            raise ValueError(
+                f"canonical_page_table_width must be >= max_actual_page_table_width "
+                f"({actual}) and a multiple of {align} (policy page_table_width_alignment), "
+                f"got {canonical}"
+            )
+    for row in range(batch):
+        if not 0 <= cached[row] <= prompts[row] <= width:
+            raise ValueError(
+                f"row {row} must satisfy 0 <= start_pos <= prompt_len <= token width {width}, "
+                f"got start_pos {cached[row]} and prompt_len {prompts[row]}"
+            )
+        if cached[row] % block_size:
+            raise ValueError(
+                f"cached prefill start for row {row} must be block aligned: start_pos "
+                f"{cached[row]} is not a multiple of block_size {block_size}"
+            )
+    return _Rows(
+        tokens=token_matrix,
+        page_table=table,
+        prompt_lens=prompts,
+        cached=cached,
+        slots=slots,
+        block_size=block_size,
+        max_prefill_chunk_size=max_prefill_chunk_size,
+        max_actual_width=max_actual_page_table_width,
+        canonical_width=canonical_page_table_width,
+        policy=policy,
+    )
+
+
+@attrs.frozen
+class _WaveLimits:
+    """What decides whether one bucket of equal padded length becomes one batched wave."""
+
+    supports_batched_prefill: bool | None
+    disabled: bool
+    max_batch_size: int
+    max_prefill_batch_size: int
+    max_prefill_chunk_size: int
+    policy: RuntimePolicy
+
+    def smallest_supported(self, rows: int) -> int | None:
+        sizes = [size for size in self.policy.supported_prefill_batch_sizes if size >= rows]
+        return min(sizes) if sizes else None
+
+    def wave_size(self, rows: int, seq: int, any_cached: bool) -> tuple[int | None, str]:
+        """The padded batch of a batched wave, or None and the reason it runs sequentially."""
+        if rows <= 1:
+            return None, "a single row"
+        if not self.supports_batched_prefill:
+            return None, "batched prefill unsupported"
+        if self.disabled:
+            return None, "batched prefill disabled"
+        if any_cached:
+            return None, "rows with cached tokens"
+        if seq > self.max_prefill_chunk_size:
+            return None, f"padded length {seq} > max_prefill_chunk_size"
+        padded = self.smallest_supported(rows)
+        if padded is None:
+            return None, f"{rows} rows exceed every supported batch size"
+        if padded > self.max_prefill_batch_size or padded > self.max_batch_size:
+            return None, f"padded batch {padded} exceeds max_prefill_batch_size or lane capacity"
+        if padded * seq >= self.policy.max_batched_prefill_tokens:
+            return None, f"{padded} x {seq} tokens reach the batched token limit"
+        return padded, "batched"
+
+    def legacy_wave_size(self, rows: int, seq: int, any_cached: bool) -> tuple[int | None, str]:
+        """The reference's earlier rule: contiguous, uncached, first-bucket-only batching."""
+        if rows <= 1:
+            return None, "a single row"
+        if self.disabled:
+            return None, "legacy batching disabled"
+        if seq != self.policy.prefill_padding_buckets[0] or any_cached:
+            return None, "legacy batching needs the first padding bucket and no cached tokens"
+        if seq > self.max_prefill_chunk_size:
+            return None, f"padded length {seq} > max_prefill_chunk_size"
+        padded = self.smallest_supported(rows)
+        if padded is None or padded > self.max_batch_size:
+            return None, f"no supported batch size >= {rows} fits lane capacity"
+        if padded * seq >= self.policy.max_batched_prefill_tokens:
+            return None, f"{padded} x {seq} tokens reach the batched token limit"
+        return padded, "batched"
+
+
+def _batched_request(rows: _Rows, bucket: Sequence[int], seq: int, padded: int) -> PrefillRequest:
+    width = rows.canonical_width or _ceil_div(seq, rows.block_size)
+    tokens = torch.zeros((padded, seq), dtype=torch.long)
+    table = torch.full((padded, width), _SKIP_BLOCK, dtype=torch.int32)
+    for local, row in enumerate(bucket):
+        prompt = rows.prompt_lens[row]
+        allocated = rows.allocated_width(row)
+        tokens[local, :prompt] = rows.tokens[row, :prompt]
+        table[local, :allocated] = rows.page_table[row, :allocated]
+    chunk = PrefillChunk(slice(0, seq), 0, seq, None, True)
+    return PrefillRequest(
+        kind="batched",
+        source_rows=tuple(bucket),
+        slots=tuple(rows.slots[row] for row in bucket),
+        tokens=tokens,
+        page_table=table,
+        prompt_lengths=tuple(rows.prompt_lens[row] for row in bucket),
+        cached_tokens=tuple(rows.cached[row] for row in bucket),
+        last_token_indices=tuple(rows.prompt_lens[row] - 1 for row in bucket),
+        padded_sequence_length=seq,
+        padded_batch_size=padded,
+        chunks=(chunk,),
+        uses_chunked_prefill=False,
+    )
+
+
+def _single_request(rows: _Rows, row: int) -> PrefillRequest:
+    prompt, cached = rows.prompt_lens[row], rows.cached[row]
+    uncached, padded, block = rows.uncached(row), rows.padded(row), rows.block_size
+    tokens = torch.zeros((1, padded), dtype=torch.long)
+    tokens[0, :uncached] = rows.tokens[row, cached:prompt]
+    allocated = rows.allocated_width(row)
+    width = rows.canonical_width or _ceil_div(padded + cached, block)
+    if cached + padded > width * block:
+        raise ValueError(
+            f"row {row}: cached {cached} + padded {padded} tokens exceeds the canonical "
+            f"page-table capacity of {width} blocks x {block} tokens = {width * block}"
+        )
+    chunked = padded > rows.max_prefill_chunk_size or cached > 0
+    table = torch.full((1, width), _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK, dtype=torch.int32)
+    table[0, :allocated] = rows.page_table[row, :allocated]
+    if chunked:
+        chunks = _plan_chunks(rows, row, table, allocated)
+    else:
+        chunks = (PrefillChunk(slice(0, padded), 0, padded, None, True),)
+    return PrefillRequest(
+        kind="single",
+        source_rows=(row,),
+        slots=(rows.slots[row],),
+        tokens=tokens,
+        page_table=table,
+        prompt_lengths=(prompt,),
+        cached_tokens=(cached,),
+        last_token_indices=(prompt - 1,),
+        padded_sequence_length=padded,
+        padded_batch_size=1,
+        chunks=chunks,
+        uses_chunked_prefill=chunked,
+    )
+
+
+def _plan_chunks(
+    rows: _Rows, row: int, table: torch.Tensor, allocated: int
+) -> tuple[PrefillChunk, ...]:
+    """Equal chunks at absolute positions, stopping at the chunk that holds the last token."""
+    cached, uncached, padded = rows.cached[row], rows.uncached(row), rows.padded(row)
+    size = prefill_chunk_size(padded, rows.max_prefill_chunk_size, policy=rows.policy)
+    chunk_width = _ceil_div(size, rows.block_size)
+    chunks: list[PrefillChunk] = []
+    for relative in range(0, padded, size):
+        start_block = (cached + relative) // rows.block_size
+        mapped = min(chunk_width, max(0, allocated - start_block))
+        chunk_table = torch.full((1, chunk_width), _SKIP_BLOCK, dtype=torch.int32)
+        chunk_table[0, :mapped] = table[0, start_block : start_block + mapped]
+        holds_last = relative <= uncached - 1 < relative + size
+        chunks.append(
+            PrefillChunk(
+                slice(relative, relative + size), cached + relative, size, chunk_table, holds_last
+            )
+        )
+        if holds_last:
+            break
+    return tuple(chunks)
+
+
+def plan_prefill_requests(
+    *,
+    tokens: torch.Tensor,
+    page_table: torch.Tensor,
+    block_size: int,
+    max_batch_size: int,
+    max_prefill_chunk_size: int,
+    prompt_lens: torch.Tensor | Sequence[int] | None = None,
+    start_pos: torch.Tensor | Sequence[int] | None = None,
+    empty_slots: torch.Tensor | Sequence[int] | None = None,
+    supports_batched_prefill: bool | None = None,
+    disable_batched_prefill: bool = False,
+    max_prefill_batch_size: int = 8,
+    max_actual_page_table_width: int | None = None,
+    canonical_page_table_width: int | None = None,
+    policy: RuntimePolicy = TTNN_POLICY,
+) -> tuple[PrefillRequest, ...]:
+    """Plan one lane's prefill call: batched waves first (bucket order), then single rows.
+
+    `start_pos` is each row's cached prefix (block aligned); fully cached rows are dropped.
+    `supports_batched_prefill=None` selects the reference's legacy batching rule. Batching is
+    also off when `DISABLE_BATCHED_PREFILL` is true-ish (see
+    `batched_prefill_disabled_by_env`).
+    """
+    if not isinstance(policy, RuntimePolicy):
+        raise TypeError(f"policy must be a RuntimePolicy, got {type(policy).__name__}")
+    for name, value in (
+        ("block_size", block_size),
+        ("max_batch_size", max_batch_size),
+        ("max_prefill_chunk_size", max_prefill_chunk_size),
+        ("max_prefill_batch_size", max_prefill_batch_size),
+    ):
+        _require_positive_int(name, value)
+    if supports_batched_prefill is not None:
+        _require_bool("supports_batched_prefill", supports_batched_prefill)
+    _require_bool("disable_batched_prefill", disable_batched_prefill)
+    rows = _validate(
+        tokens=tokens,
+        page_table=page_table,
+        prompt_lens=prompt_lens,
+        start_pos=start_pos,
+        empty_slots=empty_slots,
+        block_size=block_size,
+        max_batch_size=max_batch_size,
+        max_prefill_chunk_size=max_prefill_chunk_size,
+        max_actual_page_table_width=max_actual_page_table_width,
+        canonical_page_table_width=canonical_page_table_width,
+        policy=policy,
+    )
+    batch = len(rows.prompt_lens)
+    buckets: dict[int, list[int]] = {}
+    for row in range(batch):
+        if rows.uncached(row) > 0:
+            buckets.setdefault(rows.padded(row), []).append(row)
+    disabled = disable_batched_prefill or batched_prefill_disabled_by_env()
+    legacy = supports_batched_prefill is None
+    if legacy:
+        disabled = (
+            disabled
+            or len(buckets) > 1
+            or rows.slots != tuple(range(batch))
+            or any(rows.uncached(row) <= 0 for row in range(batch))
+        )
+    limits = _WaveLimits(
+        supports_batched_prefill=supports_batched_prefill,
+        disabled=disabled,
+        max_batch_size=max_batch_size,
+        max_prefill_batch_size=max_prefill_batch_size,
+        max_prefill_chunk_size=max_prefill_chunk_size,
+        policy=policy,
+    )
+    waves: list[PrefillRequest] = []
+    sequential: list[int] = []
+    for seq, bucket in buckets.items():
+        any_cached = any(rows.cached[row] for row in bucket)
+        decide = limits.legacy_wave_size if legacy else limits.wave_size
+        padded, reason = decide(len(bucket), seq, any_cached)
+        if padded is None:
+            if len(bucket) > 1:
+                logger.debug(
+                    "prefill bucket %d (%d rows) runs sequentially: %s", seq, len(bucket), reason
+                )
+            sequential.extend(bucket)
+        else:
+            waves.append(_batched_request(rows, bucket, seq, padded))
+    singles = [_single_request(rows, row) for row in sorted(sequential)]
+    return (*waves, *singles)
+
+
+def restore_source_order(
+    requests: Sequence[PrefillRequest],
+    per_request_rows: Sequence[Sequence[_T]],
+    batch_size: int,
+) -> tuple[_T | None, ...]:
+    """Place each request's per-active-row results at their source rows.
+
+    `per_request_rows[i][j]` is the result of local row `j` of `requests[i]`. Rows that were
+    not planned (fully cached) stay None; the caller decides their filler.
+    """
+    _require_positive_int("batch_size", batch_size)
+    if len(per_request_rows) != len(requests):
+        raise ValueError(
+            f"per_request_rows has {len(per_request_rows)} entries, there are "
+            f"{len(requests)} requests"
+        )
+    restored: list[_T | None] = [None] * batch_size
+    seen: set[int] = set()
+    for request, results in zip(requests, per_request_rows, strict=True):
+        if len(results) != request.active_batch_size:
+            raise ValueError(
+                f"request for source rows {request.source_rows} has "
+                f"{request.active_batch_size} active rows, got {len(results)} results"
+            )
+        for source_row, result in zip(request.source_rows, results, strict=True):
+            if not 0 <= source_row < batch_size or source_row in seen:
+                raise ValueError(
+                    f"source row {source_row} is outside [0, {batch_size}) or appears twice"
+                )
+            seen.add(source_row)
+            restored[source_row] = result
+    return tuple(restored)
