@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from runtime.decode_staging import DecodeInvocationResult
 from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, ProgramKey, signature_digest
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
 from runtime.trace_compiler import (
@@ -510,14 +511,7 @@ class TracedExecutor:
         if self.trace_compiler.trace_key_for_program(program.key) is None:
             plan = self.decode.capture_plan(prepared)
             self.trace_compiler.register_capture_plan(
-                TraceCapturePlan(
-                    program_key=program.key,
-                    trace_signature=self.decode.trace_signature(prepared),
-                    operation="decode",
-                    prepare_inputs=plan.prepare_inputs,
-                    capture=lambda persistent: plan.capture(persistent.values),
-                    refresh_policy=plan.refresh_policy,
-                )
+                plan.to_trace_capture_plan(program.key, self.decode.trace_signature(prepared))
             )
         return program
 
@@ -554,7 +548,9 @@ class TracedExecutor:
             page_table_changed=prepared.page_table_changed,
         )
         self.decode.note_submitted(prepared)
-        result = self.decode.borrowed_result(outputs, prepared)
+        result = DecodeInvocationResult(
+            value=outputs, owned=None, is_tokens=prepared.sampling_path != "logits"
+        )
         return self.decode.consume(result, read_from_device=read_from_device)
 
     def runtime_summary(self) -> dict[str, Any]:

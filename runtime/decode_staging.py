@@ -1,0 +1,553 @@
+"""Decode value types and host-side staging helpers (reference §2.15, rule 20).
+
+`runtime.decode` owns the decode lifecycle; this module holds what it stages and returns:
+the prepared request, device inputs, invocation results, external output leases, trace capture
+plans and persistent inputs, plus the two pure host transformations decode needs every step:
+page-table normalisation (with identity caching) and output normalisation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from runtime.backends.base import Device
+from runtime.config import PageTableLayout
+from runtime.identity import ProgramKey
+from runtime.lifecycles import OUTPUT_READ_TABLE, ReadState
+from runtime.output_reader import PendingRead
+from runtime.sampling import PreparedSamplingParams, SamplingParams, SamplingPath
+from runtime.trace_compiler import (
+    InputRefreshPolicy,
+    PersistentInputs,
+    TraceArtifact,
+    TraceCapturePlan,
+)
+
+logger = logging.getLogger(__name__)
+
+DECODE_REFRESH_POLICY = InputRefreshPolicy(every_replay=("sampling",))
+"""Decode replays refresh sampling inputs every time; everything else per the decision."""
+
+
+# --------------------------------------------------------------------------------------------
+# Prepared request and device values
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class PreparedDecode:
+    """One validated decode step of a whole lane, ready to stage (host tensors only).
+
+    `tokens`/`start_pos` are int64 `[lane]` private copies; `page_table` is the normalised
+    int32 `[lane, decode_width]` table (possibly the cached object of the previous step);
+    `prepared_sampling` is slot-indexed over the lane with inactive rows neutral.
+    """
+
+    tokens: torch.Tensor
+    start_pos: torch.Tensor
+    page_table: torch.Tensor
+    sampling_params: SamplingParams | None
+    prepared_sampling: PreparedSamplingParams | None
+    sampling_path: SamplingPath
+    reset_batch: bool
+    device_feedback: bool
+    page_table_changed: bool
+
+    @property
+    def lane_capacity(self) -> int:
+        """Rows of the lane (the decode batch)."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def active_mask(self) -> torch.Tensor:
+        """bool `[lane]`: a row is active iff its start position is >= 0."""
+        return self.start_pos >= 0
+
+    @property
+    def penalties_enabled(self) -> bool:
+        """Whether any active row asked for a presence/frequency/repetition penalty."""
+        return self.prepared_sampling is not None and self.prepared_sampling.penalties_enabled
+
+    @property
+    def logprobs_enabled(self) -> bool:
+        """Whether any active row asked for log-probabilities."""
+        return self.prepared_sampling is not None and self.prepared_sampling.log_probs_enabled
+
+
+@attrs.define(eq=False)
+class DecodeDeviceInputs:
+    """Device copies of one step's inputs; history tensors exist only with penalties."""
+
+    tokens: Any
+    positions: Any
+    page_table: Any
+    prompt_tokens: Any = None
+    output_tokens: Any = None
+
+    def owned_tensor_values(self) -> tuple[Any, ...]:
+        """What a release walks (leaves the device does not own are skipped)."""
+        return (
+            self.tokens,
+            self.positions,
+            self.page_table,
+            self.prompt_tokens,
+            self.output_tokens,
+        )
+
+
+@attrs.frozen(eq=False)
+class DecodeInvocationResult:
+    """What `invoke` returns: the raw device output, what the caller must release, its kind.
+
+    `value` is logits `[lane, vocab]` or `(tokens, log_probs | None)`; trace outputs are
+    trace-owned and come with `owned=None` (never released by the decode runtime).
+    """
+
+    value: Any
+    owned: Any
+    is_tokens: bool
+
+
+@attrs.define(eq=False)
+class _LeaseRecord:
+    """Where a lease is in `OUTPUT_READ_TABLE` (a dictionary lookup per move, no machine)."""
+
+    state: ReadState = ReadState.IDLE
+
+    def move(self, trigger: str) -> None:
+        dest = OUTPUT_READ_TABLE.dest(trigger, self.state)
+        if dest is None:
+            raise RuntimeError(
+                f"decode output lease cannot {trigger} from {self.state.value}; each decode "
+                "output is read once and released once"
+            )
+        assert isinstance(dest, ReadState)
+        self.state = dest
+
+
+@attrs.define(eq=False)
+class DecodeOutputLease:
+    """A raw decode output handed to an external scheduler, with what must be released.
+
+    The decode runtime keeps the lease until the output was read (`read_decode_output` then
+    `process_decode_output_host`) or drained; only then are `owned_values` released.
+    """
+
+    raw_value: Any
+    owned_values: Any
+    is_tokens: bool
+    host_value: Any = None
+    pending: PendingRead | None = None
+    _record: _LeaseRecord = attrs.field(factory=_LeaseRecord, repr=False)
+
+    @property
+    def state(self) -> ReadState:
+        """idle (raw held), pending (read submitted), completed, or released."""
+        return self._record.state
+
+    @property
+    def released(self) -> bool:
+        """Whether the owned values were handed to release (terminal)."""
+        return self._record.state is ReadState.RELEASED
+
+    def move(self, trigger: str) -> None:
+        """Advance along `OUTPUT_READ_TABLE`; an illegal move raises `RuntimeError`."""
+        self._record.move(trigger)
+
+
+# --------------------------------------------------------------------------------------------
+# Trace parts
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class DecodePersistentInputs:
+    """Trace-owned decode inputs, refreshed in place before every replay.
+
+    `sampling` holds trace-owned copies of the device sampler's per-row buffers (the sampler's
+    buffers are shared by every trace and by prefill, so each replay copies its own values back
+    into them on device); `sampling_signature` is the prepared value those copies hold, so a
+    refresh restages only when it changed. `sampler_buffers` pins the sampler buffer objects
+    the trace was captured against.
+    """
+
+    device_inputs: DecodeDeviceInputs
+    captured_sampling: PreparedSamplingParams | None = None
+    sampler_plan: Any = None
+    sampling: dict[str, Any] | None = None
+    sampling_signature: PreparedSamplingParams | None = None
+    sampler_buffers: dict[str, torch.Tensor] | None = None
+    device_feedback: bool = False
+
+    def owned_tensor_values(self) -> tuple[Any, ...]:
+        """What a release walks: the device inputs and the sampling copies."""
+        return (self.device_inputs, self.sampling)
+
+
+@attrs.frozen(eq=False)
+class DecodeCapturePlan:
+    """How to capture one decode trace: allocate persistent inputs, then run the body on them.
+
+    `prepare_inputs()` allocates every buffer the capture reads; `capture(persistent)` only
+    reads persistent tensors (nothing is allocated through the device inside it).
+    """
+
+    prepare_inputs: Callable[[], DecodePersistentInputs]
+    capture: Callable[[PersistentInputs | DecodePersistentInputs], Any]
+    refresh_policy: InputRefreshPolicy = DECODE_REFRESH_POLICY
+
+    def to_trace_capture_plan(
+        self, program_key: ProgramKey, trace_signature: object
+    ) -> TraceCapturePlan:
+        """The `TraceCompiler` plan for `program_key` (operation "decode")."""
+        return TraceCapturePlan(
+            program_key=program_key,
+            trace_signature=trace_signature,
+            operation="decode",
+            prepare_inputs=self.prepare_inputs,
+            capture=self.capture,
+            refresh_policy=self.refresh_policy,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Page-table normalisation (rule 20)
+# --------------------------------------------------------------------------------------------
+
+
+def _ceil_div(value: torch.Tensor, divisor: int) -> torch.Tensor:
+    return torch.div(value + (divisor - 1), divisor, rounding_mode="floor")
+
+
+def page_table_copy_counts(
+    page_table: torch.Tensor,
+    start_pos: torch.Tensor,
+    *,
+    layout: PageTableLayout,
+    device_feedback: bool,
+) -> torch.Tensor:
+    """Blocks to copy per row: `ceil((pos+1)/block)`, plus a look-ahead block with feedback.
+
+    The look-ahead block is added only when device feedback will advance the position past a
+    block boundary (`(pos+1) % block == 0`), capped by the raw capacity and the caller width.
+    Negative positions (inactive rows) copy nothing.
+    """
+    block = layout.block_size
+    raw = layout.raw_capacity_width
+    width = int(page_table.shape[1])
+    pos = start_pos.to(torch.int64)
+    used = _ceil_div((pos + 1).clamp(min=0), block)
+    over = (used > raw).nonzero()
+    if over.numel():
+        row = int(over[0, 0])
+        raise ValueError(
+            f"decode position {int(pos[row])} of row {row} exceeds the configured paged-KV "
+            f"capacity: it needs {int(used[row])} block(s) of {block} tokens, the layout holds "
+            f"{raw} (raw_capacity_width); allowed positions are < {raw * block}"
+        )
+    narrow = (used > width).nonzero()
+    if narrow.numel():
+        row = int(narrow[0, 0])
+        raise ValueError(
+            f"page table is too narrow for decode row {row}: position {int(pos[row])} needs "
+            f"{int(used[row])} block(s) of {block} tokens, the page table has {width} column(s)"
+        )
+    if not device_feedback:
+        return used
+    at_boundary = (pos >= 0) & ((pos + 1) % block == 0)
+    look_ahead = (used + 1).clamp(max=min(raw, width))
+    return torch.where(at_boundary, torch.maximum(look_ahead, used), used)
+
+
+@attrs.define(eq=False)
+class PageTableNormalizer:
+    """Re-emits caller page tables as zero-filled int32 `[rows, decode_width]`, with caching.
+
+    When the caller table equals the previous source (shape, dtype, device and values) and the
+    copy counts, layout and feedback are unchanged, the previous normalised tensor object is
+    returned. The source is cloned, so an in-place mutation of the caller's table is detected.
+    """
+
+    layout: PageTableLayout
+    _source: torch.Tensor | None = None
+    _counts: torch.Tensor | None = None
+    _feedback: bool = False
+    _normalized: torch.Tensor | None = None
+    hits: int = 0
+
+    def normalize(
+        self, page_table: torch.Tensor, start_pos: torch.Tensor, *, device_feedback: bool
+    ) -> torch.Tensor:
+        """The normalised table for `page_table` at `start_pos` (see the class docstring)."""
+        counts = page_table_copy_counts(
+            page_table, start_pos, layout=self.layout, device_feedback=device_feedback
+        )
+        source = self._source
+        if (
+            source is not None
+            and self._normalized is not None
+            and self._counts is not None
+            and self._feedback == device_feedback
+            and source.shape == page_table.shape
+            and source.dtype == page_table.dtype
+            and source.device == page_table.device
+            and torch.equal(self._counts, counts)
+            and torch.equal(source, page_table)
+        ):
+            self.hits += 1
+            return self._normalized
+        rows = int(page_table.shape[0])
+        width = self.layout.decode_width
+        cols = min(int(page_table.shape[1]), width)
+        normalized = torch.zeros((rows, width), dtype=torch.int32)
+        if cols:
+            src = page_table[:, :cols].to(device="cpu", dtype=torch.int32)
+            keep = torch.arange(cols).unsqueeze(0) < counts.unsqueeze(1)
+            normalized[:, :cols] = torch.where(keep, src, torch.zeros_like(src))
+        self._source = page_table.detach().clone()
+        self._counts = counts
+        self._feedback = device_feedback
+        self._normalized = normalized
+        return normalized
+
+
+# --------------------------------------------------------------------------------------------
+# Output normalisation
+# --------------------------------------------------------------------------------------------
+
+
+def normalize_logits(host: Any, *, lane_capacity: int, vocab_size: int) -> torch.Tensor:
+    """Host logits `[>=lane, >=vocab]` -> float32 `[lane, 1, vocab]`."""
+    if not isinstance(host, torch.Tensor):
+        raise TypeError(f"decode logits must be a torch.Tensor on host, got {type(host).__name__}")
+    flat = host.reshape(-1, host.shape[-1]) if host.dim() != 2 else host
+    if flat.shape[0] < lane_capacity or flat.shape[1] < vocab_size:
+        raise ValueError(
+            f"decode logits have shape {tuple(host.shape)}; expected at least "
+            f"[{lane_capacity}, {vocab_size}] (lane capacity, vocab size)"
+        )
+    logits = flat[:lane_capacity, :vocab_size].to(torch.float32)
+    return logits.reshape(lane_capacity, 1, vocab_size)
+
+
+def normalize_tokens(host: Any, *, lane_capacity: int) -> torch.Tensor | tuple[Any, ...]:
+    """Host sampled output -> int64 `[lane]` tokens, or `(tokens, float32 [lane] log_probs)`.
+
+    Accepts a bare token tensor or a `(tokens, log_probs | None)` tuple.
+    """
+    log_probs: Any = None
+    if isinstance(host, tuple | list):
+        if len(host) != 2:
+            raise TypeError(
+                f"sampled decode output must be (tokens, log_probs), got a {type(host).__name__} "
+                f"of {len(host)} item(s)"
+            )
+        tokens, log_probs = host
+    else:
+        tokens = host
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"decode tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    flat_tokens = tokens.reshape(-1)
+    if flat_tokens.shape[0] < lane_capacity:
+        raise ValueError(
+            f"decode tokens hold {flat_tokens.shape[0]} value(s); expected the lane capacity "
+            f"{lane_capacity}"
+        )
+    out_tokens = flat_tokens[:lane_capacity].to(torch.int64)
+    if log_probs is None:
+        return out_tokens
+    if not isinstance(log_probs, torch.Tensor):
+        raise TypeError(f"decode log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
+    flat_log_probs = log_probs.reshape(-1)
+    if flat_log_probs.shape[0] < lane_capacity:
+        raise ValueError(
+            f"decode log_probs hold {flat_log_probs.shape[0]} value(s); expected the lane "
+            f"capacity {lane_capacity}"
+        )
+    return out_tokens, flat_log_probs[:lane_capacity].to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Host validation, device staging and the decode body
+# --------------------------------------------------------------------------------------------
+
+
+def check_host_tensor(name: str, value: object, rank: int, shape_text: str) -> torch.Tensor:
+    """`value` is an integer torch tensor of `rank` (TypeError / ValueError naming it)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_text}, got {type(value).__name__}")
+    if value.dim() != rank:
+        raise ValueError(
+            f"{name} must be a rank-{rank} tensor {shape_text}, got shape {tuple(value.shape)}"
+        )
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    return value
+
+
+def unwrap_persistent(value: object) -> DecodePersistentInputs:
+    """The decode persistent inputs inside a trace artifact or `PersistentInputs`."""
+    if isinstance(value, TraceArtifact):
+        value = value.persistent_inputs
+    if isinstance(value, PersistentInputs):
+        value = value.values
+    if not isinstance(value, DecodePersistentInputs):
+        raise TypeError(
+            "expected a decode TraceArtifact, PersistentInputs or DecodePersistentInputs, got "
+            f"{type(value).__name__}"
+        )
+    return value
+
+
+def ready_sampler(model: Any, device: Device) -> Any:
+    """`model.sampling` with its buffers materialised on `device` (idempotent).
+
+    The sampler owns its buffers; they are released by the executor's cleanup, not here.
+    """
+    sampler = model.sampling
+    materialize = getattr(sampler, "materialize", None)
+    if callable(materialize) and not getattr(sampler, "materialized", False):
+        materialize(device.torch_device)
+    return sampler
+
+
+def sampler_buffers(sampler: Any) -> dict[str, torch.Tensor]:
+    """The sampler's persistent per-row buffers (what a traced replay must refresh)."""
+    buffers = getattr(sampler, "buffers", None)
+    if buffers is None or not hasattr(buffers, "items"):
+        raise RuntimeError(
+            "traced decode sampling needs model.sampling.buffers (the sampler's persistent "
+            f"per-row buffers); {type(sampler).__name__} exposes none"
+        )
+    return dict(buffers.items())
+
+
+def stage_inputs(
+    device: Device, prepared: PreparedDecode, created: list[Any]
+) -> DecodeDeviceInputs:
+    """Copy host inputs to new owned device tensors; `created` collects them as they come.
+
+    Penalty history is staged only when penalties are enabled (the sampler reads it only then).
+    """
+
+    def put(host: torch.Tensor) -> Any:
+        tensor = device.from_host(host)
+        created.append(tensor)
+        return tensor
+
+    inputs = DecodeDeviceInputs(
+        tokens=put(prepared.tokens),
+        positions=put(prepared.start_pos),
+        page_table=put(prepared.page_table),
+    )
+    sampling = prepared.prepared_sampling
+    if sampling is not None and sampling.penalties_enabled:
+        if sampling.prompt_tokens is not None:
+            inputs.prompt_tokens = put(sampling.prompt_tokens)
+        if sampling.output_tokens is not None:
+            inputs.output_tokens = put(sampling.output_tokens)
+    return inputs
+
+
+def run_decode_body(
+    model: Any, inputs: DecodeDeviceInputs, plan: Any, *, device_feedback: bool, traced: bool
+) -> Any:
+    """The decode computation: logits `[lane, vocab]`, or sampled tokens.
+
+    Eager sampled output is `(tokens, log_probs | None)`; a traced one is `tokens` or
+    `(tokens, log_probs)` (trace outputs hold tensors only). With `device_feedback` the sampled
+    tokens become the next token input and `model.increment_positions` advances positions.
+    """
+    logits = model.decode(inputs.tokens, positions=inputs.positions, page_table=inputs.page_table)
+    if plan is None:
+        return logits
+    out = model.sampling.run(
+        logits,
+        plan,
+        positions=inputs.positions,
+        prompt_tokens=inputs.prompt_tokens,
+        output_tokens=inputs.output_tokens,
+    )
+    tokens = out.tokens
+    log_probs = out.log_probs
+    if device_feedback:
+        inputs.tokens.copy_(tokens)
+        model.increment_positions(inputs.positions)
+    if traced:
+        return tokens if log_probs is None else (tokens, log_probs)
+    return tokens, log_probs
+
+
+def snapshot_sampling(
+    sampler: Any, values: DecodePersistentInputs, sampling: PreparedSamplingParams, rows: int
+) -> Any:
+    """Stage `sampling` into the shared sampler buffers and copy them into the trace's copies.
+
+    Returns the sampler plan. Refuses when the sampler's buffers are not the ones the trace
+    was captured against (a released and re-materialised sampler).
+    """
+    current = sampler_buffers(sampler)
+    pinned = values.sampler_buffers or {}
+    if any(current.get(name) is not buffer for name, buffer in pinned.items()):
+        raise RuntimeError(
+            "the device sampler's buffers changed after capture (released or materialized "
+            "again); release the decode traces and capture again"
+        )
+    plan = sampler.stage(sampling)
+    copies = values.sampling or {}
+    with torch.inference_mode():
+        for name, copy in copies.items():
+            copy.copy_(current[name][:rows])
+    values.sampling_signature = sampling
+    return plan
+
+
+def check_trace_sampling(
+    values: DecodePersistentInputs, sampling: PreparedSamplingParams | None
+) -> None:
+    """A replay may not move between sampled/unsampled or change the compiled sampling facts."""
+    captured = values.captured_sampling
+    if (captured is None) != (sampling is None):
+        raise RuntimeError(
+            "sampling parameters changed the compiled sampling path: the trace was captured "
+            f"{'without' if captured is None else 'with'} device sampling, the request is "
+            f"{'unsampled' if sampling is None else 'sampled'}"
+        )
+    if captured is None or sampling is None:
+        return
+    compiled = (captured.sampling_path, captured.penalties_enabled, captured.log_probs_enabled)
+    wanted = (sampling.sampling_path, sampling.penalties_enabled, sampling.log_probs_enabled)
+    if compiled != wanted:
+        raise RuntimeError(
+            "sampling parameters changed the compiled sampling path: (path, penalties, "
+            f"log_probs) captured {compiled}, requested {wanted}"
+        )
+
+
+def refresh_history(
+    device: Device, inputs: DecodeDeviceInputs, sampling: PreparedSamplingParams
+) -> None:
+    """Copy penalty history into the trace's fixed-shape history inputs (-1 when absent)."""
+    for name in ("prompt_tokens", "output_tokens"):
+        target = getattr(inputs, name)
+        host: torch.Tensor | None = getattr(sampling, name)
+        if target is None:
+            if host is not None and sampling.penalties_enabled:
+                raise RuntimeError(
+                    f"penalty history {name} was not captured in this trace; capture with a "
+                    "fixed-length, -1 padded history"
+                )
+            continue
+        if host is None:
+            host = torch.full(tuple(target.shape), -1, dtype=torch.int64)
+        if tuple(host.shape) != tuple(target.shape):
+            raise RuntimeError(
+                f"penalty history {name} has shape {tuple(host.shape)} but the trace was "
+                f"captured with {tuple(target.shape)}; pad history to a fixed length with -1"
+            )
+        device.from_host(host, into=target)
