@@ -1,0 +1,191 @@
+"""Prefill staging: the host inputs of one model invocation and their device copies.
+
+One invocation (a chunk of a planned request) needs four tensors: the chunk's token slice
+`[B, S]`, the request's page table `[B, W]` (regular requests: `-1` beyond each row's
+allocated prefix; chunked requests: the full table with its non-negative filler), each row's
+total prompt length `[B]` (0 for padding rows, so they write nothing) and each row's absolute
+chunk start `[B]` (cached prefix plus the chunk's relative start).
+
+Eager invocations copy them to owned transients; traces allocate them once as persistent
+inputs and refresh them in place before every replay. A refresh checks the whole structure
+(and every shape and dtype) before it copies anything, so a mismatch never leaves a
+persistent input half refreshed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from lifecycle.errors import attach_cleanup_failures
+from runtime.backends.base import Device
+from runtime.prefill.plan import PrefillChunk, PrefillRequest
+
+logger = logging.getLogger(__name__)
+
+ReleaseTransient = Callable[[Any], list[BaseException]]
+"""Release an owned value tree best-effort; failures are returned (and retried later)."""
+
+INPUT_FIELDS: tuple[str, ...] = ("tokens", "page_table", "prompt_lens", "chunk_start")
+"""What every invocation stages, and what a trace replay refreshes."""
+
+
+@attrs.frozen(eq=False)
+class PrefillHostInputs:
+    """Host tensors of one invocation: tokens int64, page table int32, lengths/starts int64."""
+
+    tokens: torch.Tensor
+    page_table: torch.Tensor
+    prompt_lens: torch.Tensor
+    chunk_start: torch.Tensor
+
+    def values(self) -> tuple[torch.Tensor, ...]:
+        """In `INPUT_FIELDS` order."""
+        return (self.tokens, self.page_table, self.prompt_lens, self.chunk_start)
+
+
+@attrs.frozen(eq=False)
+class PrefillDeviceInputs:
+    """Device copies of `PrefillHostInputs` (owned transients, or trace-owned persistents)."""
+
+    tokens: Any
+    page_table: Any
+    prompt_lens: Any
+    chunk_start: Any
+
+    def values(self) -> tuple[Any, ...]:
+        """In `INPUT_FIELDS` order."""
+        return (self.tokens, self.page_table, self.prompt_lens, self.chunk_start)
+
+    def owned_tensor_values(self) -> tuple[Any, ...]:
+        """What a release walks."""
+        return self.values()
+
+
+def _chunk_of(request: PrefillRequest, chunk: PrefillChunk | None) -> PrefillChunk:
+    if chunk is None:
+        return request.first_chunk
+    if not isinstance(chunk, PrefillChunk):
+        raise TypeError(f"chunk must be a PrefillChunk or None, got {type(chunk).__name__}")
+    if not any(chunk is planned or chunk == planned for planned in request.chunks):
+        raise ValueError(
+            f"chunk {chunk.token_slice!r} at start {chunk.chunk_start_idx} is not one of the "
+            f"{len(request.chunks)} planned chunks of the request for source rows "
+            f"{request.source_rows}"
+        )
+    return chunk
+
+
+def host_inputs(request: PrefillRequest, chunk: PrefillChunk | None = None) -> PrefillHostInputs:
+    """Host inputs of `chunk` of `request` (default: its first chunk), padded geometry.
+
+    Active rows carry their prompt length and absolute chunk start; padding rows carry 0 for
+    both, which the model treats as "nothing to do".
+    """
+    step = _chunk_of(request, chunk)
+    batch = request.padded_batch_size
+    relative = step.token_slice.start
+    prompt_lens = torch.zeros(batch, dtype=torch.int64)
+    chunk_start = torch.zeros(batch, dtype=torch.int64)
+    for row, (length, cached) in enumerate(
+        zip(request.prompt_lengths, request.cached_tokens, strict=True)
+    ):
+        prompt_lens[row] = length
+        chunk_start[row] = cached + relative
+    if request.kind == "single" and int(chunk_start[0]) != step.chunk_start_idx:
+        raise ValueError(
+            f"chunk_start_idx {step.chunk_start_idx} disagrees with cached "
+            f"{request.cached_tokens[0]} + relative start {relative}"
+        )
+    return PrefillHostInputs(
+        tokens=request.tokens[:, step.token_slice].to(torch.int64).contiguous(),
+        page_table=request.page_table.to(torch.int32).contiguous(),
+        prompt_lens=prompt_lens,
+        chunk_start=chunk_start,
+    )
+
+
+def allocate_device_tensors(
+    device: Device, hosts: Sequence[torch.Tensor | None], release: ReleaseTransient
+) -> tuple[Any, ...]:
+    """Copy each host tensor to a new owned device tensor; `None` stays `None`.
+
+    On failure, what was already allocated is released through `release` and its failures
+    are attached to the primary error.
+    """
+    created: list[Any] = []
+    try:
+        for host in hosts:
+            created.append(None if host is None else device.from_host(host))
+    except BaseException as error:
+        attach_cleanup_failures(error, release(tuple(created)), note="staging prefill inputs")
+        raise
+    return tuple(created)
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    return f"{tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '?')}"
+
+
+def copy_into_device_tensors(
+    device: Device, hosts: Sequence[torch.Tensor | None], devices: Sequence[Any | None]
+) -> None:
+    """Refresh persistent device tensors in place from `hosts`, all or nothing.
+
+    The structure (length and which entries are `None`) and every shape and dtype are checked
+    before the first copy, so a mismatch leaves every persistent tensor untouched.
+    """
+    hosts_none = tuple(host is None for host in hosts)
+    devices_none = tuple(value is None for value in devices)
+    if len(hosts) != len(devices) or hosts_none != devices_none:
+        raise ValueError(
+            f"host/device optional tensor structure changed: host entries "
+            f"{[_describe(h) for h in hosts]}, device entries {[_describe(d) for d in devices]}"
+        )
+    for index, (host, target) in enumerate(zip(hosts, devices, strict=True)):
+        if host is None:
+            continue
+        shape = tuple(getattr(target, "shape", ()))
+        if tuple(host.shape) != shape or host.dtype != getattr(target, "dtype", None):
+            raise ValueError(
+                f"host/device tensor {index} changed geometry: host {_describe(host)}, "
+                f"persistent {_describe(target)}; a persistent input keeps its shape and dtype"
+            )
+    for host, target in zip(hosts, devices, strict=True):
+        if host is not None:
+            device.from_host(host, into=target)
+
+
+class PrefillInputStager:
+    """Stages invocation inputs on `device`; partial allocations go to `release_transient`."""
+
+    def __init__(self, *, device: Device, release_transient: ReleaseTransient) -> None:
+        self._device = device
+        self._release = release_transient
+
+    def host_inputs(
+        self, request: PrefillRequest, chunk: PrefillChunk | None = None
+    ) -> PrefillHostInputs:
+        """See `host_inputs`."""
+        return host_inputs(request, chunk)
+
+    def trace_inputs(self, request: PrefillRequest) -> PrefillHostInputs:
+        """What a trace is captured with: the first chunk (all physical rows of a wave)."""
+        return host_inputs(request, request.first_chunk)
+
+    def stage(self, host: PrefillHostInputs) -> PrefillDeviceInputs:
+        """New owned device copies of `host` (released by the caller, or here on failure)."""
+        tokens, page_table, prompt_lens, chunk_start = allocate_device_tensors(
+            self._device, host.values(), self._release
+        )
+        return PrefillDeviceInputs(tokens, page_table, prompt_lens, chunk_start)
+
+    def refresh(self, host: PrefillHostInputs, persistent: PrefillDeviceInputs) -> None:
+        """Copy `host` into `persistent` in place (all checks before the first copy)."""
+        copy_into_device_tensors(self._device, host.values(), persistent.values())

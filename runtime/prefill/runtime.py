@@ -1,0 +1,353 @@
+"""`PrefillRuntime`: the prefill facade a model executor drives.
+
+`prepare` plans a public prefill call once (immutable requests and chunks), classifies each
+request's sampling path and derives its program and trace identities. `invoke` runs one
+prepared request eagerly; `capture_plan`, `refresh_trace` and `finish_trace` are the traced
+counterparts around `TraceCompiler.replay`; `assemble` reads the results back in source-row
+order. Every transient the runtime cannot release immediately lands in one retryable orphan
+list; while it is not empty the runtime refuses new work until `cleanup()` succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from lifecycle.errors import raise_cleanup_failures
+from runtime.config import PageTableLayout
+from runtime.prefill.config import PrefillRuntimeConfig
+from runtime.prefill.inputs import PrefillInputStager
+from runtime.prefill.plan import (
+    PrefillChunk,
+    PrefillRequest,
+    batched_prefill_disabled_by_env,
+    plan_prefill_requests,
+    prefill_chunk_size,
+)
+from runtime.prefill.postprocess import PrefillPostprocessor, classify_sampling_path
+from runtime.prefill.result_collector import (
+    InvocationResult,
+    PrefillOutput,
+    PrefillResultAssembler,
+)
+from runtime.prefill.sampling_helpers import (
+    default_prompt_history,
+    pad_history_rows,
+    select_history_rows,
+)
+from runtime.prefill.sequence_runner import PrefillSequenceRunner
+from runtime.prefill.signatures import (
+    PreparedPrefill,
+    build_program_signatures,
+    build_trace_signature,
+)
+from runtime.prefill.trace import PrefillCapturePlan, PrefillTraceLifecycle
+from runtime.sampling import PreparedSamplingParams, SamplingParams, slice_sampling_params
+from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
+
+logger = logging.getLogger(__name__)
+
+STATIC_Q128_TOPK_SUPPORTED = False
+"""The torch runtime has no static-tile top-k sampler; program identities never bake a tile."""
+
+IntVector = torch.Tensor | Sequence[int] | None
+
+
+def _trace_vector(value: object, batch: int, default: int) -> list[int] | None:
+    """A per-row int vector for `can_trace`, or None when it is malformed (no exception)."""
+    if value is None:
+        return [default] * batch
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            return None
+        items: list[object] = list(value.tolist())
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        items = list(value)
+    else:
+        return None
+    ints = [item for item in items if isinstance(item, int) and not isinstance(item, bool)]
+    return ints if len(ints) == len(items) == batch else None
+
+
+class PrefillRuntime:
+    """Plans, invokes, traces and assembles prefill for one lane (see the module docstring)."""
+
+    def __init__(self, config: PrefillRuntimeConfig) -> None:
+        if not isinstance(config, PrefillRuntimeConfig):
+            raise TypeError(f"config must be a PrefillRuntimeConfig, got {type(config).__name__}")
+        self._config = config
+        self._orphans: list[TensorResourceOrphan] = []
+        self._stager = PrefillInputStager(
+            device=config.device, release_transient=self._release_transient
+        )
+        self._postprocessor = PrefillPostprocessor(config)
+        self._assembler = PrefillResultAssembler(config, self._release_transient)
+        self._runner = PrefillSequenceRunner(
+            model=config.model,
+            input_stager=self._stager,
+            postprocessor=self._postprocessor,
+            release_transient=self._release_transient,
+        )
+        self._trace = PrefillTraceLifecycle(
+            config=config,
+            input_stager=self._stager,
+            postprocessor=self._postprocessor,
+            release_transient=self._release_transient,
+        )
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> PrefillRuntimeConfig:
+        return self._config
+
+    @property
+    def transient_orphan_count(self) -> int:
+        """Transient value trees whose release failed; `cleanup()` retries them."""
+        return len(self._orphans)
+
+    def _release_transient(self, value: Any) -> list[BaseException]:
+        orphan, failures = release_or_orphan(value, self._config.device)
+        if orphan is not None:
+            logger.warning(
+                "%d prefill transient release(s) failed; kept as an orphan", len(failures)
+            )
+            self._orphans.append(orphan)
+        return failures
+
+    def _require_usable(self, operation: str) -> None:
+        if self._orphans:
+            raise RuntimeError(
+                f"{operation}: PrefillRuntime has unreleased transient resources; cleanup is "
+                f"required ({len(self._orphans)} orphan(s); call cleanup())"
+            )
+
+    def configure_page_table_layout(self, layout: PageTableLayout) -> None:
+        """Adopt a late (smaller or equal) page-table layout; block size is fixed."""
+        config = self._config.with_page_table_layout(layout)
+        self._config = config
+        self._postprocessor.configure(config)
+        self._assembler.configure(config)
+        self._trace.configure(config)
+
+    def cleanup(self) -> None:
+        """Retry every orphaned transient; raise the first failure (rest attached) if any."""
+        failures = release_orphans(self._orphans)
+        if failures:
+            raise_cleanup_failures(failures)
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def can_trace(
+        self, *, tokens: object, prompt_lens: IntVector = None, start_pos: IntVector = None
+    ) -> bool:
+        """Whether every row's invocation length has a trace family; plans and allocates nothing.
+
+        The cached offset is deliberately passed to `can_enable_trace` as 0: offsets are
+        refreshed inputs of one chunk trace, not trace geometry.
+        """
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] == 0:
+            return False
+        batch, width = int(tokens.shape[0]), int(tokens.shape[1])
+        lengths = _trace_vector(prompt_lens, batch, width)
+        starts = _trace_vector(start_pos, batch, 0)
+        if lengths is None or starts is None:
+            return False
+        config = self._config
+        block = config.page_table_layout.block_size
+        for length, cached in zip(lengths, starts, strict=True):
+            if cached < 0 or cached % block or length <= cached or length > width:
+                return False
+            padded = config.policy.padded_prefill_length(length - cached)
+            try:
+                size = prefill_chunk_size(
+                    padded, config.max_prefill_chunk_size, policy=config.policy
+                )
+            except ValueError:
+                return False
+            if not config.can_enable_trace(size, 0):
+                return False
+        return True
+
+    def prepare(
+        self,
+        *,
+        tokens: torch.Tensor,
+        page_table: torch.Tensor,
+        prompt_lens: IntVector = None,
+        start_pos: IntVector = None,
+        empty_slots: IntVector = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_tokens: torch.Tensor | None = None,
+        output_tokens: torch.Tensor | None = None,
+        slot_remap: IntVector = None,
+    ) -> tuple[PreparedPrefill, ...]:
+        """Plan one prefill call; fully cached rows produce no request.
+
+        `start_pos` is each row's cached (block-aligned) prefix. With `sampling_params`,
+        `prompt_tokens` defaults to the prompt itself and `slot_remap` goes to the first
+        request only.
+        """
+        self._require_usable("prepare")
+        self._postprocessor.validate_sampling_request(sampling_params)
+        config = self._config
+        layout = config.page_table_layout
+        disable = (
+            config.disable_batched_prefill
+            or batched_prefill_disabled_by_env()
+            or (sampling_params is not None and not config.batched_prefill_batched_extract)
+        )
+        requests = plan_prefill_requests(
+            tokens=tokens,
+            page_table=page_table,
+            block_size=layout.block_size,
+            max_batch_size=config.max_batch_size,
+            max_prefill_chunk_size=config.max_prefill_chunk_size,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            supports_batched_prefill=config.supports_batched_prefill,
+            disable_batched_prefill=disable,
+            max_prefill_batch_size=config.max_prefill_batch_size,
+            max_actual_page_table_width=layout.raw_capacity_width,
+            canonical_page_table_width=layout.prefill_width,
+            policy=config.policy,
+        )
+        prepared: list[PreparedPrefill] = []
+        for index, request in enumerate(requests):
+            raw: SamplingParams | None = None
+            sampling: PreparedSamplingParams | None = None
+            if sampling_params is not None:
+                raw = slice_sampling_params(sampling_params, request.source_rows)
+                sampling = self._postprocessor.prepare_request_sampling(
+                    request,
+                    raw,
+                    prompt_tokens=self._prompt_history(request, tokens, prompt_tokens),
+                    output_tokens=self._history("output_tokens", request, tokens, output_tokens),
+                    slot_remap=slot_remap if index == 0 else None,
+                )
+            prepared.append(self._identify(request, raw, sampling))
+        logger.debug("prepared %d prefill request(s)", len(prepared))
+        return tuple(prepared)
+
+    def _history(
+        self,
+        name: str,
+        request: PrefillRequest,
+        tokens: torch.Tensor,
+        value: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        if value is None:
+            return None
+        rows = select_history_rows(
+            name,
+            value,
+            source_rows=request.source_rows,
+            slots=request.slots,
+            request_batch=int(tokens.shape[0]),
+            lane_capacity=self._config.max_batch_size,
+        )
+        return pad_history_rows(rows, self._postprocessor.sampling_batch_size(request))
+
+    def _prompt_history(
+        self, request: PrefillRequest, tokens: torch.Tensor, value: torch.Tensor | None
+    ) -> torch.Tensor:
+        if value is not None:
+            history = self._history("prompt_tokens", request, tokens, value)
+            assert history is not None
+            return history
+        rows = tokens[list(request.source_rows)]
+        history = default_prompt_history(rows, request.prompt_lengths)
+        return pad_history_rows(history, self._postprocessor.sampling_batch_size(request))
+
+    def _identify(
+        self,
+        request: PrefillRequest,
+        raw: SamplingParams | None,
+        sampling: PreparedSamplingParams | None,
+    ) -> PreparedPrefill:
+        path = classify_sampling_path(request, sampling)
+        penalties = sampling is not None and sampling.penalties_enabled
+        logprobs = sampling is not None and sampling.log_probs_enabled
+        length = request.first_chunk.chunk_size
+        trace_enabled = self._config.can_enable_trace(length, 0)
+        if not isinstance(trace_enabled, bool):
+            raise TypeError(
+                f"can_enable_trace({length}, 0) must return bool, got "
+                f"{type(trace_enabled).__name__} {trace_enabled!r}"
+            )
+        return PreparedPrefill(
+            request=request,
+            sampling_params=raw,
+            sampling_path=path,
+            program_signatures=build_program_signatures(
+                request,
+                path,
+                static_q128_topk_supported=STATIC_Q128_TOPK_SUPPORTED,
+                penalties_enabled=penalties,
+                logprobs_enabled=logprobs,
+            ),
+            trace_signature=build_trace_signature(
+                request,
+                trace_enabled=trace_enabled,
+                sampling_path=path,
+                penalties_enabled=penalties,
+                logprobs_enabled=logprobs,
+            ),
+            prepared_sampling=sampling,
+        )
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def invoke(self, prepared: PreparedPrefill, *, count_tokens: bool = True) -> InvocationResult:
+        """Run every planned chunk of `prepared` eagerly; the result owns its transients.
+
+        `count_tokens` is accepted for the reference call shape; this runtime has no
+        sampling-state controller whose token counters it would drive.
+        """
+        if not isinstance(prepared, PreparedPrefill):
+            raise TypeError(f"prepared must be a PreparedPrefill, got {type(prepared).__name__}")
+        if not isinstance(count_tokens, bool):
+            raise TypeError(f"count_tokens must be bool, got {type(count_tokens).__name__}")
+        self._require_usable("invoke")
+        return self._runner.run(prepared)
+
+    def assemble(
+        self,
+        prepared_results: Iterable[tuple[PreparedPrefill, InvocationResult]],
+        *,
+        batch_size: int,
+        sampling_params: SamplingParams | None = None,
+    ) -> PrefillOutput:
+        """Read every result (lazily) and restore source-row order; see the assembler."""
+        return self._assembler.assemble(
+            prepared_results, batch_size=batch_size, sampling_params=sampling_params
+        )
+
+    # -- traces ---------------------------------------------------------------------------------
+
+    def capture_plan(self, prepared: PreparedPrefill) -> PrefillCapturePlan:
+        """The capture plan of `prepared`'s trace family (ValueError without one)."""
+        self._require_usable("capture_plan")
+        return self._trace.capture_plan(prepared)
+
+    def refresh_trace(
+        self,
+        prepared: PreparedPrefill,
+        persistent: Any,
+        workspace: Any,
+        chunk: PrefillChunk | None = None,
+    ) -> None:
+        """Refresh the persistent inputs for `chunk` (default: first) before a replay."""
+        self._require_usable("refresh_trace")
+        self._trace.refresh(prepared, persistent, workspace, chunk)
+
+    def finish_trace(
+        self, prepared: PreparedPrefill, output: Any, workspace: Any
+    ) -> InvocationResult:
+        """Finish a request after its final replay (logits, or sampled into the workspace)."""
+        self._require_usable("finish_trace")
+        return self._trace.finish(prepared, output, workspace)
