@@ -221,6 +221,10 @@ class TraceCompiler:
         alias = self._aliases.get(program_key)
         return None if alias is None else alias.trace_key
 
+    def alias_for_program(self, program_key: ProgramKey) -> TraceAliasRecord | None:
+        """The association record of a program (trace key and workspace fingerprint)."""
+        return self._aliases.get(program_key)
+
     def is_captured(self, program_key: ProgramKey) -> bool:
         """Whether `program_key` has an association whose trace is captured."""
         alias = self._aliases.get(program_key)

@@ -24,7 +24,7 @@ import torch
 
 from runtime.config import PageTableLayout, TraceConfig, WarmupConfig
 from runtime.execution import EagerExecutor, TracedExecutor
-from runtime.identity import TraceKey, key_material_of
+from runtime.identity import ProgramKey, TraceKey, key_material_of
 from runtime.program_compiler import CompiledProgram
 from runtime.sampling import SamplingParams
 
@@ -69,10 +69,13 @@ class WarmupPlan:
 
 @attrs.frozen
 class CoverageAlias:
-    """A compiled program and the trace it replays through."""
+    """A compiled program, the trace it replays through, and the fingerprints that keep
+    alias capture independent of request order (capture schema, post-processing workspace)."""
 
     program_signature: Any
     trace_signature: Any
+    schema_fingerprint: Any = None
+    workspace_fingerprint: Any = None
 
 
 @attrs.frozen
@@ -101,6 +104,8 @@ class CoverageManifest:
                 {
                     "program": material(alias.program_signature),
                     "trace_key": TraceKey.from_signature(alias.trace_signature).digest,
+                    "schema_fingerprint": _jsonable(alias.schema_fingerprint),
+                    "workspace_fingerprint": _jsonable(alias.workspace_fingerprint),
                 }
                 for alias in self.aliases
             ],
@@ -539,8 +544,16 @@ class WarmupCoordinator:
                 missing.append(program.key.digest)
                 continue
             record = self._traced.trace_compiler.get(trace_key)
-            assert record is not None
-            aliases.append(CoverageAlias(program.signature, record.signature))
+            alias = self._traced.trace_compiler.alias_for_program(program.key)
+            assert record is not None and alias is not None
+            aliases.append(
+                CoverageAlias(
+                    program.signature,
+                    record.signature,
+                    schema_fingerprint=record.plan.schema_fingerprint,
+                    workspace_fingerprint=alias.workspace_fingerprint,
+                )
+            )
             if all(key_material_of(t) != key_material_of(record.signature) for t in traces):
                 traces.append(record.signature)
         if missing:
@@ -550,16 +563,18 @@ class WarmupCoordinator:
         if not aliases:
             raise RuntimeError("Configured trace warmup registered no program-to-trace aliases")
         return CoverageManifest(
-            eager_program_signatures=eager,
-            traced_source_program_signatures=traced,
-            trace_signatures=tuple(traces),
-            aliases=tuple(aliases),
+            eager_program_signatures=_sorted_signatures(eager),
+            traced_source_program_signatures=_sorted_signatures(traced),
+            trace_signatures=_sorted_signatures(traces),
+            aliases=tuple(
+                sorted(aliases, key=lambda a: ProgramKey.from_signature(a.program_signature).digest)
+            ),
         )
 
     def eager_manifest(self) -> CoverageManifest:
         """The manifest of an untraced warmup (no traces, no aliases)."""
         eager = _dedupe(p.signature for p in self._required)
-        return CoverageManifest(eager, (), (), ())
+        return CoverageManifest(_sorted_signatures(eager), (), (), ())
 
     @contextlib.contextmanager
     def defer_capture(self) -> Iterator[None]:
@@ -606,11 +621,16 @@ def _broadcast(sampling: SamplingParams | None, rows: int) -> SamplingParams | N
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple):
+    """JSON text for key material and fingerprints (signatures become their key material)."""
+    if isinstance(value, tuple | list):
         return [_jsonable(item) for item in value]
     if isinstance(value, enum.Enum):
         return value.value
-    return value
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if hasattr(value, "key_material"):
+        return _jsonable(key_material_of(value))
+    return repr(value)
 
 
 def _dedupe(signatures: Iterator[Any] | Any) -> tuple[Any, ...]:
@@ -622,6 +642,11 @@ def _dedupe(signatures: Iterator[Any] | Any) -> tuple[Any, ...]:
             keys.add(material)
             seen.append(signature)
     return tuple(seen)
+
+
+def _sorted_signatures(signatures: Sequence[Any]) -> tuple[Any, ...]:
+    """Signatures in digest order, so the manifest does not depend on warmup order."""
+    return tuple(sorted(signatures, key=lambda s: ProgramKey.from_signature(s).digest))
 
 
 def _dedupe_programs(programs: Sequence[CompiledProgram]) -> list[CompiledProgram]:

@@ -1,0 +1,645 @@
+"""`ModelExecutor`: one execution lane composed in the seed's order, as a lifecycle host.
+
+The executor owns every runtime component of a lane (paged KV cache, output reader, prefill
+and decode runtimes, program and trace compilers, warmup coordinator) and is the cleanup
+root. Its phase machine guards the public surface: a call in the wrong phase is refused
+before any device work with the next legal calls. Completing warmup moves ALLOCATED ->
+COMPILED, `capture()` COMPILED -> CAPTURED, `serve()` -> SERVING.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from runtime.prefill.config import PrefillRuntimeConfig
+from runtime.prefill.runtime import PrefillRuntime
+
+from lifecycle import LifecycleHost, Phase, guarded, host_table
+from lifecycle.journal import Journal
+from runtime.backends.base import Device
+from runtime.config import (
+    PagedKVCacheConfig,
+    PageTableLayout,
+    RuntimePolicy,
+    TraceConfig,
+    WarmupConfig,
+)
+from runtime.execution import EagerExecutor, TracedExecutor
+from runtime.output_reader import OutputReader
+from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.program_compiler import ProgramCompiler
+from runtime.trace_compiler import TraceCompiler
+from runtime.warmup import CoverageManifest, Progress, WarmupCoordinator, WarmupCoordinatorConfig
+
+logger = logging.getLogger(__name__)
+
+P = Phase
+_SETUP = (P.ALLOCATED, P.COMPILED)
+
+EXECUTOR_TABLE = host_table(
+    name="model-executor",
+    next_calls={
+        P.CONSTRUCTED: ("configure_paged_kv_cache", "allocate_kv_cache"),
+        P.CAPACITY_RESOLVED: ("allocate_kv_cache",),
+        P.SEALED: ("allocate_kv_cache",),
+        P.ALLOCATED: ("warmup_prefill", "warmup_decode"),
+        P.COMPILED: ("capture", "serve"),
+        P.CAPTURED: ("serve",),
+        P.SERVING: ("prefill_forward", "decode_forward", "close"),
+    },
+)
+
+
+def _exact(name: str, value: object, kind: type) -> None:
+    if type(value) is not kind:
+        raise TypeError(f"{name} must be exactly {kind.__name__}, got {type(value).__name__}")
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class ModelExecutorConfig:
+    """Static policy of one lane: trace mode, warmup coverage, KV geometry, lane shape."""
+
+    trace: TraceConfig
+    warmup: WarmupConfig
+    paged_kv_cache: PagedKVCacheConfig
+    device_sampling_enabled: bool
+    max_batch_size: int
+    max_prefill_chunk_size: int
+    max_seq_len: int
+    policy: RuntimePolicy
+    max_prefill_batch_size: int = 8
+    supports_batched_prefill: bool = True
+    prefill_sequence_lengths: tuple[int, ...] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _exact("trace", self.trace, TraceConfig)
+        _exact("warmup", self.warmup, WarmupConfig)
+        _exact("paged_kv_cache", self.paged_kv_cache, PagedKVCacheConfig)
+        _exact("policy", self.policy, RuntimePolicy)
+        if not isinstance(self.device_sampling_enabled, bool):
+            raise TypeError(
+                f"device_sampling_enabled must be bool, got {self.device_sampling_enabled!r}"
+            )
+        _positive("max_batch_size", self.max_batch_size)
+        _positive("max_prefill_chunk_size", self.max_prefill_chunk_size)
+        _positive("max_seq_len", self.max_seq_len)
+
+    def default_prefill_lengths(self) -> tuple[int, ...]:
+        """Every padded length a prompt can take, up to the chunk size (warmup coverage)."""
+        if self.prefill_sequence_lengths is not None:
+            return self.prefill_sequence_lengths
+        limit = min(self.max_prefill_chunk_size, self.max_seq_len)
+        lengths: list[int] = []
+        n = 1
+        while True:
+            padded = self.policy.padded_prefill_length(n)
+            if padded > limit:
+                break
+            lengths.append(padded)
+            n = padded + 1
+        return tuple(lengths) or (self.policy.padded_prefill_length(1),)
+
+
+class ModelExecutor(LifecycleHost):
+    """One lane: composition, phase-guarded calls, and cleanup in the seed's order."""
+
+    PHASE_TABLE = EXECUTOR_TABLE
+
+    def __init__(
+        self,
+        model: Any,
+        config: ModelExecutorConfig,
+        *,
+        device: Device,
+        owner_name: str = "ModelExecutor",
+        journal: Journal | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        _exact("config", config, ModelExecutorConfig)
+        if not callable(getattr(model, "iter_executor_named_modules", None)):
+            raise TypeError(
+                f"model {type(model).__name__} must provide iter_executor_named_modules() "
+                "(see runtime.model_contract.PagedModel)"
+            )
+        if config.device_sampling_enabled and getattr(model, "sampling", None) is None:
+            raise TypeError("device sampling requires model.sampling (a resolved sampler)")
+        super().__init__(owner_name=owner_name, journal=journal)
+        self.model = model
+        self.config = config
+        self.device = device
+        kv = config.paged_kv_cache
+        self.kv_cache_manager = PagedKVCacheManager(
+            model, kv, device=device, journal=self.journal, owner_name=f"{owner_name}.kv-cache"
+        )
+        self.page_table_layout = self._layout(kv.num_blocks or kv.max_num_blocks)
+        self.output_reader = OutputReader(device)
+        trace = config.trace
+        self.prefill_runtime = PrefillRuntime(
+            PrefillRuntimeConfig.resolve(
+                model=model,
+                device=device,
+                output_reader=self.output_reader,
+                page_table_layout=self.page_table_layout,
+                max_batch_size=config.max_batch_size,
+                max_prefill_chunk_size=config.max_prefill_chunk_size,
+                policy=config.policy,
+                supports_batched_prefill=config.supports_batched_prefill,
+                max_prefill_batch_size=config.max_prefill_batch_size,
+                device_sampling_enabled=config.device_sampling_enabled,
+                can_enable_trace=lambda length, cached: trace.prefill_enabled,
+            )
+        )
+        self.decode_runtime = DecodeRuntime(
+            DecodeRuntimeConfig.resolve(
+                model=model,
+                device=device,
+                output_reader=self.output_reader,
+                lane_capacity=config.max_batch_size,
+                page_table_layout=self.page_table_layout,
+                device_sampling_enabled=config.device_sampling_enabled,
+                force_greedy_top_k=config.warmup.include_decode_top_k,
+                policy=config.policy,
+            )
+        )
+        self.program_compiler = ProgramCompiler(
+            device,
+            lambda: self.kv_cache_manager.bound_context,
+            journal=self.journal,
+            owner_name=f"{owner_name}.program-compiler",
+        )
+        self.eager_executor = EagerExecutor(
+            prefill=self.prefill_runtime,
+            decode=self.decode_runtime,
+            program_compiler=self.program_compiler,
+        )
+        self.trace_compiler: TraceCompiler | None = None
+        self.traced_executor: TracedExecutor | None = None
+        if trace.mode != "none":
+            self.trace_compiler = TraceCompiler(
+                self.program_compiler,
+                journal=self.journal,
+                owner_name=f"{owner_name}.trace-compiler",
+            )
+            self.traced_executor = TracedExecutor(
+                eager=self.eager_executor, trace_compiler=self.trace_compiler, trace_mode=trace.mode
+            )
+        lengths = config.default_prefill_lengths()
+        self.warmup = WarmupCoordinator(
+            config=WarmupCoordinatorConfig.resolve(
+                warmup=config.warmup,
+                trace=trace,
+                prefill=self.prefill_runtime,
+                decode=self.decode_runtime,
+                prefill_sequence_lengths=lengths,
+                # Traced lanes close the compile gate, so every wave the planner can form
+                # must be covered; eager lanes keep the reference's smallest-bucket waves.
+                batched_sequence_lengths=lengths if trace.mode != "none" else None,
+            ),
+            execution=self.traced_executor or self.eager_executor,
+            ensure_sampling_buffers=self.ensure_sampling_buffers,
+            validate_bound_cache=self._validate_cache_argument,
+            progress=progress,
+            auto_capture=False,
+        )
+        self._kv_handle: list[list[Any]] | None = None
+
+    # -- geometry ---------------------------------------------------------------------------------
+
+    def _layout(self, num_blocks: int) -> PageTableLayout:
+        config = self.config
+        return PageTableLayout.resolve(
+            block_size=config.paged_kv_cache.block_size,
+            model_max_sequence_length=config.max_seq_len,
+            physical_num_blocks=num_blocks,
+            max_prefill_chunk_size=min(config.max_prefill_chunk_size, config.max_seq_len),
+            alignment=config.policy.page_table_width_alignment,
+        )
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.kv_cache_manager.config.block_size
+
+    @property
+    def num_blocks(self) -> int | None:
+        """Physical KV blocks (None until capacity is resolved)."""
+        return self.kv_cache_manager.config.num_blocks
+
+    @property
+    def max_batch_size(self) -> int:
+        """Lane capacity: decode rows per step."""
+        return self.config.max_batch_size
+
+    @property
+    def kv_cache(self) -> list[list[Any]] | None:
+        """The borrowed KV handle once allocated."""
+        return self._kv_handle
+
+    @property
+    def trace_mode(self) -> str:
+        """none, decode_only or all."""
+        return self.config.trace.mode
+
+    @property
+    def coverage_manifest(self) -> CoverageManifest | None:
+        """Traced coverage after capture, else the eager coverage warmup compiled."""
+        if self.warmup.coverage_manifest is not None:
+            return self.warmup.coverage_manifest
+        if self.phase in (P.COMPILED, P.CAPTURED, P.SERVING):
+            return self.warmup.eager_manifest()
+        return None
+
+    # -- capacity, seal, allocate ----------------------------------------------------------------
+
+    @guarded(P.CONSTRUCTED)
+    def configure_paged_kv_cache(self, config: PagedKVCacheConfig) -> None:
+        """Resolve physical capacity late (may shrink, never grow); CONSTRUCTED -> RESOLVED."""
+        if not isinstance(config, PagedKVCacheConfig):
+            raise TypeError(f"config must be a PagedKVCacheConfig, got {type(config).__name__}")
+        self._lifecycle.transact(
+            "resolve_capacity", lambda: self._install_capacity(config), detail=_same
+        )
+
+    def _install_capacity(self, config: PagedKVCacheConfig) -> str:
+        if not config.is_resolved():
+            raise ValueError("configure_paged_kv_cache needs a resolved config (num_blocks set)")
+        assert config.num_blocks is not None
+        layout = self._layout(config.num_blocks)
+        prefill_config = self.prefill_runtime.config.with_page_table_layout(layout)
+        decode_config = self.decode_runtime.config.with_page_table_layout(layout)
+        warmup_config = self.warmup.config.with_page_table_layout(layout)
+        if self.kv_cache_manager.state.value == "unresolved":
+            self.kv_cache_manager.configure(config)
+        elif self.kv_cache_manager.config != config:
+            raise ValueError(
+                f"paged KV capacity is already resolved to {self.kv_cache_manager.config}; "
+                f"cannot replace it with {config}"
+            )
+        # Nothing below can fail: the configs were validated above.
+        self.page_table_layout = layout
+        self.prefill_runtime.configure_page_table_layout(layout)
+        self.decode_runtime.configure_page_table_layout(layout)
+        del prefill_config, decode_config
+        self.warmup.config = warmup_config
+        return f"{config.num_blocks} blocks of {config.block_size} tokens"
+
+    def _do_resolve_capacity(self, num_blocks: int | None) -> str:
+        current = self.kv_cache_manager.config
+        if num_blocks is None:
+            num_blocks = current.num_blocks or current.max_num_blocks
+        return self._install_capacity(current.with_num_blocks(num_blocks))
+
+    def _do_seal(self) -> str:
+        self.warmup.seal_configuration()
+        layout = self.page_table_layout
+        return (
+            f"layout: block {layout.block_size}, prefill width {layout.prefill_width}, "
+            f"decode width {layout.decode_width}"
+        )
+
+    def _do_allocate(self) -> str:
+        self._kv_handle = self.kv_cache_manager.allocate()
+        manager = self.kv_cache_manager
+        return (
+            f"KV {manager.nbytes} bytes in {manager.config.num_blocks} blocks x "
+            f"{2 * manager.num_layers} tensors"
+        )
+
+    @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED)
+    def allocate_kv_cache(
+        self,
+        kv_cache_shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        num_layers: int | None = None,
+    ) -> list[list[Any]]:
+        """Resolve (if needed), seal and allocate: three journaled transitions.
+
+        A server may pass its physical cache spec (all three arguments or none).
+        """
+        given = [value is not None for value in (kv_cache_shape, dtype, num_layers)]
+        if any(given) and not all(given):
+            raise TypeError(
+                "allocate_kv_cache takes kv_cache_shape, dtype and num_layers together or not "
+                "at all"
+            )
+        num_blocks: int | None = None
+        if kv_cache_shape is not None:
+            shape = tuple(kv_cache_shape)
+            if len(shape) != 4:
+                raise ValueError(
+                    f"kv_cache_shape must have rank 4 [num_blocks, kv_heads, block_size, "
+                    f"head_dim], got {shape}"
+                )
+            if num_layers != self.kv_cache_manager.num_layers:
+                raise ValueError(
+                    f"num_layers {num_layers} does not match the model's "
+                    f"{self.kv_cache_manager.num_layers} layers"
+                )
+            self.kv_cache_manager.validate_vllm_cache_spec(
+                block_size=shape[2], dtype=dtype, num_blocks=shape[0]
+            )
+            num_blocks = shape[0]
+        if self.phase is P.CONSTRUCTED:
+            self.resolve_capacity(num_blocks)
+        if kv_cache_shape is not None:
+            expected = self.kv_cache_manager.cache_shapes
+            if any(tuple(kv_cache_shape) != s for s in expected):
+                raise ValueError(
+                    f"kv_cache_shape {tuple(kv_cache_shape)} does not match the model-derived "
+                    f"shapes {sorted(set(expected))}"
+                )
+        if self.phase is P.CAPACITY_RESOLVED:
+            self.seal()
+        self.allocate()
+        assert self._kv_handle is not None
+        return self._kv_handle
+
+    # -- compile and warm ------------------------------------------------------------------------
+
+    def _validate_cache_argument(self, kv_cache: Any) -> None:
+        if kv_cache is not None:
+            self.kv_cache_manager.validate_borrowed_handle(kv_cache)
+        elif self.kv_cache_manager.bound_context is None:
+            raise RuntimeError(
+                "Paged KV cache must be allocated and bound before execution; call "
+                "allocate_kv_cache()"
+            )
+
+    def ensure_sampling_buffers(self) -> None:
+        """Materialise device-sampling buffers; refused once traces are active."""
+        if not self.config.device_sampling_enabled:
+            return
+        sampler = self.model.sampling
+        if getattr(sampler, "materialized", False):
+            return
+        if self.program_compiler.gate_closed:
+            raise RuntimeError(
+                "device sampling buffers would be allocated after trace activation; warm up "
+                "with sampling before capture()"
+            )
+        sampler.materialize(self.device.torch_device)
+
+    @guarded(*_SETUP)
+    def compile_prefill(self, **request: Any) -> Any:
+        """Compile the programs of one prefill call (eager; traced lanes also register)."""
+        self._validate_cache_argument(request.pop("kv_cache", None))
+        target = self.traced_executor if self.config.trace.prefill_enabled else None
+        return (target or self.eager_executor).compile_prefill(**request)
+
+    @guarded(*_SETUP)
+    def compile_decode(self, **request: Any) -> Any:
+        """Compile the decode program of one call (traced lanes also register a plan)."""
+        self._validate_cache_argument(request.pop("kv_cache", None))
+        target = self.traced_executor if self.config.trace.decode_enabled else None
+        return (target or self.eager_executor).compile_decode(**request)
+
+    def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+        self.warmup.warmup_prefill(
+            kv_cache=kv_cache,
+            can_sample_on_device=self.config.device_sampling_enabled
+            if sampling is None
+            else sampling,
+            enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
+        )
+
+    def _decode_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+        num_blocks = self.kv_cache_manager.config.num_blocks
+        assert num_blocks is not None
+        self.warmup.warmup_decode(
+            kv_cache=kv_cache,
+            max_batch_size=self.config.max_batch_size,
+            num_blocks=num_blocks,
+            can_sample_on_device=self.config.device_sampling_enabled
+            if sampling is None
+            else sampling,
+            enable_trace=self.config.trace.decode_enabled if trace is None else trace,
+        )
+
+    def _warmup_ready(self) -> bool:
+        return self.warmup.operation_complete("prefill") and self.warmup.operation_complete(
+            "decode"
+        )
+
+    def _after_warmup(self) -> None:
+        if self.phase is P.ALLOCATED and self._warmup_ready():
+            self._lifecycle.fire("compile", detail=self._compile_detail())
+
+    def _compile_detail(self) -> str:
+        programs = len(self.program_compiler.compiled_programs)
+        seconds = sum(self.warmup.case_seconds.values())
+        return f"{programs} programs compiled in {seconds:.2f} s"
+
+    @guarded(*_SETUP)
+    def warmup_prefill(
+        self,
+        *,
+        kv_cache: Any = None,
+        can_sample_on_device: bool | None = None,
+        enable_trace: bool | None = None,
+    ) -> None:
+        """Compile every declared prefill shape; with decode done, ALLOCATED -> COMPILED."""
+        self._prefill_warmup(kv_cache, can_sample_on_device, enable_trace)
+        self._after_warmup()
+
+    @guarded(*_SETUP)
+    def warmup_decode(
+        self,
+        *,
+        kv_cache: Any = None,
+        can_sample_on_device: bool | None = None,
+        enable_trace: bool | None = None,
+    ) -> None:
+        """Compile every declared decode shape; with prefill done, ALLOCATED -> COMPILED."""
+        self._decode_warmup(kv_cache, can_sample_on_device, enable_trace)
+        self._after_warmup()
+
+    def warmup_model_prefill(self, **kwargs: Any) -> None:
+        """The seed's name for `warmup_prefill`."""
+        self.warmup_prefill(**kwargs)
+
+    def warmup_model_decode(self, **kwargs: Any) -> None:
+        """The seed's name for `warmup_decode`."""
+        kwargs.pop("max_batch_size", None)
+        kwargs.pop("num_blocks", None)
+        self.warmup_decode(**kwargs)
+
+    def _do_compile(self) -> str:
+        self._prefill_warmup(None, None, None)
+        self._decode_warmup(None, None, None)
+        return self._compile_detail()
+
+    def compile(self) -> None:
+        """ALLOCATED -> COMPILED by running every configured warmup."""
+        if self.phase is P.ALLOCATED and self._warmup_ready():
+            self._lifecycle.fire("compile", detail=self._compile_detail())
+            return
+        super().compile()
+
+    # -- capture and serve -----------------------------------------------------------------------
+
+    def _requires_capture(self) -> bool:
+        return self.config.trace.mode != "none"
+
+    def _do_capture(self) -> str:
+        manifest = self.warmup.capture_pending_traces()
+        assert self.trace_compiler is not None
+        return (
+            f"{self.trace_compiler.capture_count} traces captured for "
+            f"{len(manifest.aliases)} programs"
+        )
+
+    def _do_serve(self) -> str:
+        self._validate_cache_argument(None)
+        return f"trace mode {self.config.trace.mode}"
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _check_sampling(self, sampling_params: Any) -> None:
+        if sampling_params is not None:
+            if not self.config.device_sampling_enabled:
+                raise ValueError(
+                    "sampling_params were given but device sampling is disabled for this "
+                    "executor; construct it with device_sampling_enabled=True"
+                )
+            self.ensure_sampling_buffers()
+
+    def _target(self, operation: str, execution: str | None) -> Any:
+        if execution not in (None, "eager", "traced"):
+            raise ValueError(f"execution must be None, 'eager' or 'traced', got {execution!r}")
+        traced = (
+            self.config.trace.prefill_enabled
+            if operation == "prefill"
+            else self.config.trace.decode_enabled
+        )
+        if execution == "eager" or (execution is None and not traced):
+            return self.eager_executor
+        if self.traced_executor is None or not traced:
+            raise ValueError(
+                f"execution='traced' asked for {operation}, which trace mode "
+                f"{self.config.trace.mode!r} does not trace"
+            )
+        return self.traced_executor
+
+    @guarded(P.SERVING)
+    def prefill_forward(
+        self,
+        *,
+        tokens: torch.Tensor,
+        page_table: torch.Tensor,
+        kv_cache: Any = None,
+        prompt_lens: Any = None,
+        start_pos: Any = None,
+        empty_slots: Any = None,
+        sampling_params: Any = None,
+        prompt_tokens: Any = None,
+        output_tokens: Any = None,
+        slot_remap: Any = None,
+        execution: str | None = None,
+    ) -> Any:
+        """Prefill a batch of prompts; rows come back in source order."""
+        self._validate_cache_argument(kv_cache)
+        self._check_sampling(sampling_params)
+        return self._target("prefill", execution).prefill_forward(
+            tokens=tokens,
+            page_table=page_table,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            sampling_params=sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+        )
+
+    @guarded(P.SERVING)
+    def decode_forward(
+        self,
+        *,
+        tokens: torch.Tensor,
+        start_pos: torch.Tensor,
+        page_table: torch.Tensor,
+        kv_cache: Any = None,
+        sampling_params: Any = None,
+        prompt_tokens: Any = None,
+        output_tokens: Any = None,
+        slot_remap: Any = None,
+        reset_batch: bool = False,
+        read_from_device: bool = True,
+        execution: str | None = None,
+    ) -> Any:
+        """One decode step over the whole lane (negative positions are inactive rows)."""
+        self._validate_cache_argument(kv_cache)
+        self._check_sampling(sampling_params)
+        return self._target("decode", execution).decode_forward(
+            tokens=tokens,
+            start_pos=start_pos,
+            page_table=page_table,
+            sampling_params=sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+            reset_batch=reset_batch,
+            read_from_device=read_from_device,
+        )
+
+    @guarded(P.SERVING)
+    def read_decode_output(self, raw: Any, *, async_read: bool = False) -> Any:
+        """Read a raw decode output (async: `(host_value, events)` to complete later)."""
+        return self.decode_runtime.read_decode_output(raw, async_read=async_read)
+
+    @guarded(P.SERVING)
+    def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
+        """Complete an asynchronous read and normalise it."""
+        return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
+
+    def can_trace_prefill(self, **request: Any) -> bool:
+        """Whether prefill of this geometry could replay a trace (a capability query)."""
+        if self.traced_executor is None or not self.config.trace.prefill_enabled:
+            return False
+        return bool(self.prefill_runtime.can_trace(**request))
+
+    def runtime_summary(self) -> dict[str, Any]:
+        """Counters from the execution objects."""
+        target = self.traced_executor or self.eager_executor
+        return target.runtime_summary()
+
+    # -- cleanup ---------------------------------------------------------------------------------
+
+    def _do_close(self) -> Sequence[BaseException]:
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("external decode leases", self.decode_runtime.drain_external_outputs),
+            ("pending output reads", self.output_reader.drain),
+            ("prefill transients", self.prefill_runtime.cleanup),
+            ("decode transients", self.decode_runtime.cleanup_transients),
+        ]
+        if self.trace_compiler is not None:
+            steps.append(("traces", self.trace_compiler.cleanup))
+        steps.append(("program registry", self.program_compiler.cleanup))
+        if self.config.device_sampling_enabled:
+            steps.append(("sampling buffers", self.model.sampling.release))
+        steps.append(("paged KV cache", self.kv_cache_manager.release))
+        failures: list[BaseException] = []
+        for name, step in steps:
+            try:
+                step()
+            except BaseException as error:
+                logger.warning("%s: cleanup of %s failed: %s", self.owner_name, name, error)
+                failures.append(error)
+        if not failures:
+            self._kv_handle = None
+        return failures
+
+
+def _same(detail: str) -> str:
+    return detail
