@@ -1,0 +1,165 @@
+"""Hypothesis: the composed host on a fault-injecting device under random call orders.
+
+Illegal calls raise `PhaseError` before any device work; after a successful `close()` no
+device allocation is live and no tensor was released twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lifecycle import Phase, PhaseError
+from models.executor import ModelExecutor, ModelExecutorConfig
+from models.llama.sources import load_model
+from runtime.backends.faults import FaultCall, FaultInjectingDevice, FaultPlan, InjectedFault
+from runtime.backends.torch_device import TorchDevice
+from runtime.config import PagedKVCacheConfig, RuntimePolicy, TraceConfig, WarmupConfig
+from tests.integration.executor_setup import BLOCK, contiguous_tables, prompts_batch
+
+_MODEL: dict[str, Any] = {}
+
+
+def shared_model() -> Any:
+    """One tiny model reused by every example (each executor unbinds it on close)."""
+    if "model" not in _MODEL:
+        model = load_model("tiny-random", with_tokenizer=False).model
+        model.configure_paged_attention(block_size=BLOCK, max_num_blocks=32)
+        _MODEL["model"] = model
+    return _MODEL["model"]
+
+
+CALLS = [
+    "resolve_capacity",
+    "seal",
+    "allocate",
+    "allocate_kv_cache",
+    "warmup_prefill",
+    "warmup_decode",
+    "capture",
+    "serve",
+    "start",
+    "start",
+    "prefill",
+    "decode",
+    "prefill",
+    "decode",
+    "close",
+]
+
+
+class ComposedHost(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = {"allocate": 0, "deallocate": 0, "from_host": 0}
+
+        def fail_next(operation: str) -> FaultPlan:
+            def predicate(call: FaultCall) -> bool:
+                if self.pending[operation] > 0:
+                    self.pending[operation] -= 1
+                    return True
+                return False
+
+            return FaultPlan.matching(operation, predicate)  # type: ignore[arg-type]
+
+        self.inner = TorchDevice("cpu")
+        self.device = FaultInjectingDevice(
+            self.inner, fail_next("allocate") + fail_next("deallocate") + fail_next("from_host")
+        )
+        config = ModelExecutorConfig(
+            trace=TraceConfig(mode="decode_only"),
+            warmup=WarmupConfig(prefill_seq_lens=(8,), prefill_batch_sizes=(1,)),
+            paged_kv_cache=PagedKVCacheConfig(
+                block_size=BLOCK, max_num_blocks=32, dtype=torch.float32
+            ),
+            device_sampling_enabled=False,
+            max_batch_size=2,
+            max_prefill_chunk_size=8,
+            max_seq_len=32,
+            policy=RuntimePolicy.torch_default(chunk_size_multiple=BLOCK),
+        )
+        self.host = ModelExecutor(shared_model(), config, device=self.device)
+
+    @rule(
+        operation=st.sampled_from(["allocate", "deallocate", "from_host"]), count=st.integers(0, 2)
+    )
+    def inject(self, operation: str, count: int) -> None:
+        self.pending[operation] = count
+
+    @rule(call=st.sampled_from(CALLS))
+    def phase_call(self, call: str) -> None:
+        if call == "close":
+            self._close()
+            return
+        before = self.host.phase
+        attempts = dict(self.device.attempts)
+        try:
+            self._invoke(call)
+        except PhaseError:
+            assert self.host.phase is before
+            assert self.device.attempts == attempts, "a refused call reached the device"
+        except (InjectedFault, RuntimeError) as error:
+            # A failed transition never moves forward; composite calls (start,
+            # allocate_kv_cache) keep the transitions that completed before the failure.
+            if call in ("start", "allocate_kv_cache"):
+                assert self.host.phase not in (Phase.CLOSING, Phase.TERMINAL), (call, error)
+            else:
+                assert self.host.phase in (before, Phase.FAULTED), (call, error)
+
+    def _invoke(self, call: str) -> None:
+        host = self.host
+        if call == "prefill":
+            host.prefill_forward(
+                tokens=prompts_batch([6]),
+                page_table=contiguous_tables([6], width=host.page_table_layout.prefill_width),
+                prompt_lens=torch.tensor([6]),
+                empty_slots=[0],
+            )
+        elif call == "decode":
+            host.decode_forward(
+                tokens=torch.tensor([5, 6]),
+                start_pos=torch.tensor([3, -1]),
+                page_table=contiguous_tables([8, 8], width=host.page_table_layout.decode_width),
+            )
+        else:
+            getattr(host, call)()
+
+    def _close(self) -> None:
+        try:
+            self.host.close()
+        except (InjectedFault, RuntimeError):
+            assert self.host.phase is Phase.CLOSING
+        else:
+            assert self.host.phase is Phase.TERMINAL
+            assert self.inner.live_allocations == 0
+
+    @invariant()
+    def note_phase(self) -> None:
+        event(f"phase {self.host.phase.name}")
+
+    @invariant()
+    def never_released_twice(self) -> None:
+        assert self.device.deallocated_twice == 0
+
+    def teardown(self) -> None:
+        self.pending = {"allocate": 0, "deallocate": 0, "from_host": 0}
+        for _ in range(3):
+            try:
+                self.host.close()
+                break
+            except (InjectedFault, RuntimeError):
+                continue
+        assert self.host.phase is Phase.TERMINAL
+        assert self.inner.live_allocations == 0
+        assert self.inner.live_traces == 0
+        assert self.device.deallocated_twice == 0
+
+
+ComposedHost.TestCase.settings = settings(max_examples=12, stateful_step_count=12, deadline=None)
+TestComposedHost = ComposedHost.TestCase
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
