@@ -15,9 +15,6 @@ from typing import Any
 
 import attrs
 import torch
-from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
-from runtime.prefill.config import PrefillRuntimeConfig
-from runtime.prefill.runtime import PrefillRuntime
 
 from lifecycle import LifecycleHost, Phase, guarded, host_table
 from lifecycle.journal import Journal
@@ -29,9 +26,12 @@ from runtime.config import (
     TraceConfig,
     WarmupConfig,
 )
+from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
 from runtime.execution import EagerExecutor, TracedExecutor
 from runtime.output_reader import OutputReader
 from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.prefill.config import PrefillRuntimeConfig
+from runtime.prefill.runtime import PrefillRuntime
 from runtime.program_compiler import ProgramCompiler
 from runtime.trace_compiler import TraceCompiler
 from runtime.warmup import CoverageManifest, Progress, WarmupCoordinator, WarmupCoordinatorConfig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -18,7 +19,7 @@ LIVE = {P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED, P.ALLOCATED, P.COMPILED, P
 class ExpectedToyHost:
     """The test's own reading of the architecture's phase and guard tables."""
 
-    STEPS: dict[str, dict[Phase, Phase]] = {
+    STEPS: ClassVar[dict[str, dict[Phase, Phase]]] = {
         "resolve_capacity": {P.CONSTRUCTED: P.CAPACITY_RESOLVED},
         "seal": {P.CAPACITY_RESOLVED: P.SEALED},
         "allocate": {P.SEALED: P.ALLOCATED},

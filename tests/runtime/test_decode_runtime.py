@@ -58,7 +58,7 @@ def resolve(setup: TinySetup, **overrides: Any) -> DecodeRuntimeConfig:
 
 
 def runtime(setup: TinySetup, *, sampling: bool = False, **overrides: Any) -> DecodeRuntime:
-    if sampling and not hasattr(setup.model, "sampling"):
+    if sampling and getattr(setup.model, "sampling", None) is None:
         setup.model.sampling = tiny_sampler(setup.model, max_batch_size=LANE)
     return DecodeRuntime(resolve(setup, device_sampling_enabled=sampling, **overrides))
 

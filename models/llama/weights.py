@@ -1,0 +1,352 @@
+"""Weights of the Llama family: safetensors directories, GGUF files and seeded random weights.
+
+Every source produces one state dict keyed by the canonical (Hugging Face) names, validated
+against the shapes `LlamaArgs` implies before the tensor model sees it. Names are mapped once
+per source, tensors are converted one at a time (peak memory stays near one copy of the
+weights plus the largest single tensor), and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from models.llama.config import LlamaArgs
+
+logger = logging.getLogger(__name__)
+
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+LAYER_PREFIX = "model.layers."
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Present in some HF checkpoints, derived from the config here, so safe to drop silently.
+_IGNORED_NAMES = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_MAX_LISTED = 8
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not fit the architecture: lists missing and mis-shaped tensors."""
+
+    def __init__(
+        self,
+        source: str,
+        missing: Iterable[str] = (),
+        mismatched: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+    ) -> None:
+        self.source = source
+        self.missing = tuple(missing)
+        self.mismatched = tuple(mismatched)
+        parts = []
+        if self.missing:
+            shown = ", ".join(self.missing[:_MAX_LISTED])
+            more = len(self.missing) - _MAX_LISTED
+            parts.append(
+                f"{len(self.missing)} missing tensor(s): {shown}"
+                + (f" (and {more} more)" if more > 0 else "")
+            )
+        if self.mismatched:
+            shown = ", ".join(
+                f"{name} has shape {list(got)}, expected {list(want)}"
+                for name, want, got in self.mismatched[:_MAX_LISTED]
+            )
+            more = len(self.mismatched) - _MAX_LISTED
+            parts.append(
+                f"{len(self.mismatched)} mis-shaped tensor(s): {shown}"
+                + (f" (and {more} more)" if more > 0 else "")
+            )
+        super().__init__(f"weights from {source} do not match the model: " + "; ".join(parts))
+
+
+def layer_name(index: int, suffix: str) -> str:
+    return f"{LAYER_PREFIX}{index}.{suffix}"
+
+
+def expected_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every tensor the model needs (no `lm_head` when tied)."""
+    q_out = args.n_heads * args.head_dim
+    kv_out = args.n_kv_heads * args.head_dim
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        shapes[layer_name(i, "input_layernorm.weight")] = (args.dim,)
+        shapes[layer_name(i, "self_attn.q_proj.weight")] = (q_out, args.dim)
+        shapes[layer_name(i, "self_attn.k_proj.weight")] = (kv_out, args.dim)
+        shapes[layer_name(i, "self_attn.v_proj.weight")] = (kv_out, args.dim)
+        shapes[layer_name(i, "self_attn.o_proj.weight")] = (args.dim, q_out)
+        shapes[layer_name(i, "post_attention_layernorm.weight")] = (args.dim,)
+        shapes[layer_name(i, "mlp.gate_proj.weight")] = (args.ffn_dim, args.dim)
+        shapes[layer_name(i, "mlp.up_proj.weight")] = (args.ffn_dim, args.dim)
+        shapes[layer_name(i, "mlp.down_proj.weight")] = (args.dim, args.ffn_dim)
+    shapes[FINAL_NORM] = (args.dim,)
+    if not args.tie_word_embeddings:
+        shapes[LM_HEAD] = (args.vocab_size, args.dim)
+    return shapes
+
+
+def check_shapes(
+    args: LlamaArgs, shapes: Mapping[str, tuple[int, ...]], *, source: str
+) -> list[str]:
+    """Raise `WeightsError` naming missing/mis-shaped tensors; return the unexpected names."""
+    expected = expected_shapes(args)
+    missing = [name for name in expected if name not in shapes]
+    mismatched = [
+        (name, want, tuple(shapes[name]))
+        for name, want in expected.items()
+        if name in shapes and tuple(shapes[name]) != want
+    ]
+    if missing or mismatched:
+        raise WeightsError(source, missing, mismatched)
+    tolerated = {LM_HEAD} if args.tie_word_embeddings else set()
+    unexpected = [
+        name
+        for name in shapes
+        if name not in expected and name not in tolerated and not _IGNORED_NAMES.match(name)
+    ]
+    if unexpected:
+        logger.warning(
+            "ignoring %d unexpected tensor(s) from %s: %s",
+            len(unexpected),
+            source,
+            ", ".join(sorted(unexpected)[:_MAX_LISTED]),
+        )
+    return unexpected
+
+
+def validate_state_dict(
+    args: LlamaArgs, state_dict: Mapping[str, torch.Tensor], *, source: str = "state dict"
+) -> dict[str, torch.Tensor]:
+    """Check names and shapes; return only the tensors the model uses."""
+    check_shapes(args, {k: tuple(v.shape) for k, v in state_dict.items()}, source=source)
+    expected = expected_shapes(args)
+    return {name: state_dict[name] for name in expected}
+
+
+# ----------------------------------------------------------------------------- safetensors
+def _safetensors_files(directory: Path) -> dict[str, list[str]]:
+    """File -> tensor names, from the sharded index when present, else from every file."""
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        for file in files:
+            if not (directory / file).is_file():
+                raise FileNotFoundError(
+                    f"shard {file!r} listed in {index} does not exist in {directory}"
+                )
+        return files
+    found = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(
+            f"no *.safetensors files (and no {SAFETENSORS_INDEX}) in directory {str(directory)!r}"
+        )
+    from safetensors import safe_open
+
+    files = {}
+    for file in found:
+        with safe_open(str(directory / file), framework="pt") as handle:
+            files[file] = list(handle.keys())
+    return files
+
+
+def _canonical_hf_name(name: str) -> str:
+    """HF base-model checkpoints omit the `model.` prefix; map them onto the causal-LM names."""
+    if name.startswith(("model.", "lm_head.")):
+        return name
+    return "model." + name
+
+
+def load_safetensors(
+    directory: str | Path, args: LlamaArgs, *, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Load a HF directory's `*.safetensors` (sharded or not) as canonical tensors of `dtype`.
+
+    Shapes are checked from the headers before any tensor data is read.
+    """
+    from safetensors import safe_open
+
+    root = Path(directory)
+    files = _safetensors_files(root)
+    name_map = {name: _canonical_hf_name(name) for names in files.values() for name in names}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, names in files.items():
+        with safe_open(str(root / file), framework="pt") as handle:
+            for name in names:
+                shapes[name_map[name]] = tuple(handle.get_slice(name).get_shape())
+    check_shapes(args, shapes, source=str(root))
+    wanted = set(expected_shapes(args))
+    out: dict[str, torch.Tensor] = {}
+    for file, names in files.items():
+        with safe_open(str(root / file), framework="pt") as handle:
+            for name in names:
+                canonical = name_map[name]
+                if canonical in wanted:
+                    out[canonical] = handle.get_tensor(name).to(dtype)
+    logger.info("loaded %d tensors from %d safetensors file(s) in %s", len(out), len(files), root)
+    return out
+
+
+# ------------------------------------------------------------------------------------ GGUF
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_GGUF_LAYER_SUFFIX = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL = {
+    "token_embd.weight": EMBED,
+    "output_norm.weight": FINAL_NORM,
+    "output.weight": LM_HEAD,
+}
+
+
+def gguf_name_map(tensor_names: Iterable[str]) -> dict[str, str]:
+    """GGUF tensor name -> canonical name, built once; names it does not know are left out."""
+    out: dict[str, str] = {}
+    for name in tensor_names:
+        if name in _GGUF_GLOBAL:
+            out[name] = _GGUF_GLOBAL[name]
+            continue
+        match = _GGUF_LAYER.match(name)
+        if match and match.group(2) in _GGUF_LAYER_SUFFIX:
+            out[name] = layer_name(int(match.group(1)), _GGUF_LAYER_SUFFIX[match.group(2)])
+    return out
+
+
+@attrs.frozen
+class GGUFFile:
+    """An opened GGUF file: decoded metadata and the (memory-mapped) tensor records."""
+
+    path: Path
+    metadata: Mapping[str, Any]
+    reader: Any
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFFile:
+        from gguf import GGUFReader
+
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"GGUF path {str(file)!r} does not exist")
+        reader = GGUFReader(str(file))
+        metadata = {key: field.contents() for key, field in reader.fields.items()}
+        return cls(path=file, metadata=metadata, reader=reader)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.reader.tensors)
+
+    def args(self) -> LlamaArgs:
+        return LlamaArgs.from_gguf_metadata(self.metadata, self.tensor_names)
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion permutation of Q/K rows.
+
+    llama.cpp stores each head's rows interleaved (pairs rotate as (x0, x1), (x2, x3), ...);
+    HF's layout, which the model uses, keeps the two rotary halves contiguous.
+    """
+    out_features, in_features = weight.shape
+    head_dim = out_features // n_heads
+    return (
+        weight.reshape(n_heads, head_dim // 2, 2, in_features)
+        .transpose(1, 2)
+        .reshape(out_features, in_features)
+    )
+
+
+def _dequantize_gguf_tensor(tensor: Any) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor in PyTorch (row-major, reversed ggml) shape."""
+    from gguf import GGMLQuantizationType, quants
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    raw = tensor.data
+    if qtype == GGMLQuantizationType.F32:
+        array = np.asarray(raw, dtype=np.float32)
+        return torch.from_numpy(array.copy()).reshape(shape)
+    if qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.asarray(raw, dtype=np.float16).copy()).reshape(shape)
+    if qtype == GGMLQuantizationType.BF16:
+        bits = np.ascontiguousarray(raw).view(np.int16).copy()
+        return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
+    try:
+        array = quants.dequantize(raw, qtype)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has quantization type {qtype.name}, which the gguf "
+            "package cannot dequantize"
+        ) from exc
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+
+
+def load_gguf(
+    gguf_file: GGUFFile, args: LlamaArgs, *, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Dequantize a GGUF file's tensors into canonical HF-layout tensors of `dtype`."""
+    tensors = {t.name: t for t in gguf_file.reader.tensors}
+    name_map = gguf_name_map(tensors)
+    unknown = sorted(set(tensors) - set(name_map))
+    if unknown:
+        logger.warning(
+            "ignoring %d GGUF tensor(s) with no mapping: %s",
+            len(unknown),
+            ", ".join(unknown[:_MAX_LISTED]),
+        )
+    shapes = {
+        canonical: tuple(int(d) for d in reversed(tensors[name].shape.tolist()))
+        for name, canonical in name_map.items()
+    }
+    check_shapes(args, shapes, source=str(gguf_file.path))
+    wanted = set(expected_shapes(args))
+    out: dict[str, torch.Tensor] = {}
+    for name, canonical in name_map.items():
+        if canonical not in wanted:
+            continue
+        value = _dequantize_gguf_tensor(tensors[name])
+        if canonical.endswith("self_attn.q_proj.weight"):
+            value = unpermute_rope_rows(value, args.n_heads)
+        elif canonical.endswith("self_attn.k_proj.weight"):
+            value = unpermute_rope_rows(value, args.n_kv_heads)
+        out[canonical] = value.to(dtype).contiguous()
+    logger.info("loaded %d tensors from GGUF %s", len(out), gguf_file.path)
+    return out
+
+
+# ------------------------------------------------------------------------------ tiny-random
+def random_state_dict(
+    args: LlamaArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights whose greedy continuations vary (tied heads included).
+
+    Small embeddings and stronger residual-branch outputs keep the residual stream from
+    being dominated by the input embedding, which would make a tied head repeat one token.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(args).items():
+        if len(shape) == 1:
+            value = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        elif name == EMBED:
+            value = 0.2 * torch.randn(shape, generator=generator)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            value = 3.0 * torch.randn(shape, generator=generator) / (shape[1] ** 0.5)
+        else:
+            value = torch.randn(shape, generator=generator) / (shape[1] ** 0.5)
+        out[name] = value.to(dtype)
+    return out
