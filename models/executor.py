@@ -276,8 +276,9 @@ class ModelExecutor(LifecycleHost):
             raise ValueError("configure_paged_kv_cache needs a resolved config (num_blocks set)")
         assert config.num_blocks is not None
         layout = self._layout(config.num_blocks)
-        prefill_config = self.prefill_runtime.config.with_page_table_layout(layout)
-        decode_config = self.decode_runtime.config.with_page_table_layout(layout)
+        # Validate every replacement before changing anything, so a refusal is atomic.
+        self.prefill_runtime.config.with_page_table_layout(layout)
+        self.decode_runtime.config.with_page_table_layout(layout)
         warmup_config = self.warmup.config.with_page_table_layout(layout)
         if self.kv_cache_manager.state.value == "unresolved":
             self.kv_cache_manager.configure(config)
@@ -290,7 +291,6 @@ class ModelExecutor(LifecycleHost):
         self.page_table_layout = layout
         self.prefill_runtime.configure_page_table_layout(layout)
         self.decode_runtime.configure_page_table_layout(layout)
-        del prefill_config, decode_config
         self.warmup.config = warmup_config
         return f"{config.num_blocks} blocks of {config.block_size} tokens"
 

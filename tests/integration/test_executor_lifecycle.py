@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -113,3 +114,26 @@ def test_failed_rollback_faults_and_close_still_releases() -> None:
     executor.close()
     assert executor.phase is Phase.TERMINAL
     assert executor.device.live_allocations == 0
+
+
+def test_late_capacity_shrinks_layout_and_refuses_growth_atomically() -> None:
+    executor = tiny_executor(num_blocks=None)
+    ceiling = executor.kv_cache_manager.config
+    before = executor.page_table_layout
+    other_dtype = attrs.evolve(ceiling, dtype=torch.bfloat16, num_blocks=6)
+    with pytest.raises(ValueError, match="cannot replace dtype"):
+        executor.configure_paged_kv_cache(other_dtype)
+    assert executor.phase is Phase.CONSTRUCTED
+    assert executor.page_table_layout is before
+    assert executor.decode_runtime.config.page_table_layout is before
+    assert executor.kv_cache_manager.config is ceiling
+    executor.configure_paged_kv_cache(ceiling.with_num_blocks(6))
+    assert executor.phase is Phase.CAPACITY_RESOLVED
+    assert executor.page_table_layout.raw_capacity_width == 6
+    assert executor.decode_runtime.config.page_table_layout is executor.page_table_layout
+    assert executor.prefill_runtime.config.page_table_layout is executor.page_table_layout
+    with pytest.raises(PhaseError, match="not legal in CAPACITY_RESOLVED"):
+        executor.configure_paged_kv_cache(ceiling.with_num_blocks(5))
+    cache = executor.allocate_kv_cache()
+    assert cache[0][0].shape[0] == 6
+    executor.close()
