@@ -433,7 +433,12 @@ class ModelExecutor(LifecycleHost):
 
     def _after_warmup(self) -> None:
         if self.phase is P.ALLOCATED and self._warmup_ready():
-            self._lifecycle.fire("compile", detail=self._compile_detail())
+            self._fire_compiled()
+
+    def _fire_compiled(self) -> None:
+        """ALLOCATED -> COMPILED, journaled with the time warmup spent compiling."""
+        seconds = sum(self.warmup.case_seconds.values())
+        self._lifecycle.fire("compile", detail=self._compile_detail(), duration_s=seconds)
 
     def _compile_detail(self) -> str:
         programs = len(self.program_compiler.compiled_programs)
@@ -482,7 +487,7 @@ class ModelExecutor(LifecycleHost):
     def compile(self) -> None:
         """ALLOCATED -> COMPILED by running every configured warmup."""
         if self.phase is P.ALLOCATED and self._warmup_ready():
-            self._lifecycle.fire("compile", detail=self._compile_detail())
+            self._fire_compiled()
             return
         super().compile()
 
