@@ -663,9 +663,8 @@ class LlamaModel(nn.Module):
         pos = positions.to(device=device, dtype=torch.long)
         pages = page_table.to(device=device, dtype=torch.long)
         active = pos >= 0
-        out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
         if not bool(active.any()):
-            return out
+            return torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
         all_active = bool(active.all())
         if not all_active:
             rows = active.nonzero().squeeze(1)
@@ -704,5 +703,6 @@ class LlamaModel(nn.Module):
         logits = self._logits(hidden[:, 0])
         if all_active:
             return logits
+        out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
         out[rows] = logits
         return out
