@@ -1,0 +1,332 @@
+"""Decode throughput of this runtime's `Generator` against Hugging Face transformers `generate`.
+
+Run: `llm-runtime bench --model smollm2-135m --batch-sizes 1,8,32 --prompt-len 128
+--new-tokens 64 --compare transformers [--json]` (this file is the implementation; it can
+also be run directly with the same arguments: `python benchmarks/bench_generate.py ...`).
+
+Method (the same for both engines, in one process, same weights, same thread count):
+
+* prompts are random token ids (fixed seed) of one length, or of lengths drawn uniformly from
+  LOW-HIGH (`--prompt-len 32-512`); every row generates exactly `new_tokens` tokens, greedy,
+  EOS ignored (ours: `ignore_eos`; transformers: `min_new_tokens = max_new_tokens`);
+* decode time excludes prompt processing and is measured inside one run, so load that drifts
+  between runs cannot leak into it: ours sums the wall time of every decode step (block
+  reservation, inputs, `decode_forward`, the asynchronous read, host work); transformers is
+  timed by a streamer from the first generated token to the last (`new_tokens - 1` steps);
+  decode tokens/s = `batch * (new_tokens - 1) / decode seconds` for both;
+* ours runs on an executor whose lane has exactly `batch` slots (what one would deploy for
+  that batch), warmed up on the same prompts first; transformers pads on the left with an
+  attention mask and is warmed up the same way;
+* the engines alternate within every repeat (`--repeats`, default 2) and the best rate of each
+  is reported, so a burst of background load does not decide the ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+if __name__ == "__main__":  # direct runs: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.generation.generator import GenerationParams, Generator
+
+logger = logging.getLogger(__name__)
+
+Log = Callable[[str], None]
+
+
+class BenchUsageError(ValueError):
+    """A benchmark setting that cannot run (the CLI exits 2)."""
+
+
+@attrs.frozen
+class BenchConfig:
+    """One benchmark run: which model, which batch sizes, how long the prompts and outputs."""
+
+    model: str = "smollm2-135m"
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    prompt_len: tuple[int, int] = (128, 128)
+    new_tokens: int = 64
+    compare: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    trace_mode: str = "none"
+    block_size: int = 32
+    prefill_chunk: int = 256
+    seed: int = 0
+    repeats: int = 2
+
+    def check(self) -> None:
+        if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
+            raise BenchUsageError(f"batch_sizes={self.batch_sizes} is invalid: allowed are >= 1")
+        low, high = self.prompt_len
+        if not 1 <= low <= high:
+            raise BenchUsageError(f"prompt_len={self.prompt_len} is invalid: need 1 <= LOW <= HIGH")
+        if self.new_tokens < 2:
+            raise BenchUsageError(
+                f"new_tokens={self.new_tokens} is invalid: allowed is >= 2 (decode is measured "
+                "as T(new_tokens) - T(1))"
+            )
+        if self.repeats < 1:
+            raise BenchUsageError(f"repeats={self.repeats} is invalid: allowed is >= 1")
+        if self.compare not in (None, "transformers"):
+            raise BenchUsageError(f"compare={self.compare!r} is invalid: allowed is transformers")
+
+
+def make_prompts(config: BenchConfig, batch: int, vocab_size: int) -> list[list[int]]:
+    """Random token-id prompts; ids from 100 up avoid the special tokens of small vocabularies."""
+    rng = random.Random(config.seed * 1000 + batch)
+    low, high = config.prompt_len
+    first = min(100, vocab_size // 2)
+    return [
+        [rng.randrange(first, vocab_size) for _ in range(rng.randint(low, high))]
+        for _ in range(batch)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# this runtime
+# --------------------------------------------------------------------------------------------
+
+
+def _runtime_executor(config: BenchConfig, batch: int) -> Any:
+    from models.llama.executor import load_executor
+    from models.llama.sources import ModelNotAvailableError
+
+    longest = config.prompt_len[1] + config.new_tokens
+    block = config.block_size
+    per_request = -(-longest // block)
+    try:
+        executor = load_executor(
+            config.model,
+            device=config.device,
+            dtype=config.dtype,
+            trace_mode=config.trace_mode,
+            block_size=block,
+            max_batch_size=batch,
+            max_prefill_chunk_size=config.prefill_chunk,
+            max_seq_len=per_request * block,
+        )
+    except ModelNotAvailableError as error:
+        raise BenchUsageError(str(error)) from error
+    executor.resolve_capacity(batch * per_request)
+    executor.start()
+    return executor
+
+
+def _runtime_run(generator: Generator, prompts: list[list[int]], new_tokens: int) -> float:
+    """One timed generation; returns our decode seconds (the Generator's step counter)."""
+    params = GenerationParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    completions = generator.generate(prompts, params)
+    produced = {len(c.token_ids) for c in completions}
+    if produced != {new_tokens}:
+        raise RuntimeError(f"expected {new_tokens} tokens per row, got lengths {produced}")
+    stats = generator.last_stats
+    if stats.decode_steps != new_tokens - 1 or stats.preemptions:
+        raise RuntimeError(
+            f"expected {new_tokens - 1} decode steps without preemption, got "
+            f"{stats.decode_steps} steps and {stats.preemptions} preemptions"
+        )
+    return stats.decode_seconds
+
+
+# --------------------------------------------------------------------------------------------
+# transformers
+# --------------------------------------------------------------------------------------------
+
+
+def load_transformers(model: str, dtype: str) -> Any:
+    """transformers' model with the weights our loader reads for `model`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    from models.llama.sources import load_model, resolve_source
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    source = resolve_source(model)
+    if source.kind == "gguf":
+        from transformers import AutoModelForCausalLM
+
+        assert source.path is not None
+        hf: Any = AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=torch_dtype
+        )
+    elif source.kind == "hf_dir":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        loaded = load_model(model, dtype=torch_dtype, with_tokenizer=False)
+        hf = LlamaForCausalLM(LlamaConfig(**loaded.args.to_hf_config()))
+        hf = hf.to(dtype=torch_dtype)
+        result = hf.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
+        if result.unexpected_keys or not set(result.missing_keys) <= {"lm_head.weight"}:
+            raise RuntimeError(f"state dict mismatch: {result}")
+        if loaded.args.tie_word_embeddings:
+            hf.tie_weights()
+    return hf.eval()
+
+
+class _StepClock:
+    """A transformers streamer that only records when each step's tokens arrive."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_run(hf: Any, prompts: list[list[int]], new_tokens: int, *, pad: int) -> float:
+    """One timed `generate`; returns the seconds from the first generated token to the last."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
+    clock = _StepClock()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            streamer=clock,
+        )
+    if out.shape[1] != longest + new_tokens:
+        raise RuntimeError(f"transformers generated {out.shape[1] - longest} tokens per row")
+    # put() #0 is the prompt, #1 the token from prefill, #new_tokens the last decode step.
+    if len(clock.stamps) != new_tokens + 1:
+        raise RuntimeError(f"expected {new_tokens + 1} streamer calls, got {len(clock.stamps)}")
+    return clock.stamps[-1] - clock.stamps[1]
+
+
+def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str, Any]:
+    """One batch size: our lane of `batch` slots and (optionally) transformers, alternating."""
+    steps = config.new_tokens - 1
+    executor = _runtime_executor(config, batch)
+    try:
+        prompts = make_prompts(config, batch, int(executor.model.vocab_size))
+        lengths = [len(p) for p in prompts]
+        generator = Generator(executor, enable_prefix_cache=False)
+        _runtime_run(generator, prompts, 2)  # compiles every shape this batch uses
+        if hf is not None:
+            _hf_run(hf, prompts, 2, pad=0)
+        ours: list[float] = []
+        theirs: list[float] = []
+        for repeat in range(config.repeats):
+            log(f"batch {batch}: repeat {repeat + 1}/{config.repeats}")
+            ours.append(_runtime_run(generator, prompts, config.new_tokens))
+            if hf is not None:
+                theirs.append(_hf_run(hf, prompts, config.new_tokens, pad=0))
+        row: dict[str, Any] = {
+            "batch_size": batch,
+            "prompt_len_min": min(lengths),
+            "prompt_len_max": max(lengths),
+            "prompt_len_mean": sum(lengths) / len(lengths),
+            "new_tokens": config.new_tokens,
+            "runtime": {
+                "decode_seconds": ours,
+                "decode_tokens_per_second": batch * steps / min(ours),
+                "prefill_seconds": generator.last_stats.prefill_seconds,
+            },
+        }
+        if hf is not None:
+            row["transformers"] = {
+                "decode_seconds": theirs,
+                "decode_tokens_per_second": batch * steps / min(theirs),
+            }
+            row["ratio"] = (
+                row["runtime"]["decode_tokens_per_second"]
+                / row["transformers"]["decode_tokens_per_second"]
+            )
+        return row
+    finally:
+        executor.close()
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def run_benchmark(config: BenchConfig, *, log: Log | None = None) -> dict[str, Any]:
+    """Measure every batch size; returns a JSON-ready report."""
+    config.check()
+    say = log or (lambda message: logger.info("%s", message))
+    from models.llama.sources import ModelNotAvailableError, resolve_source
+
+    try:
+        resolve_source(config.model)
+    except ModelNotAvailableError as error:
+        raise BenchUsageError(str(error)) from error
+    except ValueError as error:
+        raise BenchUsageError(f"--model {config.model}: {error}") from error
+    hf = load_transformers(config.model, config.dtype) if config.compare else None
+    results: list[dict[str, Any]] = []
+    for batch in config.batch_sizes:
+        row = bench_batch(config, batch, hf, say)
+        results.append(row)
+        say(format_row(row))
+    return {
+        "model": config.model,
+        "device": config.device,
+        "dtype": config.dtype,
+        "trace_mode": config.trace_mode,
+        "torch_threads": torch.get_num_threads(),
+        "method": (
+            "decode tokens/s = batch*(new_tokens-1) / decode seconds (ours: step counter; "
+            "transformers: streamer, first to last generated token), best of "
+            f"{config.repeats} alternating repeats; greedy, EOS ignored, prefix cache off"
+        ),
+        "results": results,
+    }
+
+
+def format_row(row: dict[str, Any]) -> str:
+    ours = row["runtime"]["decode_tokens_per_second"]
+    text = (
+        f"batch {row['batch_size']:>3}  prompts {row['prompt_len_min']}-{row['prompt_len_max']}"
+        f"  runtime {ours:8.1f} tok/s"
+    )
+    if "transformers" in row:
+        theirs = row["transformers"]["decode_tokens_per_second"]
+        text += f"  transformers {theirs:8.1f} tok/s  ratio {row['ratio']:.2f}x"
+    return text
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A plain-text table of decode tokens/s per batch size."""
+    lines = [
+        f"{report['model']} {report['dtype']} on {report['device']} "
+        f"({report['torch_threads']} torch threads); {report['method']}",
+    ]
+    lines.extend(format_row(row) for row in report["results"])
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from models.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))
