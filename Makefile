@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/llm-runtime lifecycle diagram
+	$(BIN)/llm-runtime generate --chat --prompt "What is the capital of France?" --max-new-tokens 32
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
