@@ -1,0 +1,160 @@
+"""Host-side cost of the runtime, excluding the model body.
+
+1. Planning 1,000 mixed prefill rows (`plan_prefill_requests`): target under 5 ms.
+2. One decode step's host work at lane capacity 32 (`DecodeRuntime.prepare` + staging +
+   consume), with a model whose `decode` returns a preallocated logits tensor, so the model
+   body costs nothing: target under 200 us.
+
+Run: `.venv/bin/python benchmarks/host_overhead.py`. Prints medians of repeated runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from runtime.backends.torch_device import TorchDevice
+from runtime.config import PagedKVCacheConfig, PageTableLayout, RuntimePolicy
+from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from runtime.model_contract import AttentionMetadata, PagedAttentionConfig
+from runtime.output_reader import OutputReader
+from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.prefill.plan import plan_prefill_requests
+
+LANE = 32
+BLOCK = 32
+VOCAB = 49152
+
+
+def median_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall time of `fn` over `repeat` runs (after one warm-up run)."""
+    fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def planning_case() -> Callable[[], object]:
+    """1,000 rows of mixed lengths (some cached, some long enough to chunk), 32-slot lanes."""
+    generator = torch.Generator().manual_seed(0)
+    rows = 1000
+    lengths = torch.randint(1, 3000, (rows,), generator=generator)
+    cached = (torch.randint(0, 3, (rows,), generator=generator) * BLOCK).minimum(lengths - 1)
+    cached = cached // BLOCK * BLOCK
+    cached = torch.where(torch.rand(rows, generator=generator) < 0.2, cached, 0)
+    width = -(-int(lengths.max()) // BLOCK)
+    tokens = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
+    page_table = torch.arange(rows * width, dtype=torch.int32).reshape(rows, width)
+    policy = RuntimePolicy.ttnn()
+
+    def run() -> object:
+        return plan_prefill_requests(
+            tokens=tokens,
+            page_table=page_table,
+            prompt_lens=lengths,
+            start_pos=cached,
+            block_size=BLOCK,
+            max_batch_size=rows,
+            max_prefill_chunk_size=2048,
+            supports_batched_prefill=True,
+            max_prefill_batch_size=32,
+            policy=RuntimePolicy(
+                prefill_padding_buckets=policy.prefill_padding_buckets,
+                chunk_size_multiple=policy.chunk_size_multiple,
+                decode_lane_capacity_limit=rows,
+            ),
+        )
+
+    return run
+
+
+class NullModel:
+    """A model whose decode returns preallocated logits: only host work is measured."""
+
+    n_layers = 1
+    vocab_size = VOCAB
+    max_seq_len = 4096
+    sampling = None
+
+    def __init__(self) -> None:
+        self.logits = torch.zeros(LANE, VOCAB)
+        self.cache: Any = None
+
+    def attention_metadata(self) -> list[AttentionMetadata]:
+        return [AttentionMetadata(torch.float32, 1, 8, PagedAttentionConfig(BLOCK, 256))]
+
+    def configure_paged_attention(self, *, block_size: int, max_num_blocks: int) -> None:
+        return None
+
+    def set_kv_cache(self, cache: Any) -> None:
+        self.cache = cache
+
+    def iter_executor_named_modules(self) -> Any:
+        return iter(())
+
+    def decode(self, tokens: Any, *, positions: Any, page_table: Any) -> torch.Tensor:
+        return self.logits
+
+
+def decode_case() -> tuple[Callable[[], object], Callable[[], None]]:
+    """prepare + invoke (staging and a free model body) + blocking consume at lane 32."""
+    device = TorchDevice("cpu")
+    model = NullModel()
+    manager = PagedKVCacheManager(
+        model,
+        PagedKVCacheConfig(
+            block_size=BLOCK, max_num_blocks=256, dtype=torch.float32, num_blocks=256
+        ),
+        device=device,
+    )
+    manager.allocate()
+    layout = PageTableLayout.resolve(
+        block_size=BLOCK,
+        model_max_sequence_length=4096,
+        physical_num_blocks=256,
+        max_prefill_chunk_size=2048,
+    )
+    reader = OutputReader(device)
+    runtime = DecodeRuntime(
+        DecodeRuntimeConfig.resolve(
+            model=model,
+            device=device,
+            output_reader=reader,
+            lane_capacity=LANE,
+            page_table_layout=layout,
+            device_sampling_enabled=False,
+            policy=RuntimePolicy.torch_default(),
+        )
+    )
+    tokens = torch.arange(LANE, dtype=torch.long)
+    positions = torch.arange(100, 100 + LANE, dtype=torch.long)
+    table = torch.arange(LANE * 8, dtype=torch.int32).reshape(LANE, 8)
+
+    def step() -> object:
+        prepared = runtime.prepare(tokens, positions, table)
+        result = runtime.invoke(prepared)
+        return runtime.consume(result)
+
+    return step, manager.release
+
+
+def main() -> None:
+    plan = planning_case()
+    plan_s = median_seconds(plan, repeat=7)
+    step, close = decode_case()
+    step_s = median_seconds(step, repeat=200)
+    close()
+    print("host-side overhead (median, this machine, torch threads:", torch.get_num_threads(), ")")
+    print(f"  plan 1,000 mixed prefill rows        {plan_s * 1e3:9.2f} ms   (target < 5 ms)")
+    print(f"  decode host step at lane 32          {step_s * 1e6:9.1f} us   (target < 200 us)")
+
+
+if __name__ == "__main__":
+    main()
