@@ -6,6 +6,15 @@ shared by all layers: writes and gathers go through one flat row index into the 
 as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over batch rows.
 Q/K/V and gate/up projections are fused into one matmul each (fewer passes over the weights
 and fewer operator launches, which is what bounds batch-1 decode on CPU).
+
+Two implementations of decode and prefill share the layers:
+
+* dynamic (default on CPU): reads values on the host to do the least work (only the keys up to
+  the longest row, only the active rows). Fastest on CPU; cannot be captured as a CUDA graph.
+* graph-safe (`models.llama.graph_safe`): no host synchronisation, shapes fixed by the input
+  shapes (whole page-table width, every row). It is used when `uses_graph_safe_path()`: the
+  `graph_safe` attribute when set, otherwise automatically on CUDA, so eager and captured CUDA
+  calls run the same code and agree bit for bit.
 """
 
 from __future__ import annotations
@@ -15,12 +24,18 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.llama.config import LlamaArgs
+from models.llama.graph_safe import (
+    Addressing,
+    flat_cache_rows,
+    static_decode,
+    static_prefill,
+    stream_capturing,
+)
 from models.llama.weights import (
     EMBED,
     FINAL_NORM,
@@ -133,22 +148,17 @@ class DecoderLayer(nn.Module):
         return out
 
 
-@attrs.frozen
-class _Addressing:
-    """Cache addressing of one call, computed once and used by every layer."""
-
-    write_rows: torch.Tensor | None  # token rows (into the flattened batch) that are written
-    write_index: torch.Tensor  # flat cache rows, ordered (token, kv head)
-    gather_index: torch.Tensor | None  # [B, n_kv_heads, L] flat cache rows to attend to
-    mask: torch.Tensor | None  # bool [B, 1, queries, keys]; None = plain causal chunk
-
-
 class LlamaModel(nn.Module):
     """Llama-architecture decoder over a caller-owned paged KV cache.
 
     With a tied head there is one matrix, stored in the head's layout (`lm_head`); token
     embeddings are looked up in its `[vocab, dim]` view.
+
+    `graph_safe`: None (default) picks the graph-safe decode/prefill on CUDA and the dynamic
+    one elsewhere; True or False forces one (tests force True on CPU).
     """
+
+    graph_safe: bool | None
 
     def __init__(
         self,
@@ -183,6 +193,7 @@ class LlamaModel(nn.Module):
         self._kv_cache: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
         # Optional device-sampling module a family executor attaches (the runtime reads it).
         self.sampling: Any = None
+        self.graph_safe = None
         if paged_attention is not None:
             self.configure_paged_attention(
                 block_size=paged_attention.block_size,
@@ -420,7 +431,21 @@ class LlamaModel(nn.Module):
             raise RuntimeError(f"{caller} needs a bound KV cache: call set_kv_cache(cache) first")
         return self._kv_cache
 
-    def _check_page_table(self, page_table: torch.Tensor, batch: int, num_blocks: int) -> None:
+    def uses_graph_safe_path(self) -> bool:
+        """Whether `decode`/`prefill` run the graph-safe implementation.
+
+        The `graph_safe` attribute decides when set; otherwise it is True exactly when the model
+        lives on CUDA, so every CUDA call (eager, CUDA-graph warm-up and capture) shares one
+        implementation and traced results equal eager ones bit for bit, while CPU keeps the
+        faster dynamic path.
+        """
+        if self.graph_safe is not None:
+            return self.graph_safe
+        return self.device.type == "cuda"
+
+    @staticmethod
+    def _check_page_table_layout(page_table: torch.Tensor, batch: int) -> None:
+        """Shape and dtype only: reads no values, so it is legal inside a capture."""
         if page_table.dim() != 2 or page_table.shape[0] != batch:
             raise ValueError(
                 f"page_table has shape {list(page_table.shape)}: allowed is [{batch}, W]"
@@ -429,6 +454,9 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"page_table has dtype {page_table.dtype}: allowed is an integer dtype"
             )
+
+    def _check_page_table(self, page_table: torch.Tensor, batch: int, num_blocks: int) -> None:
+        self._check_page_table_layout(page_table, batch)
         if page_table.numel():
             low, high = int(page_table.min()), int(page_table.max())
             if low < -1 or high >= num_blocks:
@@ -441,9 +469,9 @@ class LlamaModel(nn.Module):
         self, blocks: torch.Tensor, offsets: torch.Tensor, block_size: int
     ) -> torch.Tensor:
         """Flat cache rows for (block, offset) pairs, one per KV head: shape `[..., kv]`."""
-        kv = self.args.n_kv_heads
-        heads = torch.arange(kv, device=blocks.device)
-        return ((blocks.unsqueeze(-1) * kv + heads) * block_size) + offsets.unsqueeze(-1)
+        return flat_cache_rows(
+            blocks, offsets, n_kv_heads=self.args.n_kv_heads, block_size=block_size
+        )
 
     def _key_rows(
         self, page_table: torch.Tensor, n_keys: int, block_size: int
@@ -479,7 +507,7 @@ class LlamaModel(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        addressing: _Addressing,
+        addressing: Addressing,
         *,
         use_cache_for_chunk: bool,
     ) -> torch.Tensor:
@@ -501,8 +529,16 @@ class LlamaModel(nn.Module):
             k_tokens = k_tokens.index_select(0, addressing.write_rows)
             v_tokens = v_tokens.index_select(0, addressing.write_rows)
         if addressing.write_index.numel():
-            k_flat.index_copy_(0, addressing.write_index, k_tokens.reshape(-1, hd))
-            v_flat.index_copy_(0, addressing.write_index, v_tokens.reshape(-1, hd))
+            k_new = k_tokens.reshape(-1, hd)
+            v_new = v_tokens.reshape(-1, hd)
+            if addressing.any_writer is not None:
+                # Graph-safe calls: when no row may write, every write stores back the
+                # value already there (shapes stay fixed; the cache stays bit-identical).
+                index = addressing.write_index
+                k_new = torch.where(addressing.any_writer, k_new, k_flat.index_select(0, index))
+                v_new = torch.where(addressing.any_writer, v_new, v_flat.index_select(0, index))
+            k_flat.index_copy_(0, addressing.write_index, k_new)
+            v_flat.index_copy_(0, addressing.write_index, v_new)
         if use_cache_for_chunk:
             assert addressing.gather_index is not None
             keys = self._gather(k_flat, addressing.gather_index)
@@ -513,6 +549,14 @@ class LlamaModel(nn.Module):
             if addressing.gather_index is not None:
                 keys = torch.cat((self._gather(k_flat, addressing.gather_index), keys), dim=2)
                 values = torch.cat((self._gather(v_flat, addressing.gather_index), values), dim=2)
+        if seq == 1 and n_q != n_kv and addressing.any_writer is not None:
+            # Graph-safe decode attends over the whole page-table width: fold each KV head's
+            # query group into the query axis, so no backend repeats K/V per query head.
+            out = F.scaled_dot_product_attention(
+                q.reshape(batch, n_kv, n_q // n_kv, hd), keys, values, attn_mask=addressing.mask
+            )
+            projected: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
+            return projected
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys,
@@ -521,14 +565,14 @@ class LlamaModel(nn.Module):
             is_causal=addressing.mask is None,
             enable_gqa=n_q != n_kv,
         )
-        projected: torch.Tensor = layer.wo(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
+        projected = layer.wo(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
         return projected
 
     def _run_layers(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        addressing: _Addressing,
+        addressing: Addressing,
         cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
         *,
         use_cache_for_chunk: bool,
@@ -555,18 +599,20 @@ class LlamaModel(nn.Module):
         return logits.float()
 
     # ---------------------------------------------------------------- contract: prefill
-    @torch.inference_mode()
-    def prefill(
+    def _prefill_inputs(
         self,
+        caller: str,
         tokens: torch.Tensor,
-        *,
         page_table: torch.Tensor,
         prompt_lens: torch.Tensor,
         chunk_start: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run a padded chunk `[B, S]`; write its real tokens' K/V; last-token logits `[B, V]`."""
-        cache = self._require_cache("prefill")
-        paged = self._require_paged("prefill")
+    ) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], int, tuple[torch.Tensor, ...]]:
+        """Shape checks (no value reads) and the inputs as long tensors on the model device.
+
+        Returns `(cache, block_size, (tokens, pages, lens, start))`.
+        """
+        cache = self._require_cache(caller)
+        paged = self._require_paged(caller)
         if tokens.dim() != 2:
             raise ValueError(f"tokens has shape {list(tokens.shape)}: allowed is [B, S]")
         batch, seq = tokens.shape
@@ -575,14 +621,21 @@ class LlamaModel(nn.Module):
         for name, value in (("prompt_lens", prompt_lens), ("chunk_start", chunk_start)):
             if value.shape != (batch,):
                 raise ValueError(f"{name} has shape {list(value.shape)}: allowed is [{batch}]")
-        num_blocks = cache[0][0].shape[0]
-        self._check_page_table(page_table, batch, num_blocks)
+        self._check_page_table_layout(page_table, batch)
         device = self.device
-        bs = paged.block_size
-        tokens = tokens.to(device=device, dtype=torch.long)
-        pages = page_table.to(device=device, dtype=torch.long)
-        lens = prompt_lens.to(device=device, dtype=torch.long)
-        start = chunk_start.to(device=device, dtype=torch.long)
+        converted = tuple(
+            value.to(device=device, dtype=torch.long)
+            for value in (tokens, page_table, prompt_lens, chunk_start)
+        )
+        return cache, paged.block_size, converted
+
+    def _prefill_extent(
+        self, lens: torch.Tensor, start: torch.Tensor, seq: int, bs: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Validate chunk starts and lengths on the host; `(real, start, end)` per row.
+
+        `real` counts each row's real tokens in this chunk; rows without any read from 0.
+        """
         if bool((start < 0).any()):
             raise ValueError(f"chunk_start={start.tolist()} is invalid: allowed are values >= 0")
         real = (lens - start).clamp(min=0, max=seq)  # real tokens of each row in this chunk
@@ -594,13 +647,42 @@ class LlamaModel(nn.Module):
                 f"prompt positions up to {int(end.max()) - 1} exceed max_seq_len="
                 f"{self.max_seq_len}: allowed are positions < max_seq_len"
             )
-        width = pages.shape[1]
         needed = int(((end + bs - 1) // bs).max())
         if needed > width:
             raise ValueError(
                 f"page_table is too narrow: width {width}, but a row needs {needed} block(s) "
                 f"of {bs} tokens"
             )
+        return real, start, end
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        *,
+        page_table: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        chunk_start: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run a padded chunk `[B, S]`; write its real tokens' K/V; last-token logits `[B, V]`.
+
+        With `uses_graph_safe_path()` the inputs are validated on the host (skipped while a
+        CUDA graph is being captured) and `prefill_graph_safe` computes.
+        """
+        cache, bs, (tokens, pages, lens, start) = self._prefill_inputs(
+            "prefill", tokens, page_table, prompt_lens, chunk_start
+        )
+        num_blocks = cache[0][0].shape[0]
+        batch, seq = tokens.shape
+        width = pages.shape[1]
+        if self.uses_graph_safe_path():
+            if not stream_capturing(self.device):
+                self._check_page_table(pages, batch, num_blocks)
+                self._prefill_extent(lens, start, seq, bs, width)
+            return self._prefill_static(cache, bs, tokens, pages, lens, start)
+        self._check_page_table(pages, batch, num_blocks)
+        device = self.device
+        real, start, _ = self._prefill_extent(lens, start, seq, bs, width)
         cols = torch.arange(seq, device=device)
         positions = start.unsqueeze(1) + cols  # [B, S]
         is_real = cols.unsqueeze(0) < real.unsqueeze(1)
@@ -629,7 +711,7 @@ class LlamaModel(nn.Module):
                 ),
                 dim=2,
             ).unsqueeze(1)
-        addressing = _Addressing(
+        addressing = Addressing(
             write_rows=None if bool(flat_write.all()) else write_rows,
             write_index=write_index,
             gather_index=gather_index,
@@ -642,33 +724,76 @@ class LlamaModel(nn.Module):
         logits = self._logits(last_hidden)
         return logits.masked_fill_((real == 0).unsqueeze(1), 0.0)
 
-    # ----------------------------------------------------------------- contract: decode
     @torch.inference_mode()
-    def decode(
-        self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
+    def prefill_graph_safe(
+        self,
+        tokens: torch.Tensor,
+        *,
+        page_table: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        chunk_start: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row at `positions` (negative = inactive); logits `[B, V]`."""
-        cache = self._require_cache("decode")
-        paged = self._require_paged("decode")
+        """`prefill` without host reads or data-dependent shapes: what a CUDA graph records.
+
+        Input values are not validated (shapes and dtypes are); out-of-range values are
+        clamped, never read out of bounds. Attention covers the whole page-table width.
+        """
+        cache, bs, (tokens, pages, lens, start) = self._prefill_inputs(
+            "prefill_graph_safe", tokens, page_table, prompt_lens, chunk_start
+        )
+        return self._prefill_static(cache, bs, tokens, pages, lens, start)
+
+    def _prefill_static(
+        self,
+        cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        bs: int,
+        tokens: torch.Tensor,
+        pages: torch.Tensor,
+        lens: torch.Tensor,
+        start: torch.Tensor,
+    ) -> torch.Tensor:
+        batch = tokens.shape[0]
+        if pages.shape[1] == 0:
+            raise ValueError("page_table has 0 columns: the graph-safe prefill needs W >= 1")
+        plan = static_prefill(
+            tokens,
+            pages,
+            lens,
+            start,
+            n_kv_heads=self.args.n_kv_heads,
+            block_size=bs,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+        )
+        hidden = self._run_layers(
+            plan.tokens, plan.positions, plan.addressing, cache, use_cache_for_chunk=False
+        )
+        last_hidden = hidden[torch.arange(batch, device=tokens.device), plan.last]
+        logits = self._logits(last_hidden)
+        return logits.masked_fill((~plan.has_tokens).unsqueeze(1), 0.0)
+
+    # ----------------------------------------------------------------- contract: decode
+    def _decode_inputs(
+        self, caller: str, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor
+    ) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], int, tuple[torch.Tensor, ...]]:
+        """Shape checks (no value reads) and `(cache, block_size, (tokens, pos, pages))`."""
+        cache = self._require_cache(caller)
+        paged = self._require_paged(caller)
         if tokens.dim() != 1:
             raise ValueError(f"tokens has shape {list(tokens.shape)}: allowed is [B]")
         batch = tokens.shape[0]
         if positions.shape != (batch,):
             raise ValueError(f"positions has shape {list(positions.shape)}: allowed is [{batch}]")
-        num_blocks = cache[0][0].shape[0]
-        self._check_page_table(page_table, batch, num_blocks)
+        self._check_page_table_layout(page_table, batch)
         device = self.device
-        bs = paged.block_size
-        tokens = tokens.to(device=device, dtype=torch.long)
-        pos = positions.to(device=device, dtype=torch.long)
-        pages = page_table.to(device=device, dtype=torch.long)
-        active = pos >= 0
-        if not bool(active.any()):
-            return torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
-        all_active = bool(active.all())
-        if not all_active:
-            rows = active.nonzero().squeeze(1)
-            tokens, pos, pages = tokens[rows], pos[rows], pages[rows]
+        converted = tuple(
+            value.to(device=device, dtype=torch.long) for value in (tokens, positions, page_table)
+        )
+        return cache, paged.block_size, converted
+
+    def _check_decode_extent(self, pos: torch.Tensor, width: int, bs: int) -> int:
+        """Host check of active positions `pos` (non-empty): below max_seq_len, pages to hold
+        them. Returns the highest position."""
         top = int(pos.max())
         if top >= self.max_seq_len:
             raise ValueError(
@@ -676,11 +801,45 @@ class LlamaModel(nn.Module):
                 "positions < max_seq_len"
             )
         n_blocks = top // bs + 1
-        if n_blocks > pages.shape[1]:
+        if n_blocks > width:
             raise ValueError(
-                f"page_table is too narrow: width {pages.shape[1]}, but position {top} needs "
+                f"page_table is too narrow: width {width}, but position {top} needs "
                 f"{n_blocks} block(s) of {bs} tokens"
             )
+        return top
+
+    @torch.inference_mode()
+    def decode(
+        self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per row at `positions` (negative = inactive); logits `[B, V]`.
+
+        Inactive rows read zero logits and write nothing. With `uses_graph_safe_path()` the
+        inputs are validated on the host (skipped while a CUDA graph is being captured) and
+        `decode_graph_safe` computes.
+        """
+        cache, bs, (tokens, pos, pages) = self._decode_inputs(
+            "decode", tokens, positions, page_table
+        )
+        batch = tokens.shape[0]
+        num_blocks = cache[0][0].shape[0]
+        device = self.device
+        if self.uses_graph_safe_path():
+            if not stream_capturing(device):
+                self._check_page_table(pages, batch, num_blocks)
+                live = pos[pos >= 0]
+                if live.numel():
+                    self._check_decode_extent(live, pages.shape[1], bs)
+            return self._decode_static(cache, bs, tokens, pos, pages)
+        self._check_page_table(pages, batch, num_blocks)
+        active = pos >= 0
+        if not bool(active.any()):
+            return torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
+        all_active = bool(active.all())
+        if not all_active:
+            rows = active.nonzero().squeeze(1)
+            tokens, pos, pages = tokens[rows], pos[rows], pages[rows]
+        top = self._check_decode_extent(pos, pages.shape[1], bs)
         block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
         mapped = block >= 0
         write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
@@ -691,7 +850,7 @@ class LlamaModel(nn.Module):
         gather_index, page_ok = self._key_rows(pages, top + 1, bs)
         key_pos = torch.arange(top + 1, device=device)
         visible = (key_pos.unsqueeze(0) <= pos.unsqueeze(1)) & page_ok
-        addressing = _Addressing(
+        addressing = Addressing(
             write_rows=write_rows,
             write_index=write_index,
             gather_index=gather_index,
@@ -706,3 +865,50 @@ class LlamaModel(nn.Module):
         out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
         out[rows] = logits
         return out
+
+    @torch.inference_mode()
+    def decode_graph_safe(
+        self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
+    ) -> torch.Tensor:
+        """`decode` without host reads or data-dependent shapes: what a CUDA graph records.
+
+        Input values are not validated (shapes and dtypes are); out-of-range values are
+        clamped, never read out of bounds. Every row computes over the whole page-table width;
+        inactive rows' logits are zeroed and their writes repeat an active row's write. With
+        no writing row at all, the cache is left bit-identical (see `graph_safe`).
+        """
+        cache, bs, (tokens, pos, pages) = self._decode_inputs(
+            "decode_graph_safe", tokens, positions, page_table
+        )
+        return self._decode_static(cache, bs, tokens, pos, pages)
+
+    def _decode_static(
+        self,
+        cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        bs: int,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        pages: torch.Tensor,
+    ) -> torch.Tensor:
+        batch = tokens.shape[0]
+        if pages.shape[1] == 0:
+            # A static fact: no row can hold a token, so every row must be inactive.
+            return torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=self.device)
+        plan = static_decode(
+            tokens,
+            pos,
+            pages,
+            n_kv_heads=self.args.n_kv_heads,
+            block_size=bs,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+        )
+        hidden = self._run_layers(
+            plan.tokens.unsqueeze(1),
+            plan.positions.unsqueeze(1),
+            plan.addressing,
+            cache,
+            use_cache_for_chunk=True,
+        )
+        logits = self._logits(hidden[:, 0])
+        return logits.masked_fill((~plan.active).unsqueeze(1), 0.0)
