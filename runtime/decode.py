@@ -584,8 +584,12 @@ class DecodeRuntime:
             if result.owned is not None:
                 self._register_lease(result)
             return result.value
+        # Eager logits are a fresh model output this call owns and releases below, so the
+        # reader may hand them over without a copy; trace outputs (owned=None) are overwritten
+        # by the next replay and sampled tokens may live in sampler buffers: those are copied.
+        donate = result.owned is not None and not result.is_tokens
         try:
-            host = self._config.output_reader.read(result.value, blocking=True)
+            host = self._config.output_reader.read(result.value, blocking=True, donate=donate)
         except BaseException as error:
             attach_cleanup_failures(error, self._release_owned(result.owned))
             raise

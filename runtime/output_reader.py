@@ -94,9 +94,16 @@ class OutputReader:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def read(self, value: Any, *, blocking: bool = True) -> Any:
-        """Blocking: the host payload, nothing retained. Non-blocking: a `PendingRead`."""
+    def read(self, value: Any, *, blocking: bool = True, donate: bool = False) -> Any:
+        """Blocking: the host payload, nothing retained. Non-blocking: a `PendingRead`.
+
+        `donate=True` says the caller gives the device value up (a fresh, invocation-owned
+        output it releases right after): where device memory is host memory (the CPU backend)
+        it is handed over without a copy.
+        """
         if blocking:
+            if donate and self._device.torch_device.type == "cpu":
+                return value
             return _walk(value, lambda t: self._copy(t, blocking=True)[0])
         return self.submit(value)
 

@@ -90,3 +90,11 @@ def test_drain_collects_failures() -> None:
     device.plan = FaultPlan()
     reader.drain()
     assert reader.pending_count == 0
+
+
+def test_donated_values_are_handed_over_on_host_memory_devices() -> None:
+    reader = OutputReader(TorchDevice("cpu"))
+    fresh = torch.arange(3)
+    assert reader.read(fresh, donate=True) is fresh
+    assert reader.read(fresh) is not fresh  # without donation the reader copies
+    assert reader.pending_count == 0
