@@ -20,7 +20,6 @@ from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, ProgramKey, s
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
 from runtime.trace_compiler import (
     InputRefreshPolicy,
-    PersistentInputs,
     RefreshDecision,
     TraceArtifact,
     TraceCapturePlan,
@@ -29,7 +28,6 @@ from runtime.trace_compiler import (
 
 logger = logging.getLogger(__name__)
 
-TRACE_MODES = ("none", "decode_only", "all")
 _REMEDIES = (
     "Remedies: (1) add the missing signature to construction-time trace coverage "
     "(WarmupConfig prefill_seq_lens / prefill_batch_sizes, or warm it up before capture); "
@@ -569,9 +567,7 @@ class TracedExecutor:
 
 
 __all__ = [
-    "TRACE_MODES",
     "EagerExecutor",
-    "PersistentInputs",
     "PrefillReplayEvidence",
     "TraceCoverageError",
     "TracedExecutor",

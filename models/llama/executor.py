@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -141,15 +140,3 @@ def load_executor(
         policy=policy,
     )
     return LlamaExecutor(loaded, config, device=target, progress=progress)
-
-
-def describe(executor: LlamaExecutor) -> dict[str, Any]:
-    """Facts for logs and the CLI."""
-    return {
-        "model": executor.loaded.source.name,
-        "device": executor.device.name,
-        "trace_mode": executor.trace_mode,
-        "block_size": executor.block_size,
-        "num_blocks": executor.num_blocks,
-        "max_batch_size": executor.max_batch_size,
-    }
