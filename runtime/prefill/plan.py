@@ -320,12 +320,6 @@ class _Rows:
     canonical_width: int | None
     policy: RuntimePolicy
 
-    def uncached(self, row: int) -> int:
-        return self.prompt_lens[row] - self.cached[row]
-
-    def padded(self, row: int) -> int:
-        return self.policy.padded_prefill_length(self.uncached(row))
-
     def allocated_width(self, row: int) -> int:
         """Page-table columns the row's prompt occupies; validated against the caller."""
         needed = _ceil_div(self.prompt_lens[row], self.block_size)
@@ -525,63 +519,265 @@ def _batched_request(rows: _Rows, bucket: Sequence[int], seq: int, padded: int) 
     )
 
 
-def _single_request(rows: _Rows, row: int) -> PrefillRequest:
-    prompt, cached = rows.prompt_lens[row], rows.cached[row]
-    uncached, padded, block = rows.uncached(row), rows.padded(row), rows.block_size
-    tokens = torch.zeros((1, padded), dtype=torch.long)
-    tokens[0, :uncached] = rows.tokens[row, cached:prompt]
-    allocated = rows.allocated_width(row)
-    width = rows.canonical_width or _ceil_div(padded + cached, block)
-    if cached + padded > width * block:
-        raise ValueError(
-            f"row {row}: cached {cached} + padded {padded} tokens exceeds the canonical "
-            f"page-table capacity of {width} blocks x {block} tokens = {width * block}"
-        )
-    chunked = padded > rows.max_prefill_chunk_size or cached > 0
-    table = torch.full((1, width), _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK, dtype=torch.int32)
-    table[0, :allocated] = rows.page_table[row, :allocated]
-    if chunked:
-        chunks = _plan_chunks(rows, row, table, allocated)
-    else:
-        chunks = (PrefillChunk(slice(0, padded), 0, padded, None, True),)
-    return PrefillRequest(
-        kind="single",
-        source_rows=(row,),
-        slots=(rows.slots[row],),
-        tokens=tokens,
-        page_table=table,
-        prompt_lengths=(prompt,),
-        cached_tokens=(cached,),
-        last_token_indices=(prompt - 1,),
-        padded_sequence_length=padded,
-        padded_batch_size=1,
-        chunks=chunks,
-        uses_chunked_prefill=chunked,
-    )
+def _stock_padding(policy: RuntimePolicy) -> bool:
+    """Whether `policy` pads with `RuntimePolicy.padded_prefill_length` itself (not overridden)."""
+    return type(policy).padded_prefill_length is RuntimePolicy.padded_prefill_length
 
 
-def _plan_chunks(
-    rows: _Rows, row: int, table: torch.Tensor, allocated: int
-) -> tuple[PrefillChunk, ...]:
-    """Equal chunks at absolute positions, stopping at the chunk that holds the last token."""
-    cached, uncached, padded = rows.cached[row], rows.uncached(row), rows.padded(row)
-    size = prefill_chunk_size(padded, rows.max_prefill_chunk_size, policy=rows.policy)
-    chunk_width = _ceil_div(size, rows.block_size)
-    chunks: list[PrefillChunk] = []
-    for relative in range(0, padded, size):
-        start_block = (cached + relative) // rows.block_size
-        mapped = min(chunk_width, max(0, allocated - start_block))
-        chunk_table = torch.full((1, chunk_width), _SKIP_BLOCK, dtype=torch.int32)
-        chunk_table[0, :mapped] = table[0, start_block : start_block + mapped]
-        holds_last = relative <= uncached - 1 < relative + size
-        chunks.append(
-            PrefillChunk(
-                slice(relative, relative + size), cached + relative, size, chunk_table, holds_last
+def _padded_lengths(policy: RuntimePolicy, uncached: Sequence[int]) -> list[int]:
+    """`policy.padded_prefill_length(n)` for each `n > 0`, inlined for the stock policy."""
+    if not _stock_padding(policy):
+        return [policy.padded_prefill_length(n) if n > 0 else 0 for n in uncached]
+    buckets = policy.prefill_padding_buckets
+    padded: list[int] = []
+    for n in uncached:
+        if n <= 0:
+            padded.append(0)
+            continue
+        for bucket in buckets:
+            if n <= bucket:
+                padded.append(bucket)
+                break
+        else:
+            padded.append(1 << (n - 1).bit_length())
+    return padded
+
+
+def _new_chunk(
+    token_slice: slice,
+    chunk_start_idx: int,
+    chunk_size: int,
+    chunk_page_table: torch.Tensor | None,
+    contains_last_token: bool,
+) -> PrefillChunk:
+    """A `PrefillChunk` the planner built itself, without re-running its validation."""
+    chunk = object.__new__(PrefillChunk)
+    setattr_ = object.__setattr__
+    setattr_(chunk, "token_slice", token_slice)
+    setattr_(chunk, "chunk_start_idx", chunk_start_idx)
+    setattr_(chunk, "chunk_size", chunk_size)
+    setattr_(chunk, "chunk_page_table", chunk_page_table)
+    setattr_(chunk, "contains_last_token", contains_last_token)
+    return chunk
+
+
+def _new_single(
+    row: int,
+    slot: int,
+    tokens: torch.Tensor,
+    page_table: torch.Tensor,
+    prompt: int,
+    cached: int,
+    padded: int,
+    chunks: tuple[PrefillChunk, ...],
+    chunked: bool,
+) -> PrefillRequest:
+    """A single `PrefillRequest` the planner built itself, without re-running its validation."""
+    request = object.__new__(PrefillRequest)
+    setattr_ = object.__setattr__
+    setattr_(request, "kind", "single")
+    setattr_(request, "source_rows", (row,))
+    setattr_(request, "slots", (slot,))
+    setattr_(request, "tokens", tokens)
+    setattr_(request, "page_table", page_table)
+    setattr_(request, "prompt_lengths", (prompt,))
+    setattr_(request, "cached_tokens", (cached,))
+    setattr_(request, "last_token_indices", (prompt - 1,))
+    setattr_(request, "padded_sequence_length", padded)
+    setattr_(request, "padded_batch_size", 1)
+    setattr_(request, "chunks", chunks)
+    setattr_(request, "uses_chunked_prefill", chunked)
+    return request
+
+
+@attrs.define
+class _Windows:
+    """Rows of one output matrix: row i is `flat[offset : offset + length]`, then `fill`."""
+
+    offsets: list[int] = attrs.Factory(list)
+    lengths: list[int] = attrs.Factory(list)
+    targets: list[int] = attrs.Factory(list)
+
+    def build(self, flat: torch.Tensor, width: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+        """One `(rows, width)` matrix for all windows: a single gather, mask and cast.
+
+        `flat` must be a contiguous rank-1 tensor (the windows are a strided view of it).
+        """
+        total = int(flat.numel())
+        span = min(width, total)
+        # Windows of `span` consecutive elements starting at every flat position (a view).
+        windows = flat.as_strided((total - span + 1, span), (1, 1))
+        limit = total - span
+        starts = torch.tensor([min(offset, limit) for offset in self.offsets], dtype=torch.long)
+        out = windows.index_select(0, starts)
+        # Columns below the shortest length hold data in every row; columns from the longest
+        # length on hold `fill` in every row; only the band between needs a per-row mask.
+        low, high = min(min(self.lengths), span), min(max(self.lengths), span)
+        out[:, high:] = fill
+        if low < high:
+            lengths = torch.tensor(self.lengths, dtype=torch.long).unsqueeze(1)
+            out[:, low:high].masked_fill_(torch.arange(low, high) >= lengths, fill)
+        for local, (offset, length) in enumerate(zip(self.offsets, self.lengths, strict=True)):
+            if offset > limit:  # only windows near the end of `flat` are shifted by the clamp
+                out[local] = fill
+                out[local, :length] = flat[offset : offset + length]
+        if span < width:
+            padded = torch.full((len(self.offsets), width), fill, dtype=out.dtype)
+            padded[:, :span] = out
+            out = padded
+        return out.to(dtype)
+
+
+def _fill_views(
+    groups: Mapping[tuple[int, int], _Windows],
+    flat: torch.Tensor,
+    dtype: torch.dtype,
+    into: list[torch.Tensor | None],
+) -> None:
+    """Build each `(width, fill)` group in one matrix and hand out its `(1, width)` rows.
+
+    The rows are views of that matrix; nothing writes into planned request tensors.
+    """
+    for (width, fill), windows in groups.items():
+        matrix = windows.build(flat, width, fill, dtype)
+        for target, view in zip(windows.targets, matrix.unsqueeze(1).unbind(0), strict=True):
+            into[target] = view
+
+
+def _single_requests(
+    rows: _Rows, order: Sequence[int], uncached: Sequence[int], padded_of: Sequence[int]
+) -> list[PrefillRequest]:
+    """Single requests for `order` (one per row), with all tensors built batch-wide.
+
+    Validation happens row by row in `order` first, so the first failing row raises the same
+    error as planning the rows one at a time would. A row's tokens are its uncached tokens
+    padded with 0 to its padded length; its page table is its allocated prefix padded with
+    the SDPA-safe block when chunked (else the skip block); each chunk's table is the
+    chunk's slice of the allocated prefix padded with the skip block.
+    """
+    block, max_chunk = rows.block_size, rows.max_prefill_chunk_size
+    canonical, max_actual = rows.canonical_width, rows.max_actual_width
+    prompt_lens, cached_of, slots = rows.prompt_lens, rows.cached, rows.slots
+    table_columns = int(rows.page_table.shape[1])
+    token_columns = int(rows.tokens.shape[1])
+    chunk_sizes: dict[int, int] = {}
+    token_groups: dict[tuple[int, int], _Windows] = {}
+    table_groups: dict[tuple[int, int], _Windows] = {}
+    chunk_groups: dict[tuple[int, int], _Windows] = {}
+    # Per request: (row, padded, chunked, chunk specs); a chunk spec is (relative start,
+    # size, holds last token, chunk table width, index of its table in that width's group).
+    shapes: list[tuple[int, int, bool, list[tuple[int, int, bool, int, int]] | None]] = []
+    for index, row in enumerate(order):
+        prompt, cached = prompt_lens[row], cached_of[row]
+        row_uncached, padded = uncached[row], padded_of[row]
+        allocated = -(-prompt // block)
+        if (max_actual is not None and allocated > max_actual) or table_columns < allocated:
+            rows.allocated_width(row)  # raises the caller-facing error
+        width = canonical or -(-(padded + cached) // block)
+        if cached + padded > width * block:
+            raise ValueError(
+                f"row {row}: cached {cached} + padded {padded} tokens exceeds the canonical "
+                f"page-table capacity of {width} blocks x {block} tokens = {width * block}"
             )
-        )
-        if holds_last:
-            break
-    return tuple(chunks)
+        chunked = padded > max_chunk or cached > 0
+        group = token_groups.get((padded, 0))
+        if group is None:
+            group = token_groups[padded, 0] = _Windows()
+        group.offsets.append(row * token_columns + cached)
+        group.lengths.append(row_uncached)
+        group.targets.append(index)
+        fill = _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK
+        group = table_groups.get((width, fill))
+        if group is None:
+            group = table_groups[width, fill] = _Windows()
+        group.offsets.append(row * table_columns)
+        group.lengths.append(allocated)
+        group.targets.append(index)
+        if not chunked:
+            shapes.append((row, padded, False, None))
+            continue
+        size = chunk_sizes.get(padded)
+        if size is None:
+            size = chunk_sizes[padded] = prefill_chunk_size(padded, max_chunk, policy=rows.policy)
+        chunk_width = -(-size // block)
+        specs: list[tuple[int, int, bool, int, int]] = []
+        for relative in range(0, padded, size):
+            start_block = (cached + relative) // block
+            mapped = min(chunk_width, max(0, allocated - start_block))
+            holds_last = relative <= row_uncached - 1 < relative + size
+            group = chunk_groups.get((chunk_width, _SKIP_BLOCK))
+            if group is None:
+                group = chunk_groups[chunk_width, _SKIP_BLOCK] = _Windows()
+            position = len(group.offsets)
+            group.targets.append(position)
+            group.offsets.append(row * table_columns + start_block)
+            group.lengths.append(mapped)
+            specs.append((relative, size, holds_last, chunk_width, position))
+            if holds_last:
+                break
+        shapes.append((row, padded, True, specs))
+    count = len(shapes)
+    token_views: list[torch.Tensor | None] = [None] * count
+    table_views: list[torch.Tensor | None] = [None] * count
+    _fill_views(token_groups, rows.tokens.contiguous().view(-1), torch.long, token_views)
+    table_flat = rows.page_table.to(torch.int32).contiguous().view(-1)
+    _fill_views(table_groups, table_flat, torch.int32, table_views)
+    chunk_tables: dict[int, list[torch.Tensor | None]] = {}
+    for (chunk_width, fill), windows in chunk_groups.items():
+        views: list[torch.Tensor | None] = [None] * len(windows.offsets)
+        _fill_views({(chunk_width, fill): windows}, table_flat, torch.int32, views)
+        chunk_tables[chunk_width] = views
+    trusted = _stock_padding(rows.policy)
+    whole_chunks: dict[int, tuple[PrefillChunk, ...]] = {}
+    requests: list[PrefillRequest] = []
+    for index, (row, padded, chunked, row_specs) in enumerate(shapes):
+        tokens, table = token_views[index], table_views[index]
+        assert tokens is not None and table is not None
+        prompt, cached = prompt_lens[row], cached_of[row]
+        chunks: tuple[PrefillChunk, ...]
+        if row_specs is None:
+            # Immutable and equal for every unchunked row of this padded length: share it.
+            shared = whole_chunks.get(padded)
+            if shared is None:
+                shared = whole_chunks[padded] = (
+                    _new_chunk(slice(0, padded), 0, padded, None, True)
+                    if trusted
+                    else PrefillChunk(slice(0, padded), 0, padded, None, True),
+                )
+            chunks = shared
+        else:
+            built: list[PrefillChunk] = []
+            for relative, size, holds_last, chunk_width, position in row_specs:
+                values = (
+                    slice(relative, relative + size),
+                    cached + relative,
+                    size,
+                    chunk_tables[chunk_width][position],
+                    holds_last,
+                )
+                built.append(_new_chunk(*values) if trusted else PrefillChunk(*values))
+            chunks = tuple(built)
+        if trusted:
+            request = _new_single(
+                row, slots[row], tokens, table, prompt, cached, padded, chunks, chunked
+            )
+        else:
+            request = PrefillRequest(
+                kind="single",
+                source_rows=(row,),
+                slots=(slots[row],),
+                tokens=tokens,
+                page_table=table,
+                prompt_lengths=(prompt,),
+                cached_tokens=(cached,),
+                last_token_indices=(prompt - 1,),
+                padded_sequence_length=padded,
+                padded_batch_size=1,
+                chunks=chunks,
+                uses_chunked_prefill=chunked,
+            )
+        requests.append(request)
+    return requests
 
 
 def plan_prefill_requests(
@@ -634,10 +830,14 @@ def plan_prefill_requests(
         policy=policy,
     )
     batch = len(rows.prompt_lens)
+    uncached = [
+        prompt - cached for prompt, cached in zip(rows.prompt_lens, rows.cached, strict=True)
+    ]
+    padded_of = _padded_lengths(policy, uncached)
     buckets: dict[int, list[int]] = {}
     for row in range(batch):
-        if rows.uncached(row) > 0:
-            buckets.setdefault(rows.padded(row), []).append(row)
+        if uncached[row] > 0:
+            buckets.setdefault(padded_of[row], []).append(row)
     disabled = disable_batched_prefill or batched_prefill_disabled_by_env()
     legacy = supports_batched_prefill is None
     if legacy:
@@ -645,7 +845,7 @@ def plan_prefill_requests(
             disabled
             or len(buckets) > 1
             or rows.slots != tuple(range(batch))
-            or any(rows.uncached(row) <= 0 for row in range(batch))
+            or any(row_uncached <= 0 for row_uncached in uncached)
         )
     limits = _WaveLimits(
         supports_batched_prefill=supports_batched_prefill,
@@ -669,7 +869,7 @@ def plan_prefill_requests(
             sequential.extend(bucket)
         else:
             waves.append(_batched_request(rows, bucket, seq, padded))
-    singles = [_single_request(rows, row) for row in sorted(sequential)]
+    singles = _single_requests(rows, sorted(sequential), uncached, padded_of)
     return (*waves, *singles)
 
 
