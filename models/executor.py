@@ -25,6 +25,7 @@ from runtime.config import (
     RuntimePolicy,
     TraceConfig,
     WarmupConfig,
+    require_positive_int,
 )
 from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
 from runtime.execution import EagerExecutor, TracedExecutor
@@ -60,12 +61,6 @@ def _exact(name: str, value: object, kind: type) -> None:
         raise TypeError(f"{name} must be exactly {kind.__name__}, got {type(value).__name__}")
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 @attrs.frozen
 class ModelExecutorConfig:
     """Static policy of one lane: trace mode, warmup coverage, KV geometry, lane shape."""
@@ -91,9 +86,9 @@ class ModelExecutorConfig:
             raise TypeError(
                 f"device_sampling_enabled must be bool, got {self.device_sampling_enabled!r}"
             )
-        _positive("max_batch_size", self.max_batch_size)
-        _positive("max_prefill_chunk_size", self.max_prefill_chunk_size)
-        _positive("max_seq_len", self.max_seq_len)
+        require_positive_int("max_batch_size", self.max_batch_size)
+        require_positive_int("max_prefill_chunk_size", self.max_prefill_chunk_size)
+        require_positive_int("max_seq_len", self.max_seq_len)
 
     def default_prefill_lengths(self) -> tuple[int, ...]:
         """Every padded length a prompt can take, up to the chunk size (warmup coverage)."""

@@ -91,7 +91,7 @@ TraceMode = Literal["none", "decode_only", "all"]
 TRACE_MODES: tuple[TraceMode, ...] = ("none", "decode_only", "all")
 
 
-def _require_positive_int(name: str, value: object) -> int:
+def require_positive_int(name: str, value: object) -> int:
     """Validate a positive int; bool is rejected because `True` silently means 1."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(
@@ -143,7 +143,7 @@ def _check_int_tuple(name: str, value: object) -> None:
     if not value:
         raise ValueError(f"{name} must be a non-empty tuple of positive integers, got ()")
     for item in value:
-        _require_positive_int(f"{name} item", item)
+        require_positive_int(f"{name} item", item)
     if len(set(value)) != len(value):
         duplicates = sorted({item for item in value if value.count(item) > 1})
         raise ValueError(f"{name} must contain unique values, got duplicates {duplicates}")
@@ -178,7 +178,7 @@ class WarmupConfig:
 
 
 def _check_positive_field(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _require_positive_int(attribute.name, value)
+    require_positive_int(attribute.name, value)
 
 
 def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -200,7 +200,7 @@ def _check_num_blocks(
 ) -> None:
     if value is None:
         return
-    blocks = _require_positive_int(attribute.name, value)
+    blocks = require_positive_int(attribute.name, value)
     if blocks > instance.max_num_blocks:
         raise ValueError(
             f"num_blocks ({blocks}) exceeds max_num_blocks ({instance.max_num_blocks}); "
@@ -242,7 +242,7 @@ class PagedKVCacheConfig:
 
 
 def _check_layout_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _require_positive_int(attribute.name, value)
+    require_positive_int(attribute.name, value)
 
 
 @attrs.frozen
@@ -285,11 +285,11 @@ class PageTableLayout:
         alignment: int = PAGE_TABLE_WIDTH_ALIGNMENT,
     ) -> PageTableLayout:
         """Derive widths from capacity: raw = min(model blocks, physical blocks)."""
-        _require_positive_int("block_size", block_size)
-        _require_positive_int("model_max_sequence_length", model_max_sequence_length)
-        _require_positive_int("physical_num_blocks", physical_num_blocks)
-        _require_positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
-        _require_positive_int("alignment", alignment)
+        require_positive_int("block_size", block_size)
+        require_positive_int("model_max_sequence_length", model_max_sequence_length)
+        require_positive_int("physical_num_blocks", physical_num_blocks)
+        require_positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
+        require_positive_int("alignment", alignment)
         model_width = _ceil_div(model_max_sequence_length, block_size)
         raw = min(model_width, physical_num_blocks)
         padding_blocks = _ceil_div(max_prefill_chunk_size - 1, block_size)

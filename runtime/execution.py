@@ -16,13 +16,11 @@ from typing import Any
 import attrs
 
 from runtime.decode_staging import DecodeInvocationResult
-from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, ProgramKey, signature_digest
+from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, signature_digest
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
 from runtime.trace_compiler import (
-    InputRefreshPolicy,
     RefreshDecision,
     TraceArtifact,
-    TraceCapturePlan,
     TraceCompiler,
 )
 
@@ -365,22 +363,10 @@ class TracedExecutor:
                 key = self.program_compiler.key_for(signature)
                 if key not in by_key or self.trace_compiler.trace_key_for_program(key):
                     continue
-                self.trace_compiler.register_capture_plan(self._prefill_plan(key, item))
+                self.trace_compiler.register_capture_plan(
+                    self.prefill.capture_plan(item).trace_capture_plan(key)
+                )
         return programs
-
-    def _prefill_plan(self, program_key: ProgramKey, prepared: Any) -> TraceCapturePlan:
-        plan = self.prefill.capture_plan(prepared)
-        return TraceCapturePlan(
-            program_key=program_key,
-            trace_signature=prepared.trace_signature,
-            operation="prefill",
-            prepare_inputs=plan.prepare_inputs,
-            capture=lambda persistent: plan.capture(persistent.values),
-            refresh_policy=InputRefreshPolicy(every_replay=tuple(plan.refresh_fields)),
-            schema_fingerprint=plan.schema_fingerprint,
-            prepare_workspace=plan.prepare_workspace,
-            workspace_fingerprint=plan.workspace_fingerprint,
-        )
 
     def preflight_prefill(self, prepared: Sequence[Any]) -> tuple[Any, ...]:
         """Check every prepared request has a captured trace before anything runs."""

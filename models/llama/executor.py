@@ -19,7 +19,13 @@ from models.llama.sources import LoadedModel, load_model
 from models.llama.tokenizer import LlamaTokenizer
 from runtime.backends import make_device
 from runtime.backends.base import Device
-from runtime.config import PagedKVCacheConfig, RuntimePolicy, TraceConfig, WarmupConfig
+from runtime.config import (
+    PagedKVCacheConfig,
+    RuntimePolicy,
+    TraceConfig,
+    WarmupConfig,
+    require_positive_int,
+)
 from runtime.warmup import Progress
 
 logger = logging.getLogger(__name__)
@@ -61,12 +67,6 @@ class LlamaExecutor(ModelExecutor):
         return tuple(self.loaded.args.eos_token_ids or ())
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def load_executor(
     model: str | Path,
     *,
@@ -91,13 +91,13 @@ def load_executor(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     trace = TraceConfig(mode=trace_mode)  # type: ignore[arg-type]
-    _positive("block_size", block_size)
-    _positive("max_batch_size", max_batch_size)
-    _positive("max_prefill_chunk_size", max_prefill_chunk_size)
+    require_positive_int("block_size", block_size)
+    require_positive_int("max_batch_size", max_batch_size)
+    require_positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
     if num_blocks is not None:
-        _positive("num_blocks", num_blocks)
+        require_positive_int("num_blocks", num_blocks)
     if max_seq_len is not None:
-        _positive("max_seq_len", max_seq_len)
+        require_positive_int("max_seq_len", max_seq_len)
     target = make_device(device, faults=faults)
     loaded = load_model(model, dtype=DTYPES[dtype], device=target.torch_device, seed=seed)
     args = loaded.args
