@@ -64,6 +64,9 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument(
+        "--model", default=MODEL, help=f"model name or path (default {MODEL}; any Llama-family)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--batch-sizes", type=_parse_sizes, default=(1, 8, 32))
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (cpu: 32)")
@@ -107,7 +110,7 @@ def build(
     """A started executor for a lane of `batch` slots, and its setup timings (seconds)."""
     clock = time.perf_counter()
     executor = load_executor(
-        MODEL,
+        args.model,
         device=args.device,
         dtype=args.dtype,
         trace_mode=trace_mode,
@@ -376,13 +379,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if key != "out"
     }
     results: dict[str, Any] = {"settings": settings, "environment": environment(args)}
+
+    def save() -> None:
+        """Write what is measured so far: a run cut short still leaves its results."""
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
+
     results["correctness"] = check_correctness(args)
-    results["batches"] = [measure_batch(args, batch) for batch in args.batch_sizes]
+    save()
+    results["batches"] = []
+    for batch in args.batch_sizes:
+        results["batches"].append(measure_batch(args, batch))
+        save()
     results["wall_s"] = time.perf_counter() - clock
+    save()
     print_table(results)
     print(f"\ntotal {results['wall_s']:.1f} s")
     if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.out}")
     check = results["correctness"]
     ok = all(check[mode]["tokens_equal"] for mode in ("decode_only", "all"))
