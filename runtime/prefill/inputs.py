@@ -102,7 +102,7 @@ def host_inputs(request: PrefillRequest, chunk: PrefillChunk | None = None) -> P
             f"{request.cached_tokens[0]} + relative start {relative}"
         )
     return PrefillHostInputs(
-        tokens=request.tokens[:, step.token_slice].to(torch.int64).contiguous(),
+        tokens=request.token_window(step.token_slice).to(torch.int64).contiguous(),
         page_table=request.page_table.to(torch.int32).contiguous(),
         prompt_lens=prompt_lens,
         chunk_start=chunk_start,

@@ -1,0 +1,131 @@
+"""What one planning call read, kept so planned tensors are built when first read.
+
+Planning 1,000 rows used to fill about 18 MB of zero-padded tokens and thousands of page-table
+views that the runtime then read one request at a time (and chunk page tables it never reads
+at all). The planner now records a `PlanSource` per call and leaves those tensors out of the
+requests; each is built from the source the first time it is read (see `DeferredField`), so
+planning costs what its decisions cost and the bytes are produced next to the invocation that
+consumes them.
+
+Values are exactly the eager ones: the caller's token matrix and page table are borrowed with
+their version counters, so an in-place change to either after planning makes reading a
+deferred tensor raise instead of silently producing different values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+import torch
+
+_T = TypeVar("_T")
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The in-place version counter, or None for inference tensors (they have none)."""
+    if tensor.is_inference():
+        return None
+    return tensor._version
+
+
+def _borrow(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """`tensor` and its version; an inference tensor (no version counter) is copied instead."""
+    version = _version_of(tensor)
+    return (tensor, version) if version is not None else (tensor.clone(), None)
+
+
+class PlanSource:
+    """The caller's token matrix and page table, borrowed and guarded by version counters.
+
+    Nothing is copied at planning time: bulk copies there cost milliseconds (and, being
+    multi-threaded, can stall on a busy machine). Each deferred tensor copies only its own
+    rows, when it is built.
+    """
+
+    __slots__ = ("_page_table", "_table_version", "_token_version", "_tokens", "block_size")
+
+    def __init__(self, tokens: torch.Tensor, page_table: torch.Tensor, block_size: int) -> None:
+        self._tokens, self._token_version = _borrow(tokens)
+        self._page_table, self._table_version = _borrow(page_table)
+        self.block_size = block_size
+
+    def _checked(self, tensor: torch.Tensor, version: int | None, name: str) -> torch.Tensor:
+        if version is not None and _version_of(tensor) != version:
+            raise RuntimeError(
+                f"the {name} tensor passed to plan_prefill_requests was modified in place "
+                f"after planning; planned requests read it when their tensors are first used, "
+                f"so plan again after changing it"
+            )
+        return tensor
+
+    def token_rows(
+        self,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        lengths: Sequence[int],
+        batch: int,
+        first: int,
+        count: int,
+    ) -> torch.Tensor:
+        """`[batch, count]` int64: row i holds positions `first..first+count` of source row
+        `rows[i]`'s window `tokens[rows[i], starts[i] : starts[i] + lengths[i]]`, 0 beyond it
+        and in padding rows `i >= len(rows)`."""
+        matrix = self._checked(self._tokens, self._token_version, "tokens")
+        out = torch.zeros((batch, count), dtype=torch.int64)
+        for local, (row, start, length) in enumerate(zip(rows, starts, lengths, strict=True)):
+            stop = min(length, first + count)
+            if stop > first:
+                out[local, : stop - first] = matrix[row, start + first : start + stop]
+        return out
+
+    def table_rows(
+        self,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        batch: int,
+        width: int,
+        fill: int,
+    ) -> torch.Tensor:
+        """`[batch, width]` int32: row i holds `counts[i]` page-table entries of source row
+        `rows[i]` from column `starts[i]`, then `fill`; padding rows are all `fill`."""
+        table = self._checked(self._page_table, self._table_version, "page_table")
+        out = torch.full((batch, width), fill, dtype=torch.int32)
+        for local, (row, start, count) in enumerate(zip(rows, starts, counts, strict=True)):
+            if count > 0:
+                out[local, :count] = table[row, start : start + count]
+        return out
+
+
+class DeferredField(Generic[_T]):
+    """A non-data descriptor for an attrs field the planner may leave out of an instance.
+
+    Python consults a non-data descriptor only when the instance dict lacks the name, so
+    values given to the constructor (or already built) are plain attribute reads; a missing
+    value is built once by `build(instance)` and stored in the instance dict.
+    """
+
+    def __init__(self, name: str, build: Callable[[Any], _T]) -> None:
+        self._name = name
+        self._build = build
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = self._build(instance)
+        instance.__dict__[self._name] = value
+        return value
+
+
+def install_deferred_fields(cls: type, **builders: Callable[[Any], object]) -> None:
+    """Make each named field of the dict-based attrs class `cls` buildable on first read.
+
+    attrs removes field names from the class body, so the descriptors go in afterwards.
+    """
+    fields = attrs.fields_dict(cls)
+    for name, build in builders.items():
+        if name not in fields:
+            raise AttributeError(f"{cls.__name__} has no attrs field {name!r}")
+        setattr(cls, name, DeferredField(name, build))
