@@ -170,7 +170,7 @@ def _build_chunk_page_table(chunk: PrefillChunk) -> torch.Tensor:
     width = _ceil_div(chunk.chunk_size, block)
     start = chunk.chunk_start_idx // block
     mapped = min(width, max(0, allocated - start))
-    table: torch.Tensor = source.table_rows((row,), (start,), (mapped,), 1, width, _SKIP_BLOCK)
+    table: torch.Tensor = source.table_rows((row,), (start,), (mapped,), (1, width), _SKIP_BLOCK)
     return table
 
 
@@ -190,8 +190,8 @@ class PrefillRequest:
 
     Device tensors use padded geometry; `source_rows`, `slots` and the per-row tuples hold
     the logical (active) rows, in the wave's local row order. The planner leaves `tokens` and
-    `page_table` to be built on first read (`token_window` builds just one chunk's tokens);
-    instances are dict-based so it can do that and construct them cheaply.
+    `page_table` to be built on first read; instances are dict-based so it can do that and
+    construct them cheaply.
     """
 
     kind: PrefillKind
@@ -299,22 +299,6 @@ class PrefillRequest:
             return width
         return int(self.page_table.shape[1])
 
-    def token_window(self, piece: slice) -> torch.Tensor:
-        """`tokens[:, piece]`; unread planned tokens build just that window (one chunk's)."""
-        deferred = self.__dict__.get(_DEFERRED)
-        start, stop, step = piece.indices(self.padded_sequence_length)
-        if deferred is None or "tokens" in self.__dict__ or step != 1 or stop <= start:
-            return self.tokens[:, piece]
-        source: PlanSource = deferred[0]
-        return source.token_rows(
-            self.source_rows,
-            self.cached_tokens,
-            _uncached_lengths(self),
-            self.padded_batch_size,
-            start,
-            stop - start,
-        )
-
     @property
     def active_batch_size(self) -> int:
         return len(self.source_rows)
@@ -328,16 +312,19 @@ class PrefillRequest:
         return self.chunks[-1]
 
 
-def _uncached_lengths(request: PrefillRequest) -> list[int]:
-    return [
-        prompt - cached
-        for prompt, cached in zip(request.prompt_lengths, request.cached_tokens, strict=True)
-    ]
-
-
 def _build_tokens(request: PrefillRequest) -> torch.Tensor:
     """Each row's uncached tokens, zero padded to the padded geometry (padding rows zero)."""
-    return request.token_window(slice(0, request.padded_sequence_length))
+    source, _ = request.__dict__[_DEFERRED]
+    tokens: torch.Tensor = source.token_rows(
+        request.source_rows,
+        request.cached_tokens,
+        [
+            prompt - cached
+            for prompt, cached in zip(request.prompt_lengths, request.cached_tokens, strict=True)
+        ],
+        (request.padded_batch_size, request.padded_sequence_length),
+    )
+    return tokens
 
 
 def _build_page_table(request: PrefillRequest) -> torch.Tensor:
@@ -348,8 +335,7 @@ def _build_page_table(request: PrefillRequest) -> torch.Tensor:
         request.source_rows,
         [0] * len(request.source_rows),
         [_ceil_div(prompt, block) for prompt in request.prompt_lengths],
-        request.padded_batch_size,
-        width,
+        (request.padded_batch_size, width),
         _SDPA_SAFE_BLOCK if request.uses_chunked_prefill else _SKIP_BLOCK,
     )
     return table

@@ -22,6 +22,9 @@ import torch
 
 _T = TypeVar("_T")
 
+Shape = tuple[int, int]
+"""(rows, columns) of a built tensor."""
+
 
 def _version_of(tensor: torch.Tensor) -> int | None:
     """The in-place version counter, or None for inference tensors (they have none)."""
@@ -61,42 +64,51 @@ class PlanSource:
         return tensor
 
     def token_rows(
-        self,
-        rows: Sequence[int],
-        starts: Sequence[int],
-        lengths: Sequence[int],
-        batch: int,
-        first: int,
-        count: int,
+        self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int], shape: Shape
     ) -> torch.Tensor:
-        """`[batch, count]` int64: row i holds positions `first..first+count` of source row
-        `rows[i]`'s window `tokens[rows[i], starts[i] : starts[i] + lengths[i]]`, 0 beyond it
-        and in padding rows `i >= len(rows)`."""
+        """int64 `shape`: row i holds `tokens[rows[i], starts[i] : starts[i] + lengths[i]]`,
+        then 0; padding rows (`i >= len(rows)`) are all 0."""
         matrix = self._checked(self._tokens, self._token_version, "tokens")
-        out = torch.zeros((batch, count), dtype=torch.int64)
-        for local, (row, start, length) in enumerate(zip(rows, starts, lengths, strict=True)):
-            stop = min(length, first + count)
-            if stop > first:
-                out[local, : stop - first] = matrix[row, start + first : start + stop]
-        return out
+        return _gather_rows(matrix, rows, starts, lengths, shape, 0, torch.int64)
 
     def table_rows(
         self,
         rows: Sequence[int],
         starts: Sequence[int],
         counts: Sequence[int],
-        batch: int,
-        width: int,
+        shape: Shape,
         fill: int,
     ) -> torch.Tensor:
-        """`[batch, width]` int32: row i holds `counts[i]` page-table entries of source row
-        `rows[i]` from column `starts[i]`, then `fill`; padding rows are all `fill`."""
+        """int32 `shape`: row i holds `counts[i]` page-table entries of source row `rows[i]`
+        from column `starts[i]`, then `fill`; padding rows are all `fill`."""
         table = self._checked(self._page_table, self._table_version, "page_table")
-        out = torch.full((batch, width), fill, dtype=torch.int32)
-        for local, (row, start, count) in enumerate(zip(rows, starts, counts, strict=True)):
-            if count > 0:
-                out[local, :count] = table[row, start : start + count]
-        return out
+        return _gather_rows(table, rows, starts, counts, shape, fill, torch.int32)
+
+
+def _gather_rows(
+    matrix: torch.Tensor,
+    rows: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    shape: Shape,
+    fill: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`shape` of `dtype`: row i is `matrix[rows[i], starts[i]:][:lengths[i]]`, then `fill`.
+
+    One row (a single request or chunk) is one pad op: per-op overhead dominates there.
+    """
+    batch, width = shape
+    if batch == 1 and len(rows) == 1:
+        row, start, length = rows[0], starts[0], min(lengths[0], width)
+        window = matrix[row : row + 1, start : start + length].to(dtype)
+        return torch.constant_pad_nd(window, (0, width - length), fill)
+    out = torch.full(shape, fill, dtype=dtype)
+    for local, (row, start, length) in enumerate(zip(rows, starts, lengths, strict=True)):
+        length = min(length, width)
+        if length > 0:
+            out[local, :length] = matrix[row, start : start + length]
+    return out
 
 
 class DeferredField(Generic[_T]):
