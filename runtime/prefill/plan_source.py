@@ -54,6 +54,13 @@ class PlanSource:
         self._page_table, self._table_version = _borrow(page_table)
         self.block_size = block_size
 
+    def __reduce__(self) -> tuple[type[PlanSource], tuple[torch.Tensor, torch.Tensor, int]]:
+        # Copies (deepcopy, pickle) get fresh tensors, hence fresh version counters: check
+        # the originals now and let the copy borrow its own tensors from scratch.
+        tokens = self._checked(self._tokens, self._token_version, "tokens")
+        table = self._checked(self._page_table, self._table_version, "page_table")
+        return (PlanSource, (tokens, table, self.block_size))
+
     def _checked(self, tensor: torch.Tensor, version: int | None, name: str) -> torch.Tensor:
         if version is not None and _version_of(tensor) != version:
             raise RuntimeError(

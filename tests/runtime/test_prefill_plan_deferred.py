@@ -3,6 +3,8 @@ in-place changes of the caller's tensors after planning."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import attrs
@@ -173,3 +175,15 @@ def test_overridden_padding_goes_through_validation() -> None:
         plan_rows(
             tokens, table, prompt_lens=[200, 100], policy=ShiftedPolicy(**fields, bad_length=200)
         )
+
+
+def test_copied_and_pickled_plans_build_the_planned_tensors() -> None:
+    tokens, table = inputs()
+    tokens[0, 0] = 9  # a caller tensor with a non-zero version counter
+    plan = plan_rows(tokens, table, start_pos=[0, 64])
+    copies = [copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))]
+    for copied in copies:
+        assert copied == plan
+    tokens[1, 100] = -1
+    with pytest.raises(RuntimeError, match="modified in place"):
+        copy.deepcopy(plan)
