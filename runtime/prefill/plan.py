@@ -6,8 +6,10 @@ prompt length, cached prefix and the allocated prefix of its page-table row: sta
 tails beyond `ceil(prompt_len / block_size)` are never read.
 
 Planning makes decisions only: request and chunk tensors are built from the caller's token
-matrix and page table when first read (`plan_source`), so the caller must not modify either
-in place until the plan has run (reading a deferred tensor afterwards raises).
+matrix and page table when first read (`plan_source`), and `chunk_tokens` (what staging
+reads) copies a chunk's columns from them without building the request's tokens. So the
+caller must not modify either in place until the plan has run: any build from them
+afterwards raises; tensors already built keep their planned values.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import attrs
 import torch
 
 from runtime.config import RuntimePolicy
-from runtime.prefill.plan_source import PlanSource, install_deferred_fields
+from runtime.prefill.plan_source import PlanSource, TableGroup, install_deferred_fields
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,9 @@ _SDPA_SAFE_BLOCK = 0
 
 _DEFERRED = "_deferred"
 """Instance-dict key of what a planner-built request or chunk builds its tensors from:
-`(PlanSource, page_table_width)` on a request, `(PlanSource, row, allocated blocks)` on a
-chunk. Absent on values constructed (and validated) through the public constructors."""
+`(PlanSource, page_table_width, TableGroup | None, index in the group)` on a request (single
+requests share page-table groups), `(PlanSource, row, allocated blocks)` on a chunk. Absent
+on values constructed (and validated) through the public constructors."""
 
 _T = TypeVar("_T")
 _C = TypeVar("_C")
@@ -314,7 +317,7 @@ class PrefillRequest:
 
 def _build_tokens(request: PrefillRequest) -> torch.Tensor:
     """Each row's uncached tokens, zero padded to the padded geometry (padding rows zero)."""
-    source, _ = request.__dict__[_DEFERRED]
+    source = request.__dict__[_DEFERRED][0]
     tokens: torch.Tensor = source.token_rows(
         request.source_rows,
         request.cached_tokens,
@@ -329,7 +332,10 @@ def _build_tokens(request: PrefillRequest) -> torch.Tensor:
 
 def _build_page_table(request: PrefillRequest) -> torch.Tensor:
     """Each row's allocated prefix, then 0 (chunked) or the skip block; padding rows skip."""
-    source, width = request.__dict__[_DEFERRED]
+    source, width, group, index = request.__dict__[_DEFERRED]
+    if group is not None:
+        grouped: torch.Tensor = group.table(index)
+        return grouped
     block = source.block_size
     table: torch.Tensor = source.table_rows(
         request.source_rows,
@@ -342,6 +348,38 @@ def _build_page_table(request: PrefillRequest) -> torch.Tensor:
 
 
 install_deferred_fields(PrefillRequest, tokens=_build_tokens, page_table=_build_page_table)
+
+
+def chunk_tokens(request: PrefillRequest, chunk: PrefillChunk) -> torch.Tensor:
+    """`request.tokens[:, chunk.token_slice]` as a contiguous int64 tensor.
+
+    A planner-built request whose tokens were not read yet gets a new tensor holding only the
+    chunk's columns, copied for every row of the wave at once straight from the caller's
+    token matrix (the padded request tensor is not built). Both caller tensors are checked
+    first: inputs built from the source after an in-place change raise.
+    """
+    values = request.__dict__
+    deferred = values.get(_DEFERRED)
+    if deferred is None or "tokens" in values:
+        return request.tokens[:, chunk.token_slice].to(torch.int64).contiguous()
+    source: PlanSource = deferred[0]
+    first, stop = chunk.token_slice.start, chunk.token_slice.stop
+    cached = request.cached_tokens
+    if request.padded_batch_size == 1:
+        start = cached[0]
+        length = min(stop, request.prompt_lengths[0] - start) - first
+        return source.token_row(request.source_rows[0], start + first, length, stop - first)
+    source.check_unchanged()
+    tokens: torch.Tensor = source.token_rows(
+        request.source_rows,
+        [start + first for start in cached],
+        [
+            max(0, min(stop, prompt - start) - first)
+            for prompt, start in zip(request.prompt_lengths, cached, strict=True)
+        ],
+        (request.padded_batch_size, stop - first),
+    )
+    return tokens
 
 
 def prefill_chunk_size(
@@ -614,7 +652,7 @@ def _batched_request(
             "padded_batch_size": padded,
             "chunks": (_whole_chunk(seq),),
             "uses_chunked_prefill": False,
-            _DEFERRED: (source, width),
+            _DEFERRED: (source, width, None, 0),
         },
     )
 
@@ -688,8 +726,8 @@ def _single_requests(
     chunk_sizes: dict[int, int] = {}
     # Immutable and equal for every unchunked row of one padded length: shared.
     whole_chunks: dict[int, tuple[PrefillChunk, ...]] = {}
-    # What every request of one page-table width defers its tensors to (see `_DEFERRED`).
-    deferrals: dict[int, tuple[PlanSource, int]] = {}
+    # Page tables of one width and filler are built together (see `TableGroup`).
+    groups: dict[tuple[int, bool], TableGroup] = {}
     requests: list[PrefillRequest] = []
     for row in order:
         prompt, cached, padded = prompt_lens[row], cached_of[row], padded_of[row]
@@ -715,9 +753,10 @@ def _single_requests(
             chunks = whole_chunks.get(padded)
             if chunks is None:
                 chunks = whole_chunks[padded] = (_whole_chunk(padded),)
-        deferred = deferrals.get(width)
-        if deferred is None:
-            deferred = deferrals[width] = (source, width)
+        group = groups.get((width, chunked))
+        if group is None:
+            fill = _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK
+            group = groups[width, chunked] = TableGroup(source, width, fill)
         requests.append(
             _planned(
                 PrefillRequest,
@@ -732,7 +771,7 @@ def _single_requests(
                     "padded_batch_size": 1,
                     "chunks": chunks,
                     "uses_chunked_prefill": chunked,
-                    _DEFERRED: deferred,
+                    _DEFERRED: (source, width, group, group.add(row, allocated)),
                 },
             )
         )

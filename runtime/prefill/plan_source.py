@@ -7,9 +7,17 @@ requests; each is built from the source the first time it is read (see `Deferred
 planning costs what its decisions cost and the bytes are produced next to the invocation that
 consumes them.
 
+Staging does not build a request's padded tokens at all: a chunk's host tokens are copied
+straight from the source, only that chunk's columns (`PlanSource.token_row`, `token_rows`).
+Single requests' page tables are built a block of rows at a time (`TableGroup`). Multi-row
+builds use a fixed number of ops per block, each below torch's parallel grain, so nothing is
+split across threads (on a shared machine that can stall for milliseconds).
+
 Values are exactly the eager ones: the caller's token matrix and page table are borrowed with
-their version counters, so an in-place change to either after planning makes reading a
-deferred tensor raise instead of silently producing different values.
+their version counters. The rule: every read of the source checks them, so an in-place change
+to either after planning makes building a deferred tensor, or a chunk's host inputs from the
+source, raise instead of silently producing different values. Tensors built before the change
+are kept and stay readable.
 """
 
 from __future__ import annotations
@@ -39,19 +47,45 @@ def _borrow(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     return (tensor, version) if version is not None else (tensor.clone(), None)
 
 
+_PARALLEL_GRAIN = 32768
+"""Elements from which torch may split an element-wise op across threads. Builds here stay
+below it: on a shared machine a multi-threaded fill can wait milliseconds for a second core."""
+
+_BLOCK_ELEMENTS = _PARALLEL_GRAIN // 2
+"""Elements per block of rows a multi-row build handles at once (see `_gather_rows`)."""
+
+_Geometry = tuple[int, int, int, int]
+"""(storage offset, row stride, column stride, columns) of a borrowed matrix."""
+
+
+def _geometry(matrix: torch.Tensor) -> _Geometry:
+    rows_stride, columns_stride = matrix.stride()
+    return (int(matrix.storage_offset()), rows_stride, columns_stride, int(matrix.shape[1]))
+
+
 class PlanSource:
     """The caller's token matrix and page table, borrowed and guarded by version counters.
 
     Nothing is copied at planning time: bulk copies there cost milliseconds (and, being
     multi-threaded, can stall on a busy machine). Each deferred tensor copies only its own
-    rows, when it is built.
+    rows (a chunk's host tokens only its columns), when it is built.
     """
 
-    __slots__ = ("_page_table", "_table_version", "_token_version", "_tokens", "block_size")
+    __slots__ = (
+        "_page_table",
+        "_table_geometry",
+        "_table_version",
+        "_token_geometry",
+        "_token_version",
+        "_tokens",
+        "block_size",
+    )
 
     def __init__(self, tokens: torch.Tensor, page_table: torch.Tensor, block_size: int) -> None:
         self._tokens, self._token_version = _borrow(tokens)
         self._page_table, self._table_version = _borrow(page_table)
+        self._token_geometry = _geometry(self._tokens)
+        self._table_geometry = _geometry(self._page_table)
         self.block_size = block_size
 
     def __reduce__(self) -> tuple[type[PlanSource], tuple[torch.Tensor, torch.Tensor, int]]:
@@ -70,12 +104,42 @@ class PlanSource:
             )
         return tensor
 
+    def check_table(self) -> None:
+        """Raise if the caller changed the page table in place since planning."""
+        self._checked(self._page_table, self._table_version, "page_table")
+
+    def check_unchanged(self) -> None:
+        """Raise if the caller changed either tensor in place since planning."""
+        self._checked(self._tokens, self._token_version, "tokens")
+        self.check_table()
+
+    def token_row(self, row: int, start: int, length: int, width: int) -> torch.Tensor:
+        """int64 `(1, width)`: `tokens[row, start : start + length]`, then 0.
+
+        A chunk's tokens: checks both tensors, since they are staged with the page table.
+        """
+        self.check_unchanged()
+        return _padded_row(
+            self._tokens, self._token_geometry, row, start, length, width, 0, torch.int64
+        )
+
     def token_rows(
         self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int], shape: Shape
     ) -> torch.Tensor:
         """int64 `shape`: row i holds `tokens[rows[i], starts[i] : starts[i] + lengths[i]]`,
         then 0; padding rows (`i >= len(rows)`) are all 0."""
         matrix = self._checked(self._tokens, self._token_version, "tokens")
+        if len(rows) == 1 and shape[0] == 1:
+            return _padded_row(
+                matrix,
+                self._token_geometry,
+                rows[0],
+                starts[0],
+                lengths[0],
+                shape[1],
+                0,
+                torch.int64,
+            )
         return _gather_rows(matrix, rows, starts, lengths, shape, 0, torch.int64)
 
     def table_rows(
@@ -89,7 +153,44 @@ class PlanSource:
         """int32 `shape`: row i holds `counts[i]` page-table entries of source row `rows[i]`
         from column `starts[i]`, then `fill`; padding rows are all `fill`."""
         table = self._checked(self._page_table, self._table_version, "page_table")
+        if len(rows) == 1 and shape[0] == 1:
+            return _padded_row(
+                table,
+                self._table_geometry,
+                rows[0],
+                starts[0],
+                counts[0],
+                shape[1],
+                fill,
+                torch.int32,
+            )
         return _gather_rows(table, rows, starts, counts, shape, fill, torch.int32)
+
+
+def _padded_row(
+    matrix: torch.Tensor,
+    geometry: _Geometry,
+    row: int,
+    start: int,
+    length: int,
+    width: int,
+    fill: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A new `(1, width)` tensor of `dtype`: `matrix[row, start:][:length]`, then `fill`.
+
+    One view and one pad op: for a single row, per-op overhead is the whole cost.
+    """
+    offset, row_stride, column_stride, columns = geometry
+    taken = max(0, min(length, width, columns - start))
+    if taken:
+        offset += row * row_stride + start * column_stride
+    # `matrix[row : row + 1, start : start + taken]`, as one call (indexing costs two).
+    window = matrix.as_strided((1, taken), (row_stride, column_stride), offset)
+    if window.dtype != dtype:
+        window = window.to(dtype)
+    # A copy even when nothing is padded: the result never aliases the caller's tensor.
+    return torch.constant_pad_nd(window, (0, width - taken), fill)
 
 
 def _gather_rows(
@@ -101,21 +202,97 @@ def _gather_rows(
     fill: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """`shape` of `dtype`: row i is `matrix[rows[i], starts[i]:][:lengths[i]]`, then `fill`.
+    """A new `shape` tensor of `dtype`: row i is `matrix[rows[i], starts[i]:][:lengths[i]]`,
+    then `fill`; rows beyond `rows` are all `fill`.
 
-    One row (a single request or chunk) is one pad op: per-op overhead dominates there.
+    A fixed number of ops per block of rows whatever the row count, and each op stays below
+    `_PARALLEL_GRAIN` elements, so the whole build runs on the calling thread.
     """
     batch, width = shape
-    if batch == 1 and len(rows) == 1:
-        row, start, length = rows[0], starts[0], min(lengths[0], width)
-        window = matrix[row : row + 1, start : start + length].to(dtype)
-        return torch.constant_pad_nd(window, (0, width - length), fill)
-    out = torch.full(shape, fill, dtype=dtype)
-    for local, (row, start, length) in enumerate(zip(rows, starts, lengths, strict=True)):
-        length = min(length, width)
-        if length > 0:
-            out[local, :length] = matrix[row, start : start + length]
+    out = torch.empty(shape, dtype=dtype)
+    step = max(1, _BLOCK_ELEMENTS // max(1, width))
+    for first in range(0, batch, step):
+        last = first + step
+        _gather_block(
+            matrix, rows[first:last], starts[first:last], lengths[first:last], out[first:last], fill
+        )
     return out
+
+
+def _gather_block(
+    matrix: torch.Tensor,
+    rows: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    target: torch.Tensor,
+    fill: int,
+) -> None:
+    """Write `_gather_rows`'s rows into `target` (rows beyond `rows` get `fill`)."""
+    active, width = len(rows), int(target.shape[1])
+    if active < target.shape[0]:
+        target[active:].fill_(fill)
+    if active == 0 or width == 0:
+        return
+    columns = int(matrix.shape[1])
+    low = min(starts)
+    high = min(columns, max(start + length for start, length in zip(starts, lengths, strict=True)))
+    if high <= low:
+        target[:active].fill_(fill)
+        return
+    # Only the columns any row reads, gathered row-wise (advanced indexing would split
+    # across threads even for small copies).
+    row_index, offset, count = torch.tensor(
+        [list(rows), [start - low for start in starts], list(lengths)], dtype=torch.int64
+    ).unbind(0)
+    window = matrix[:, low:high].index_select(0, row_index)
+    positions = torch.arange(width, dtype=torch.int64)
+    index = offset[:, None] + positions
+    valid = (positions < count[:, None]) & (index < high - low)
+    # Positions outside a row's window read column 0 (always in range) and are masked out.
+    gathered = window.gather(1, index.where(valid, 0)).to(target.dtype)
+    target[:active].copy_(gathered.where(valid, fill))
+
+
+class TableGroup:
+    """Page tables of single-row requests of one plan that share a width and filler.
+
+    The planner adds each request's row; the first read of a table builds the tables of a
+    block of rows together (a few ops for the block instead of one pad op per row, which
+    dominated staging), and each request takes a view of its own row. Blocks stay below
+    `_PARALLEL_GRAIN` elements. Every read checks the page table's version counter, so a read
+    after an in-place change raises even when its block was built before the change.
+    """
+
+    def __init__(self, source: PlanSource, width: int, fill: int) -> None:
+        self.source = source
+        self.width = width
+        self.fill = fill
+        self._rows: list[int] = []
+        self._counts: list[int] = []
+        self._per_block = max(1, _BLOCK_ELEMENTS // max(1, width))
+        self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def add(self, row: int, count: int) -> int:
+        """Register source row `row` with `count` allocated entries; returns its index."""
+        self._rows.append(row)
+        self._counts.append(count)
+        return len(self._rows) - 1
+
+    def table(self, index: int) -> torch.Tensor:
+        """int32 `(1, width)`: entry `index`'s allocated prefix, then the filler."""
+        source = self.source
+        source.check_table()  # also when the block was built before a change
+        block, local = divmod(index, self._per_block)
+        built = self._blocks.get(block)
+        if built is None:
+            first = block * self._per_block
+            rows = self._rows[first : first + self._per_block]
+            counts = self._counts[first : first + self._per_block]
+            table = source.table_rows(
+                rows, [0] * len(rows), counts, (len(rows), self.width), self.fill
+            )
+            built = self._blocks[block] = table.chunk(len(rows))  # (1, width) views, one call
+        return built[local]
 
 
 class DeferredField(Generic[_T]):

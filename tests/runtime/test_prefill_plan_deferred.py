@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import pickle
+import random
 from typing import Any
 
 import attrs
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime.config import RuntimePolicy
 from runtime.prefill.inputs import host_inputs
@@ -187,3 +189,116 @@ def test_copied_and_pickled_plans_build_the_planned_tensors() -> None:
     tokens[1, 100] = -1
     with pytest.raises(RuntimeError, match="modified in place"):
         copy.deepcopy(plan)
+
+
+def inputs_from_request_tensors(request: PrefillRequest, chunk: PrefillChunk) -> list[torch.Tensor]:
+    """What `host_inputs` returned before it read the plan source: slices of the request's
+    whole padded `tokens` and its `page_table`, element-wise lengths and starts."""
+    batch = request.padded_batch_size
+    prompt_lens = torch.zeros(batch, dtype=torch.int64)
+    chunk_start = torch.zeros(batch, dtype=torch.int64)
+    for row, (length, cached) in enumerate(
+        zip(request.prompt_lengths, request.cached_tokens, strict=True)
+    ):
+        prompt_lens[row] = length
+        chunk_start[row] = cached + chunk.token_slice.start
+    return [
+        request.tokens[:, chunk.token_slice].to(torch.int64).contiguous(),
+        request.page_table.to(torch.int32).contiguous(),
+        prompt_lens,
+        chunk_start,
+    ]
+
+
+def assert_identical(fast: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
+    for a, b in zip(fast, reference, strict=True):
+        assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, True)
+        assert torch.equal(a, b)
+
+
+def assert_fast_path_matches(
+    plan: tuple[PrefillRequest, ...], callers_tokens: torch.Tensor, order: random.Random
+) -> None:
+    for request in plan:
+        chunks = list(request.chunks)
+        order.shuffle(chunks)  # a later chunk first must not matter
+        fast = {}
+        for chunk in chunks:
+            fast[id(chunk)] = staged(request, chunk)
+            assert "tokens" not in request.__dict__  # the padded tokens were never built
+            tokens = fast[id(chunk)][0]
+            assert tokens.untyped_storage().data_ptr() != (
+                callers_tokens.untyped_storage().data_ptr()
+            )
+        for chunk in chunks:
+            assert_identical(fast[id(chunk)], inputs_from_request_tensors(request, chunk))
+
+
+@given(cases(), st.randoms(use_true_random=False))
+def test_host_inputs_from_the_plan_source_equal_slicing_the_request_tensors(
+    case: Case, order: random.Random
+) -> None:
+    """Regular, batched (with padding rows), chunked and cached rows: the chunk's columns
+    built straight from the caller's tensors equal slicing the request's padded tensors."""
+    assert_fast_path_matches(case.plan(), case.tokens, order)
+
+
+def assert_request_tensors_from_the_callers(
+    plan: tuple[PrefillRequest, ...], tokens: torch.Tensor, table: torch.Tensor
+) -> None:
+    """Each request's padded tensors, checked row by row against the caller's tensors."""
+    for request in plan:
+        fill = 0 if request.uses_chunked_prefill else -1
+        expected_tokens = torch.zeros(request.tokens.shape, dtype=torch.int64)
+        expected_table = torch.full(request.page_table.shape, fill, dtype=torch.int32)
+        for local, row in enumerate(request.source_rows):
+            cached, prompt = request.cached_tokens[local], request.prompt_lengths[local]
+            expected_tokens[local, : prompt - cached] = tokens[row, cached:prompt]
+            allocated = ceil_div(prompt, BLOCK)
+            expected_table[local, :allocated] = table[row, :allocated]
+        assert request.tokens.dtype == torch.int64 and torch.equal(request.tokens, expected_tokens)
+        assert request.page_table.dtype == torch.int32
+        assert torch.equal(request.page_table, expected_table)
+
+
+def test_fast_path_across_page_table_blocks_and_wave_blocks() -> None:
+    """Hundreds of single rows (several page-table blocks per width) and a 30-row wave of
+    [32, 1024] tokens (two gather blocks, the second with the wave's padding rows)."""
+    generator = torch.Generator().manual_seed(1)
+    rows, width = 600, 5000
+    tokens = torch.randint(1, 50000, (rows, width), generator=generator, dtype=torch.int32)
+    table = torch.randint(0, 9000, (rows, 160), generator=generator, dtype=torch.int32)
+    lengths = torch.randint(1, width, (rows,), generator=generator)
+    cached = torch.randint(0, 3, (rows,), generator=generator) * BLOCK
+    cached = torch.where(cached < lengths, cached, 0)
+    singles = plan_rows(tokens, table, prompt_lens=lengths, start_pos=cached, max_batch_size=rows)
+    assert len(singles) == rows and any(request.uses_chunked_prefill for request in singles)
+    assert_fast_path_matches(singles, tokens, random.Random(0))
+    assert_request_tensors_from_the_callers(singles, tokens, table)
+    wave_lengths = torch.randint(600, 1025, (30,), generator=generator)
+    (wave,) = plan_rows(
+        tokens[:30],
+        table[:30],
+        prompt_lens=wave_lengths,
+        max_prefill_chunk_size=1024,
+        max_prefill_batch_size=32,
+        policy=RuntimePolicy.torch_default(),
+    )
+    assert (wave.kind, wave.padded_batch_size, wave.padded_sequence_length) == ("batched", 32, 1024)
+    assert_fast_path_matches((wave,), tokens, random.Random(0))
+    assert_request_tensors_from_the_callers((wave,), tokens, table)
+
+
+def test_host_inputs_after_a_change_raise_even_with_the_page_table_block_built() -> None:
+    tokens, table = inputs(rows=3)
+    first, second, third = plan_rows(tokens, table, start_pos=[0, 64, 32])
+    host_inputs(first)  # builds the page tables of every row of first's block
+    _ = second.page_table
+    table[2, 0] = 5
+    for read in (
+        lambda: host_inputs(first),  # its tokens were never read: built from the source
+        lambda: host_inputs(second),
+        lambda: third.page_table,
+    ):
+        with pytest.raises(RuntimeError, match=r"page_table tensor .* modified in place"):
+            read()
