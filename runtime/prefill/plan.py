@@ -44,9 +44,11 @@ _SDPA_SAFE_BLOCK = 0
 
 _DEFERRED = "_deferred"
 """Instance-dict key of what a planner-built request or chunk builds its tensors from:
-`(PlanSource, page_table_width, TableGroup | None, index in the group)` on a request (single
-requests share page-table groups), `(PlanSource, row, allocated blocks)` on a chunk. Absent
-on values constructed (and validated) through the public constructors."""
+`(PlanSource, page_table_width, TableGroup | None)` on a request (single requests of one
+width and filler share a page-table group), `(PlanSource, row, allocated blocks)` on a chunk.
+Absent on values constructed (and validated) through the public constructors."""
+
+_GroupDeferral = tuple[PlanSource, int, TableGroup]
 
 _T = TypeVar("_T")
 _C = TypeVar("_C")
@@ -332,9 +334,9 @@ def _build_tokens(request: PrefillRequest) -> torch.Tensor:
 
 def _build_page_table(request: PrefillRequest) -> torch.Tensor:
     """Each row's allocated prefix, then 0 (chunked) or the skip block; padding rows skip."""
-    source, width, group, index = request.__dict__[_DEFERRED]
+    source, width, group = request.__dict__[_DEFERRED]
     if group is not None:
-        grouped: torch.Tensor = group.table(index)
+        grouped: torch.Tensor = group.table(request.source_rows[0])
         return grouped
     block = source.block_size
     table: torch.Tensor = source.table_rows(
@@ -652,7 +654,7 @@ def _batched_request(
             "padded_batch_size": padded,
             "chunks": (_whole_chunk(seq),),
             "uses_chunked_prefill": False,
-            _DEFERRED: (source, width, None, 0),
+            _DEFERRED: (source, width, None),
         },
     )
 
@@ -726,8 +728,9 @@ def _single_requests(
     chunk_sizes: dict[int, int] = {}
     # Immutable and equal for every unchunked row of one padded length: shared.
     whole_chunks: dict[int, tuple[PrefillChunk, ...]] = {}
-    # Page tables of one width and filler are built together (see `TableGroup`).
-    groups: dict[tuple[int, bool], TableGroup] = {}
+    # Page tables of one width and filler are built together (see `TableGroup`); the
+    # deferral `(source, width, group)` is shared by the group's requests.
+    deferrals: tuple[dict[int, _GroupDeferral], dict[int, _GroupDeferral]] = ({}, {})
     requests: list[PrefillRequest] = []
     for row in order:
         prompt, cached, padded = prompt_lens[row], cached_of[row], padded_of[row]
@@ -753,10 +756,12 @@ def _single_requests(
             chunks = whole_chunks.get(padded)
             if chunks is None:
                 chunks = whole_chunks[padded] = (_whole_chunk(padded),)
-        group = groups.get((width, chunked))
-        if group is None:
+        deferred = deferrals[chunked].get(width)
+        if deferred is None:
             fill = _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK
-            group = groups[width, chunked] = TableGroup(source, width, fill)
+            group = TableGroup(source, width, fill, prompt_lens)
+            deferred = deferrals[chunked][width] = (source, width, group)
+        deferred[2].rows.append(row)
         requests.append(
             _planned(
                 PrefillRequest,
@@ -771,7 +776,7 @@ def _single_requests(
                     "padded_batch_size": 1,
                     "chunks": chunks,
                     "uses_chunked_prefill": chunked,
-                    _DEFERRED: (source, width, group, group.add(row, allocated)),
+                    _DEFERRED: deferred,
                 },
             )
         )

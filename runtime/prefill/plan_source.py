@@ -256,38 +256,40 @@ def _gather_block(
 class TableGroup:
     """Page tables of single-row requests of one plan that share a width and filler.
 
-    The planner adds each request's row; the first read of a table builds the tables of a
-    block of rows together (a few ops for the block instead of one pad op per row, which
-    dominated staging), and each request takes a view of its own row. Blocks stay below
-    `_PARALLEL_GRAIN` elements. Every read checks the page table's version counter, so a read
-    after an in-place change raises even when its block was built before the change.
+    The planner appends each request's source row to `rows`; the first read of a table builds
+    the tables of a block of rows together (a few ops for the block instead of one pad op per
+    row, which dominated staging), and each request takes a view of its own row. Blocks stay
+    below `_PARALLEL_GRAIN` elements. Every read checks the page table's version counter, so a
+    read after an in-place change raises even when its block was built before the change.
     """
 
-    def __init__(self, source: PlanSource, width: int, fill: int) -> None:
+    def __init__(
+        self, source: PlanSource, width: int, fill: int, prompt_lengths: Sequence[int]
+    ) -> None:
         self.source = source
         self.width = width
         self.fill = fill
-        self._rows: list[int] = []
-        self._counts: list[int] = []
+        self.rows: list[int] = []
+        """Source rows in request order; the planner appends each request's row."""
+        self._prompt_lengths = prompt_lengths
         self._per_block = max(1, _BLOCK_ELEMENTS // max(1, width))
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._positions: dict[int, int] | None = None
 
-    def add(self, row: int, count: int) -> int:
-        """Register source row `row` with `count` allocated entries; returns its index."""
-        self._rows.append(row)
-        self._counts.append(count)
-        return len(self._rows) - 1
-
-    def table(self, index: int) -> torch.Tensor:
-        """int32 `(1, width)`: entry `index`'s allocated prefix, then the filler."""
+    def table(self, row: int) -> torch.Tensor:
+        """int32 `(1, width)`: source row `row`'s allocated prefix, then the filler."""
         source = self.source
         source.check_table()  # also when the block was built before a change
-        block, local = divmod(index, self._per_block)
+        positions = self._positions
+        if positions is None:
+            positions = self._positions = {member: at for at, member in enumerate(self.rows)}
+        block, local = divmod(positions[row], self._per_block)
         built = self._blocks.get(block)
         if built is None:
             first = block * self._per_block
-            rows = self._rows[first : first + self._per_block]
-            counts = self._counts[first : first + self._per_block]
+            rows = self.rows[first : first + self._per_block]
+            block_size, lengths = source.block_size, self._prompt_lengths
+            counts = [-(-lengths[row] // block_size) for row in rows]  # allocated blocks
             table = source.table_rows(
                 rows, [0] * len(rows), counts, (len(rows), self.width), self.fill
             )
