@@ -23,7 +23,7 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures
 from runtime.backends.base import Device
-from runtime.prefill.plan import PrefillChunk, PrefillRequest
+from runtime.prefill.plan import PrefillChunk, PrefillRequest, chunk_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,12 @@ class PrefillDeviceInputs:
 def _chunk_of(request: PrefillRequest, chunk: PrefillChunk | None) -> PrefillChunk:
     if chunk is None:
         return request.first_chunk
+    for planned in request.chunks:
+        if chunk is planned:
+            return chunk
     if not isinstance(chunk, PrefillChunk):
         raise TypeError(f"chunk must be a PrefillChunk or None, got {type(chunk).__name__}")
-    if not any(chunk is planned or chunk == planned for planned in request.chunks):
+    if not any(chunk == planned for planned in request.chunks):
         raise ValueError(
             f"chunk {chunk.token_slice!r} at start {chunk.chunk_start_idx} is not one of the "
             f"{len(request.chunks)} planned chunks of the request for source rows "
@@ -84,26 +87,34 @@ def host_inputs(request: PrefillRequest, chunk: PrefillChunk | None = None) -> P
     """Host inputs of `chunk` of `request` (default: its first chunk), padded geometry.
 
     Active rows carry their prompt length and absolute chunk start; padding rows carry 0 for
-    both, which the model treats as "nothing to do".
+    both, which the model treats as "nothing to do". A planned request's chunk tokens are
+    copied from the caller's token matrix (only the chunk's columns, `chunk_tokens`), so this
+    raises if the caller changed its tokens or page table in place since planning.
     """
     step = _chunk_of(request, chunk)
-    batch = request.padded_batch_size
     relative = step.token_slice.start
-    prompt_lens = torch.zeros(batch, dtype=torch.int64)
-    chunk_start = torch.zeros(batch, dtype=torch.int64)
-    for row, (length, cached) in enumerate(
-        zip(request.prompt_lengths, request.cached_tokens, strict=True)
-    ):
-        prompt_lens[row] = length
-        chunk_start[row] = cached + relative
-    if request.kind == "single" and int(chunk_start[0]) != step.chunk_start_idx:
+    batch = request.padded_batch_size
+    starts = [cached + relative for cached in request.cached_tokens]
+    if request.kind == "single" and starts[0] != step.chunk_start_idx:
         raise ValueError(
             f"chunk_start_idx {step.chunk_start_idx} disagrees with cached "
             f"{request.cached_tokens[0]} + relative start {relative}"
         )
+    # Built from Python ints in one call each: element-wise tensor writes cost microseconds.
+    if batch == 1:
+        prompt_lens = torch.full((1,), request.prompt_lengths[0], dtype=torch.int64)
+        chunk_start = torch.full((1,), starts[0], dtype=torch.int64)
+    else:
+        padding = [0] * (batch - len(starts))
+        prompt_lens = torch.tensor([*request.prompt_lengths, *padding], dtype=torch.int64)
+        chunk_start = torch.tensor([*starts, *padding], dtype=torch.int64)
+    tokens = chunk_tokens(request, step)  # first: it checks the caller's tensors
+    table = request.page_table
+    if table.dtype != torch.int32:
+        table = table.to(torch.int32)
     return PrefillHostInputs(
-        tokens=request.tokens[:, step.token_slice].to(torch.int64).contiguous(),
-        page_table=request.page_table.to(torch.int32).contiguous(),
+        tokens=tokens,
+        page_table=table.contiguous(),
         prompt_lens=prompt_lens,
         chunk_start=chunk_start,
     )

@@ -4,6 +4,12 @@ Prefix caching, batching into padded waves and chunking are decided once, here, 
 runtime that executes a plan never re-derives them. A plan depends only on each row's tokens,
 prompt length, cached prefix and the allocated prefix of its page-table row: stale scheduler
 tails beyond `ceil(prompt_len / block_size)` are never read.
+
+Planning makes decisions only: request and chunk tensors are built from the caller's token
+matrix and page table when first read (`plan_source`), and `chunk_tokens` (what staging
+reads) copies a chunk's columns from them without building the request's tokens. So the
+caller must not modify either in place until the plan has run: any build from them
+afterwards raises; tensors already built keep their planned values.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import attrs
 import torch
 
 from runtime.config import RuntimePolicy
+from runtime.prefill.plan_source import PlanSource, TableGroup, install_deferred_fields
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +42,16 @@ _SKIP_BLOCK = -1
 _SDPA_SAFE_BLOCK = 0
 """Chunked full-table filler: attention reads the whole table, so entries must be valid."""
 
+_DEFERRED = "_deferred"
+"""Instance-dict key of what a planner-built request or chunk builds its tensors from:
+`(PlanSource, page_table_width, TableGroup | None)` on a request (single requests of one
+width and filler share a page-table group), `(PlanSource, row, allocated blocks)` on a chunk.
+Absent on values constructed (and validated) through the public constructors."""
+
+_GroupDeferral = tuple[PlanSource, int, TableGroup]
+
 _T = TypeVar("_T")
+_C = TypeVar("_C")
 
 
 def batched_prefill_disabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
@@ -103,12 +119,14 @@ def _require_bool(name: str, value: object) -> bool:
     return value
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class PrefillChunk:
     """One model invocation of a request: a token slice at an absolute cache position.
 
     `token_slice` indexes the request's (uncached, padded) token tensor; `chunk_start_idx` is
-    the absolute position of its first token (cached prefix included).
+    the absolute position of its first token (cached prefix included). The planner leaves a
+    chunked row's `chunk_page_table` to be built on first read (the runtime only reads its
+    width); instances are dict-based so it can do that and construct them cheaply.
     """
 
     token_slice: slice = attrs.field(hash=False)
@@ -144,7 +162,24 @@ class PrefillChunk:
 
     @property
     def chunk_page_table_width(self) -> int | None:
+        deferred = self.__dict__.get(_DEFERRED)
+        if deferred is not None:
+            return _ceil_div(self.chunk_size, deferred[0].block_size)
         return None if self.chunk_page_table is None else int(self.chunk_page_table.shape[1])
+
+
+def _build_chunk_page_table(chunk: PrefillChunk) -> torch.Tensor:
+    """A planned chunk's table: the chunk's slice of the allocated prefix, then the skip block."""
+    source, row, allocated = chunk.__dict__[_DEFERRED]
+    block = source.block_size
+    width = _ceil_div(chunk.chunk_size, block)
+    start = chunk.chunk_start_idx // block
+    mapped = min(width, max(0, allocated - start))
+    table: torch.Tensor = source.table_rows((row,), (start,), (mapped,), (1, width), _SKIP_BLOCK)
+    return table
+
+
+install_deferred_fields(PrefillChunk, chunk_page_table=_build_chunk_page_table)
 
 
 def _int_tuple(
@@ -154,12 +189,14 @@ def _int_tuple(
         raise ValueError(f"{attribute.name} must be a non-empty tuple of ints, got {value!r}")
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class PrefillRequest:
     """One planned invocation sequence: a single row or one padded batched wave.
 
     Device tensors use padded geometry; `source_rows`, `slots` and the per-row tuples hold
-    the logical (active) rows, in the wave's local row order.
+    the logical (active) rows, in the wave's local row order. The planner leaves `tokens` and
+    `page_table` to be built on first read; instances are dict-based so it can do that and
+    construct them cheaply.
     """
 
     kind: PrefillKind
@@ -261,6 +298,10 @@ class PrefillRequest:
 
     @property
     def page_table_width(self) -> int:
+        deferred = self.__dict__.get(_DEFERRED)
+        if deferred is not None:
+            width: int = deferred[1]
+            return width
         return int(self.page_table.shape[1])
 
     @property
@@ -274,6 +315,73 @@ class PrefillRequest:
     @property
     def final_chunk(self) -> PrefillChunk:
         return self.chunks[-1]
+
+
+def _build_tokens(request: PrefillRequest) -> torch.Tensor:
+    """Each row's uncached tokens, zero padded to the padded geometry (padding rows zero)."""
+    source = request.__dict__[_DEFERRED][0]
+    tokens: torch.Tensor = source.token_rows(
+        request.source_rows,
+        request.cached_tokens,
+        [
+            prompt - cached
+            for prompt, cached in zip(request.prompt_lengths, request.cached_tokens, strict=True)
+        ],
+        (request.padded_batch_size, request.padded_sequence_length),
+    )
+    return tokens
+
+
+def _build_page_table(request: PrefillRequest) -> torch.Tensor:
+    """Each row's allocated prefix, then 0 (chunked) or the skip block; padding rows skip."""
+    source, width, group = request.__dict__[_DEFERRED]
+    if group is not None:
+        grouped: torch.Tensor = group.table(request.source_rows[0])
+        return grouped
+    block = source.block_size
+    table: torch.Tensor = source.table_rows(
+        request.source_rows,
+        [0] * len(request.source_rows),
+        [_ceil_div(prompt, block) for prompt in request.prompt_lengths],
+        (request.padded_batch_size, width),
+        _SDPA_SAFE_BLOCK if request.uses_chunked_prefill else _SKIP_BLOCK,
+    )
+    return table
+
+
+install_deferred_fields(PrefillRequest, tokens=_build_tokens, page_table=_build_page_table)
+
+
+def chunk_tokens(request: PrefillRequest, chunk: PrefillChunk) -> torch.Tensor:
+    """`request.tokens[:, chunk.token_slice]` as a contiguous int64 tensor.
+
+    A planner-built request whose tokens were not read yet gets a new tensor holding only the
+    chunk's columns, copied for every row of the wave at once straight from the caller's
+    token matrix (the padded request tensor is not built). Both caller tensors are checked
+    first: inputs built from the source after an in-place change raise.
+    """
+    values = request.__dict__
+    deferred = values.get(_DEFERRED)
+    if deferred is None or "tokens" in values:
+        return request.tokens[:, chunk.token_slice].to(torch.int64).contiguous()
+    source: PlanSource = deferred[0]
+    first, stop = chunk.token_slice.start, chunk.token_slice.stop
+    cached = request.cached_tokens
+    if request.padded_batch_size == 1:
+        start = cached[0]
+        length = min(stop, request.prompt_lengths[0] - start) - first
+        return source.token_row(request.source_rows[0], start + first, length, stop - first)
+    source.check_unchanged()
+    tokens: torch.Tensor = source.token_rows(
+        request.source_rows,
+        [start + first for start in cached],
+        [
+            max(0, min(stop, prompt - start) - first)
+            for prompt, start in zip(request.prompt_lengths, cached, strict=True)
+        ],
+        (request.padded_batch_size, stop - first),
+    )
+    return tokens
 
 
 def prefill_chunk_size(
@@ -347,14 +455,16 @@ def _vector(name: str, value: object, batch: int, default: tuple[int, ...]) -> t
                 f"{name} must be a rank-1 integer tensor, got shape {tuple(value.shape)} "
                 f"dtype {value.dtype}"
             )
-        items: tuple[object, ...] = tuple(int(v) for v in value.tolist())
+        # An integer tensor lists Python ints already; only bool elements need converting.
+        listed: list[int] = value.tolist()
+        ints = [int(v) for v in listed] if value.dtype == torch.bool else listed
     elif isinstance(value, Sequence) and not isinstance(value, str):
         items = tuple(value)
+        ints = [item for item in items if _is_int(item)]
+        if len(ints) != len(items):
+            raise ValueError(f"{name} must contain only ints, got {items!r}")
     else:
         raise ValueError(f"{name} must be a rank-1 tensor or a sequence of ints, got {value!r}")
-    ints = [item for item in items if _is_int(item)]
-    if len(ints) != len(items):
-        raise ValueError(f"{name} must contain only ints, got {items!r}")
     if len(ints) != batch:
         raise ValueError(f"{name} has {len(ints)} entries, the batch has {batch} rows")
     return tuple(ints)
@@ -493,29 +603,59 @@ class _WaveLimits:
         return padded, "batched"
 
 
-def _batched_request(rows: _Rows, bucket: Sequence[int], seq: int, padded: int) -> PrefillRequest:
+def _planned(cls: type[_C], values: dict[str, object]) -> _C:
+    """An instance of `cls` holding `values` as they are: values the planner derived itself.
+
+    Skips the constructor's validation (`_validated` re-runs it when a policy override
+    supplied the padding) and may leave deferred fields out (see `_DEFERRED`).
+    """
+    instance = object.__new__(cls)
+    object.__setattr__(instance, "__dict__", values)
+    return instance
+
+
+def _validated(request: PrefillRequest) -> PrefillRequest:
+    """`request` rebuilt through the public constructors, which validate every value."""
+    chunks = tuple(attrs.evolve(chunk) for chunk in request.chunks)
+    return attrs.evolve(request, chunks=chunks)
+
+
+def _whole_chunk(padded: int) -> PrefillChunk:
+    """The one chunk of an unchunked request: all `padded` tokens from position 0."""
+    return _planned(
+        PrefillChunk,
+        {
+            "token_slice": slice(0, padded),
+            "chunk_start_idx": 0,
+            "chunk_size": padded,
+            "chunk_page_table": None,
+            "contains_last_token": True,
+        },
+    )
+
+
+def _batched_request(
+    rows: _Rows, bucket: Sequence[int], seq: int, padded: int, source: PlanSource
+) -> PrefillRequest:
+    """One padded wave of `bucket` (uncached rows of padded length `seq`); tensors deferred."""
+    for row in bucket:
+        rows.allocated_width(row)  # raises the caller-facing error
     width = rows.canonical_width or _ceil_div(seq, rows.block_size)
-    tokens = torch.zeros((padded, seq), dtype=torch.long)
-    table = torch.full((padded, width), _SKIP_BLOCK, dtype=torch.int32)
-    for local, row in enumerate(bucket):
-        prompt = rows.prompt_lens[row]
-        allocated = rows.allocated_width(row)
-        tokens[local, :prompt] = rows.tokens[row, :prompt]
-        table[local, :allocated] = rows.page_table[row, :allocated]
-    chunk = PrefillChunk(slice(0, seq), 0, seq, None, True)
-    return PrefillRequest(
-        kind="batched",
-        source_rows=tuple(bucket),
-        slots=tuple(rows.slots[row] for row in bucket),
-        tokens=tokens,
-        page_table=table,
-        prompt_lengths=tuple(rows.prompt_lens[row] for row in bucket),
-        cached_tokens=tuple(rows.cached[row] for row in bucket),
-        last_token_indices=tuple(rows.prompt_lens[row] - 1 for row in bucket),
-        padded_sequence_length=seq,
-        padded_batch_size=padded,
-        chunks=(chunk,),
-        uses_chunked_prefill=False,
+    return _planned(
+        PrefillRequest,
+        {
+            "kind": "batched",
+            "source_rows": tuple(bucket),
+            "slots": tuple(rows.slots[row] for row in bucket),
+            "prompt_lengths": tuple(rows.prompt_lens[row] for row in bucket),
+            "cached_tokens": tuple(rows.cached[row] for row in bucket),
+            "last_token_indices": tuple(rows.prompt_lens[row] - 1 for row in bucket),
+            "padded_sequence_length": seq,
+            "padded_batch_size": padded,
+            "chunks": (_whole_chunk(seq),),
+            "uses_chunked_prefill": False,
+            _DEFERRED: (source, width, None),
+        },
     )
 
 
@@ -543,133 +683,57 @@ def _padded_lengths(policy: RuntimePolicy, uncached: Sequence[int]) -> list[int]
     return padded
 
 
-def _new_chunk(
-    token_slice: slice,
-    chunk_start_idx: int,
-    chunk_size: int,
-    chunk_page_table: torch.Tensor | None,
-    contains_last_token: bool,
-) -> PrefillChunk:
-    """A `PrefillChunk` the planner built itself, without re-running its validation."""
-    chunk = object.__new__(PrefillChunk)
-    setattr_ = object.__setattr__
-    setattr_(chunk, "token_slice", token_slice)
-    setattr_(chunk, "chunk_start_idx", chunk_start_idx)
-    setattr_(chunk, "chunk_size", chunk_size)
-    setattr_(chunk, "chunk_page_table", chunk_page_table)
-    setattr_(chunk, "contains_last_token", contains_last_token)
-    return chunk
+def _planned_chunks(
+    source: PlanSource, row: int, allocated: int, cached: int, uncached: int, padded: int, size: int
+) -> tuple[PrefillChunk, ...]:
+    """A chunked row's `size`-token chunks up to the one holding its last token.
 
-
-def _new_single(
-    row: int,
-    slot: int,
-    tokens: torch.Tensor,
-    page_table: torch.Tensor,
-    prompt: int,
-    cached: int,
-    padded: int,
-    chunks: tuple[PrefillChunk, ...],
-    chunked: bool,
-) -> PrefillRequest:
-    """A single `PrefillRequest` the planner built itself, without re-running its validation."""
-    request = object.__new__(PrefillRequest)
-    setattr_ = object.__setattr__
-    setattr_(request, "kind", "single")
-    setattr_(request, "source_rows", (row,))
-    setattr_(request, "slots", (slot,))
-    setattr_(request, "tokens", tokens)
-    setattr_(request, "page_table", page_table)
-    setattr_(request, "prompt_lengths", (prompt,))
-    setattr_(request, "cached_tokens", (cached,))
-    setattr_(request, "last_token_indices", (prompt - 1,))
-    setattr_(request, "padded_sequence_length", padded)
-    setattr_(request, "padded_batch_size", 1)
-    setattr_(request, "chunks", chunks)
-    setattr_(request, "uses_chunked_prefill", chunked)
-    return request
-
-
-@attrs.define
-class _Windows:
-    """Rows of one output matrix: row i is `flat[offset : offset + length]`, then `fill`."""
-
-    offsets: list[int] = attrs.Factory(list)
-    lengths: list[int] = attrs.Factory(list)
-    targets: list[int] = attrs.Factory(list)
-
-    def build(self, flat: torch.Tensor, width: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
-        """One `(rows, width)` matrix for all windows: a single gather, mask and cast.
-
-        `flat` must be a contiguous rank-1 tensor (the windows are a strided view of it).
-        """
-        total = int(flat.numel())
-        span = min(width, total)
-        # Windows of `span` consecutive elements starting at every flat position (a view).
-        windows = flat.as_strided((total - span + 1, span), (1, 1))
-        limit = total - span
-        starts = torch.tensor([min(offset, limit) for offset in self.offsets], dtype=torch.long)
-        out = windows.index_select(0, starts)
-        # Columns below the shortest length hold data in every row; columns from the longest
-        # length on hold `fill` in every row; only the band between needs a per-row mask.
-        low, high = min(min(self.lengths), span), min(max(self.lengths), span)
-        out[:, high:] = fill
-        if low < high:
-            lengths = torch.tensor(self.lengths, dtype=torch.long).unsqueeze(1)
-            out[:, low:high].masked_fill_(torch.arange(low, high) >= lengths, fill)
-        for local, (offset, length) in enumerate(zip(self.offsets, self.lengths, strict=True)):
-            if offset > limit:  # only windows near the end of `flat` are shifted by the clamp
-                out[local] = fill
-                out[local, :length] = flat[offset : offset + length]
-        if span < width:
-            padded = torch.full((len(self.offsets), width), fill, dtype=out.dtype)
-            padded[:, :span] = out
-            out = padded
-        return out.to(dtype)
-
-
-def _fill_views(
-    groups: Mapping[tuple[int, int], _Windows],
-    flat: torch.Tensor,
-    dtype: torch.dtype,
-    into: list[torch.Tensor | None],
-) -> None:
-    """Build each `(width, fill)` group in one matrix and hand out its `(1, width)` rows.
-
-    The rows are views of that matrix; nothing writes into planned request tensors.
+    Each chunk's table (its slice of the row's `allocated` prefix, then the skip block) is
+    deferred to `source`.
     """
-    for (width, fill), windows in groups.items():
-        matrix = windows.build(flat, width, fill, dtype)
-        for target, view in zip(windows.targets, matrix.unsqueeze(1).unbind(0), strict=True):
-            into[target] = view
+    deferred = (source, row, allocated)
+    last = (uncached - 1) // size
+    chunks: list[PrefillChunk] = []
+    for index in range(last + 1):
+        start = index * size
+        values: dict[str, object] = {
+            "token_slice": slice(start, start + size),
+            "chunk_start_idx": cached + start,
+            "chunk_size": size,
+            "contains_last_token": index == last,
+            _DEFERRED: deferred,
+        }
+        chunks.append(_planned(PrefillChunk, values))
+    return tuple(chunks)
 
 
 def _single_requests(
-    rows: _Rows, order: Sequence[int], uncached: Sequence[int], padded_of: Sequence[int]
+    rows: _Rows,
+    order: Sequence[int],
+    uncached: Sequence[int],
+    padded_of: Sequence[int],
+    source: PlanSource,
 ) -> list[PrefillRequest]:
-    """Single requests for `order` (one per row), with all tensors built batch-wide.
+    """Single requests for `order` (one per row), their tensors deferred to `source`.
 
-    Validation happens row by row in `order` first, so the first failing row raises the same
-    error as planning the rows one at a time would. A row's tokens are its uncached tokens
-    padded with 0 to its padded length; its page table is its allocated prefix padded with
-    the SDPA-safe block when chunked (else the skip block); each chunk's table is the
-    chunk's slice of the allocated prefix padded with the skip block.
+    Validation happens row by row in `order`, so the first failing row raises the same error
+    as planning the rows one at a time would. A row's tokens are its uncached tokens padded
+    with 0 to its padded length; its page table is its allocated prefix padded with the
+    SDPA-safe block when chunked (else the skip block).
     """
     block, max_chunk = rows.block_size, rows.max_prefill_chunk_size
     canonical, max_actual = rows.canonical_width, rows.max_actual_width
     prompt_lens, cached_of, slots = rows.prompt_lens, rows.cached, rows.slots
     table_columns = int(rows.page_table.shape[1])
-    token_columns = int(rows.tokens.shape[1])
     chunk_sizes: dict[int, int] = {}
-    token_groups: dict[tuple[int, int], _Windows] = {}
-    table_groups: dict[tuple[int, int], _Windows] = {}
-    chunk_groups: dict[tuple[int, int], _Windows] = {}
-    # Per request: (row, padded, chunked, chunk specs); a chunk spec is (relative start,
-    # size, holds last token, chunk table width, index of its table in that width's group).
-    shapes: list[tuple[int, int, bool, list[tuple[int, int, bool, int, int]] | None]] = []
-    for index, row in enumerate(order):
-        prompt, cached = prompt_lens[row], cached_of[row]
-        row_uncached, padded = uncached[row], padded_of[row]
+    # Immutable and equal for every unchunked row of one padded length: shared.
+    whole_chunks: dict[int, tuple[PrefillChunk, ...]] = {}
+    # Page tables of one width and filler are built together (see `TableGroup`); the
+    # deferral `(source, width, group)` is shared by the group's requests.
+    deferrals: tuple[dict[int, _GroupDeferral], dict[int, _GroupDeferral]] = ({}, {})
+    requests: list[PrefillRequest] = []
+    for row in order:
+        prompt, cached, padded = prompt_lens[row], cached_of[row], padded_of[row]
         allocated = -(-prompt // block)
         if (max_actual is not None and allocated > max_actual) or table_columns < allocated:
             rows.allocated_width(row)  # raises the caller-facing error
@@ -680,103 +744,42 @@ def _single_requests(
                 f"page-table capacity of {width} blocks x {block} tokens = {width * block}"
             )
         chunked = padded > max_chunk or cached > 0
-        group = token_groups.get((padded, 0))
-        if group is None:
-            group = token_groups[padded, 0] = _Windows()
-        group.offsets.append(row * token_columns + cached)
-        group.lengths.append(row_uncached)
-        group.targets.append(index)
-        fill = _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK
-        group = table_groups.get((width, fill))
-        if group is None:
-            group = table_groups[width, fill] = _Windows()
-        group.offsets.append(row * table_columns)
-        group.lengths.append(allocated)
-        group.targets.append(index)
-        if not chunked:
-            shapes.append((row, padded, False, None))
-            continue
-        size = chunk_sizes.get(padded)
-        if size is None:
-            size = chunk_sizes[padded] = prefill_chunk_size(padded, max_chunk, policy=rows.policy)
-        chunk_width = -(-size // block)
-        specs: list[tuple[int, int, bool, int, int]] = []
-        for relative in range(0, padded, size):
-            start_block = (cached + relative) // block
-            mapped = min(chunk_width, max(0, allocated - start_block))
-            holds_last = relative <= row_uncached - 1 < relative + size
-            group = chunk_groups.get((chunk_width, _SKIP_BLOCK))
-            if group is None:
-                group = chunk_groups[chunk_width, _SKIP_BLOCK] = _Windows()
-            position = len(group.offsets)
-            group.targets.append(position)
-            group.offsets.append(row * table_columns + start_block)
-            group.lengths.append(mapped)
-            specs.append((relative, size, holds_last, chunk_width, position))
-            if holds_last:
-                break
-        shapes.append((row, padded, True, specs))
-    count = len(shapes)
-    token_views: list[torch.Tensor | None] = [None] * count
-    table_views: list[torch.Tensor | None] = [None] * count
-    _fill_views(token_groups, rows.tokens.contiguous().view(-1), torch.long, token_views)
-    table_flat = rows.page_table.to(torch.int32).contiguous().view(-1)
-    _fill_views(table_groups, table_flat, torch.int32, table_views)
-    chunk_tables: dict[int, list[torch.Tensor | None]] = {}
-    for (chunk_width, fill), windows in chunk_groups.items():
-        views: list[torch.Tensor | None] = [None] * len(windows.offsets)
-        _fill_views({(chunk_width, fill): windows}, table_flat, torch.int32, views)
-        chunk_tables[chunk_width] = views
-    trusted = _stock_padding(rows.policy)
-    whole_chunks: dict[int, tuple[PrefillChunk, ...]] = {}
-    requests: list[PrefillRequest] = []
-    for index, (row, padded, chunked, row_specs) in enumerate(shapes):
-        tokens, table = token_views[index], table_views[index]
-        assert tokens is not None and table is not None
-        prompt, cached = prompt_lens[row], cached_of[row]
-        chunks: tuple[PrefillChunk, ...]
-        if row_specs is None:
-            # Immutable and equal for every unchunked row of this padded length: share it.
-            shared = whole_chunks.get(padded)
-            if shared is None:
-                shared = whole_chunks[padded] = (
-                    _new_chunk(slice(0, padded), 0, padded, None, True)
-                    if trusted
-                    else PrefillChunk(slice(0, padded), 0, padded, None, True),
+        chunks: tuple[PrefillChunk, ...] | None
+        if chunked:
+            size = chunk_sizes.get(padded)
+            if size is None:
+                size = chunk_sizes[padded] = prefill_chunk_size(
+                    padded, max_chunk, policy=rows.policy
                 )
-            chunks = shared
+            chunks = _planned_chunks(source, row, allocated, cached, uncached[row], padded, size)
         else:
-            built: list[PrefillChunk] = []
-            for relative, size, holds_last, chunk_width, position in row_specs:
-                values = (
-                    slice(relative, relative + size),
-                    cached + relative,
-                    size,
-                    chunk_tables[chunk_width][position],
-                    holds_last,
-                )
-                built.append(_new_chunk(*values) if trusted else PrefillChunk(*values))
-            chunks = tuple(built)
-        if trusted:
-            request = _new_single(
-                row, slots[row], tokens, table, prompt, cached, padded, chunks, chunked
+            chunks = whole_chunks.get(padded)
+            if chunks is None:
+                chunks = whole_chunks[padded] = (_whole_chunk(padded),)
+        deferred = deferrals[chunked].get(width)
+        if deferred is None:
+            fill = _SDPA_SAFE_BLOCK if chunked else _SKIP_BLOCK
+            group = TableGroup(source, width, fill, prompt_lens)
+            deferred = deferrals[chunked][width] = (source, width, group)
+        deferred[2].rows.append(row)
+        requests.append(
+            _planned(
+                PrefillRequest,
+                {
+                    "kind": "single",
+                    "source_rows": (row,),
+                    "slots": (slots[row],),
+                    "prompt_lengths": (prompt,),
+                    "cached_tokens": (cached,),
+                    "last_token_indices": (prompt - 1,),
+                    "padded_sequence_length": padded,
+                    "padded_batch_size": 1,
+                    "chunks": chunks,
+                    "uses_chunked_prefill": chunked,
+                    _DEFERRED: deferred,
+                },
             )
-        else:
-            request = PrefillRequest(
-                kind="single",
-                source_rows=(row,),
-                slots=(slots[row],),
-                tokens=tokens,
-                page_table=table,
-                prompt_lengths=(prompt,),
-                cached_tokens=(cached,),
-                last_token_indices=(prompt - 1,),
-                padded_sequence_length=padded,
-                padded_batch_size=1,
-                chunks=chunks,
-                uses_chunked_prefill=chunked,
-            )
-        requests.append(request)
+        )
     return requests
 
 
@@ -830,6 +833,7 @@ def plan_prefill_requests(
         policy=policy,
     )
     batch = len(rows.prompt_lens)
+    source = PlanSource(rows.tokens, rows.page_table, block_size)
     uncached = [
         prompt - cached for prompt, cached in zip(rows.prompt_lens, rows.cached, strict=True)
     ]
@@ -868,8 +872,10 @@ def plan_prefill_requests(
                 )
             sequential.extend(bucket)
         else:
-            waves.append(_batched_request(rows, bucket, seq, padded))
-    singles = _single_requests(rows, sorted(sequential), uncached, padded_of)
+            waves.append(_batched_request(rows, bucket, seq, padded, source))
+    singles = _single_requests(rows, sorted(sequential), uncached, padded_of, source)
+    if not _stock_padding(policy):
+        return tuple(_validated(request) for request in (*waves, *singles))
     return (*waves, *singles)
 
 
