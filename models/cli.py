@@ -8,7 +8,8 @@ as one line with the fix.
 * `generate`: continuous-batching generation (streams one prompt; JSON lines with `--json`).
 * `bringup`: every phase one call at a time, with a table, the coverage manifest and the
   journal; rehearses failures with `--fault`.
-* `bench`: decode throughput against Hugging Face transformers (benchmarks/bench_generate.py).
+* `bench`: decode-only and end-to-end throughput against Hugging Face transformers
+  (benchmarks/bench_generate.py).
 """
 
 from __future__ import annotations
@@ -668,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     bringup.set_defaults(handler=_bringup)
 
     bench = commands.add_parser(
-        "bench", help="decode tokens/s of this runtime (and transformers with --compare)"
+        "bench",
+        help="decode-only and end-to-end tokens/s (and transformers' with --compare)",
     )
     _add_model_arguments(bench, trace_default="none")
     bench.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 8, 32))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,58 @@ from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionCon
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+# Decode attention groups: the fixed cost of one more group (gathers, SDPA call, mask) in units
+# of one row attending to one key; measured on the project's CPU (see `plan_key_groups`).
+GROUP_COST_KEYS = 128
+# Rows are grouped in units of at most this many sorted rows' worth (bounds the planning cost).
+_MAX_PLAN_UNITS = 64
+
+
+class KeyGroup(NamedTuple):
+    """Consecutive rows `[start, end)` of a length-sorted decode batch that attend together.
+
+    `gather_index` `[rows, kv, keys]` holds the flat cache rows of the group's keys (as many as
+    its longest row needs); `mask` `[rows, 1, 1, keys]` what each row may see, or None when
+    every row sees every key.
+    """
+
+    start: int
+    end: int
+    gather_index: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def plan_key_groups(
+    n_keys: Sequence[int], *, group_cost: int = GROUP_COST_KEYS
+) -> list[tuple[int, int]]:
+    """Split rows sorted by ascending key count into `[start, end)` groups for decode attention.
+
+    Why: one attention call pads every row to the longest context, so with mixed lengths most
+    of the gathered and attended keys are padding. A group costs `group_cost` plus
+    `rows * longest` key reads; an exact dynamic program over (at most `_MAX_PLAN_UNITS`
+    units of) the sorted rows minimises the total.
+    """
+    count = len(n_keys)
+    if count <= 1:
+        return [(0, count)]
+    step = -(-count // _MAX_PLAN_UNITS)
+    edges = [*range(0, count, step), count]  # unit u is rows edges[u]..edges[u + 1]
+    units = len(edges) - 1
+    best = [0] * (units + 1)  # best[j]: cheapest split of the first j units
+    cut = [0] * (units + 1)  # cut[j]: where the last group of that split starts
+    for j in range(1, units + 1):
+        end = edges[j]
+        longest = n_keys[end - 1]
+        best[j], cut[j] = min(
+            (best[i] + group_cost + (end - edges[i]) * longest, i) for i in range(j)
+        )
+    bounds: list[tuple[int, int]] = []
+    j = units
+    while j > 0:
+        bounds.append((edges[cut[j]], edges[j]))
+        j = cut[j]
+    return bounds[::-1]
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -159,6 +211,8 @@ class LlamaModel(nn.Module):
     """
 
     graph_safe: bool | None
+    # Dynamic decode: cost of one more attention group, in row-key units (`plan_key_groups`).
+    group_cost: int = GROUP_COST_KEYS
 
     def __init__(
         self,
@@ -191,6 +245,8 @@ class LlamaModel(nn.Module):
         self._rope_sin = sin.to(self.device)
         self._paged: PagedAttentionConfig | None = None
         self._kv_cache: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+        # Reused K/V gather buffers of the dynamic decode (see `_grouped_decode_attention`).
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # Optional device-sampling module a family executor attaches (the runtime reads it).
         self.sampling: Any = None
         self.graph_safe = None
@@ -510,8 +566,12 @@ class LlamaModel(nn.Module):
         addressing: Addressing,
         *,
         use_cache_for_chunk: bool,
+        key_groups: Sequence[KeyGroup] | None = None,
     ) -> torch.Tensor:
-        """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`."""
+        """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`.
+
+        With `key_groups` (dynamic decode) each group of rows attends to its own keys.
+        """
         args = self.args
         batch, seq, _ = h.shape
         n_q, n_kv, hd = args.n_heads, args.n_kv_heads, args.head_dim
@@ -539,6 +599,10 @@ class LlamaModel(nn.Module):
                 v_new = torch.where(addressing.any_writer, v_new, v_flat.index_select(0, index))
             k_flat.index_copy_(0, addressing.write_index, k_new)
             v_flat.index_copy_(0, addressing.write_index, v_new)
+        if key_groups is not None:
+            out = self._grouped_decode_attention(q, cache, key_groups)
+            grouped: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
+            return grouped
         if use_cache_for_chunk:
             assert addressing.gather_index is not None
             keys = self._gather(k_flat, addressing.gather_index)
@@ -568,6 +632,52 @@ class LlamaModel(nn.Module):
         projected = layer.wo(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
         return projected
 
+    def _grouped_decode_attention(
+        self,
+        q: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        key_groups: Sequence[KeyGroup],
+    ) -> torch.Tensor:
+        """Decode attention of `q` `[B, 1, n_q, hd]` group by group; returns `[B, kv, g, hd]`.
+
+        Each group gathers only the key tiles its longest row needs (see `_decode_key_groups`)
+        into a reused workspace (a fresh multi-megabyte tensor per layer costs page faults on
+        every call), and folds each KV head's query group into the query axis so SDPA reads
+        K/V once per KV head instead of once per query head.
+        """
+        args = self.args
+        n_q, n_kv, hd = args.n_heads, args.n_kv_heads, args.head_dim
+        folded = q.reshape(q.shape[0], n_kv, n_q // n_kv, hd)
+        k_cache, v_cache = cache
+        tile = k_cache.shape[2] * hd
+        k_tiles = k_cache.view(-1, tile)
+        v_tiles = v_cache.view(-1, tile)
+        assert self._workspace is not None
+        k_space, v_space = self._workspace
+        outs = []
+        for group in key_groups:
+            rows = group.end - group.start
+            index = group.gather_index.view(-1)
+            size = index.shape[0] * tile
+            keys = torch.index_select(k_tiles, 0, index, out=k_space[:size].view(-1, tile))
+            values = torch.index_select(v_tiles, 0, index, out=v_space[:size].view(-1, tile))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    folded[group.start : group.end],
+                    keys.view(rows, n_kv, -1, hd),
+                    values.view(rows, n_kv, -1, hd),
+                    attn_mask=group.mask,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _ensure_workspace(self, elements: int) -> None:
+        """Grow (never shrink) the flat K and V gather buffers to `elements` values each."""
+        if self._workspace is not None and self._workspace[0].shape[0] >= elements:
+            return
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        self._workspace = (torch.empty(elements, **kw), torch.empty(elements, **kw))
+
     def _run_layers(
         self,
         tokens: torch.Tensor,
@@ -576,6 +686,7 @@ class LlamaModel(nn.Module):
         cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
         *,
         use_cache_for_chunk: bool,
+        key_groups: Sequence[KeyGroup] | None = None,
     ) -> torch.Tensor:
         x = F.embedding(tokens, self.embedding_matrix())
         cos = self._rope_cos[positions].unsqueeze(2)
@@ -590,6 +701,7 @@ class LlamaModel(nn.Module):
                 sin,
                 addressing,
                 use_cache_for_chunk=use_cache_for_chunk,
+                key_groups=key_groups,
             )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
@@ -839,7 +951,13 @@ class LlamaModel(nn.Module):
         if not all_active:
             rows = active.nonzero().squeeze(1)
             tokens, pos, pages = tokens[rows], pos[rows], pages[rows]
-        top = self._check_decode_extent(pos, pages.shape[1], bs)
+        self._check_decode_extent(pos, pages.shape[1], bs)
+        # Attention groups rows of similar length: sort the rows by position (undone on the
+        # last hidden state); already-sorted batches (batch 1 included) keep their order.
+        order: torch.Tensor | None = None
+        if pos.shape[0] > 1 and bool((pos[1:] < pos[:-1]).any()):
+            order = torch.argsort(pos, stable=True)
+            tokens, pos, pages = tokens[order], pos[order], pages[order]
         block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
         mapped = block >= 0
         write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
@@ -847,24 +965,56 @@ class LlamaModel(nn.Module):
         if write_rows is not None:
             write_block, write_off = block[write_rows], write_off[write_rows]
         write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
-        gather_index, page_ok = self._key_rows(pages, top + 1, bs)
-        key_pos = torch.arange(top + 1, device=device)
-        visible = (key_pos.unsqueeze(0) <= pos.unsqueeze(1)) & page_ok
         addressing = Addressing(
-            write_rows=write_rows,
-            write_index=write_index,
-            gather_index=gather_index,
-            mask=visible.view(visible.shape[0], 1, 1, -1),
+            write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
         )
         hidden = self._run_layers(
-            tokens.unsqueeze(1), pos.unsqueeze(1), addressing, cache, use_cache_for_chunk=True
+            tokens.unsqueeze(1),
+            pos.unsqueeze(1),
+            addressing,
+            cache,
+            use_cache_for_chunk=True,
+            key_groups=self._decode_key_groups(pages, pos, order, bs),
         )
-        logits = self._logits(hidden[:, 0])
+        last = hidden[:, 0]
+        if order is not None:
+            last = torch.empty_like(last).index_copy_(0, order, last)
+        logits = self._logits(last)
         if all_active:
             return logits
         out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
         out[rows] = logits
         return out
+
+    def _decode_key_groups(
+        self, pages: torch.Tensor, pos: torch.Tensor, order: torch.Tensor | None, bs: int
+    ) -> tuple[KeyGroup, ...]:
+        """Attention groups of a position-sorted decode batch, and a workspace to fit them.
+
+        Keys are gathered a whole (block, KV head) tile at a time: the cache
+        `[num_blocks, kv, block_size, hd]` viewed as `[num_blocks * kv, block_size * hd]`
+        has one contiguous row per tile, and gathering rows `(page * kv + head)` in
+        `[rows, kv, blocks]` order lands them directly in SDPA's `[rows, kv, keys, hd]`
+        layout. Copying 8 KiB tiles is much faster than copying 256-byte key rows; the few
+        keys past a row's position are masked.
+        """
+        n_blocks = [p // bs + 1 for p in pos.tolist()]
+        kv = self.args.n_kv_heads
+        heads = torch.arange(kv, device=pages.device).view(1, kv, 1)
+        groups = []
+        largest = 0
+        for start, end in plan_key_groups([n * bs for n in n_blocks], group_cost=self.group_cost):
+            width = n_blocks[end - 1]
+            group_pages = pages[start:end, :width]
+            index = group_pages.clamp(min=0).unsqueeze(1) * kv + heads  # [rows, kv, width]
+            key_pos = torch.arange(width * bs, device=pages.device)
+            visible = key_pos.unsqueeze(0) <= pos[start:end].unsqueeze(1)
+            if not bool((group_pages >= 0).all()):
+                visible &= (group_pages >= 0).repeat_interleave(bs, dim=1)
+            groups.append(KeyGroup(start, end, index, visible.view(end - start, 1, 1, -1)))
+            largest = max(largest, index.numel() * bs * self.args.head_dim)
+        self._ensure_workspace(largest)
+        return tuple(groups)
 
     @torch.inference_mode()
     def decode_graph_safe(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from models.llama import (
     greedy_generate,
     random_state_dict,
 )
+from models.llama.model import plan_key_groups
 from models.llama.reference import contiguous_page_table, prefill_prompts
 from runtime.model_contract import AttentionMetadata, PagedAttentionConfig, PagedModel
 from tests.models.llama_oracle import (
@@ -91,6 +94,68 @@ def test_chunked_batched_greedy_equals_unchunked() -> None:
     whole = greedy_generate(model, prompts, 12, block_size=4)
     chunked = greedy_generate(model, prompts, 12, block_size=4, chunk_size=8)
     assert whole == chunked
+
+
+def test_batched_greedy_with_one_attention_group_per_length_matches_transformers() -> None:
+    """Decode attention split into many groups (rows sorted by length) is still exact."""
+    model, hf = tiny_pair("gqa")
+    lengths = (41, 3, 17, 9, 64, 1, 30, 16)  # unsorted: decode reorders rows internally
+    prompts = [_prompt(n, model.vocab_size, seed=200 + n) for n in lengths]
+    model.group_cost = 0
+    try:
+        ours = greedy_generate(model, prompts, 24, block_size=8)
+    finally:
+        del model.group_cost
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == hf_greedy(hf, prompt, 24, ()), len(prompt)
+
+
+# ------------------------------------------------------------------------ attention groups
+def test_plan_key_groups_covers_rows_in_order() -> None:
+    assert plan_key_groups([]) == [(0, 0)]
+    assert plan_key_groups([7]) == [(0, 1)]
+    keys = [32, 32, 32, 64, 64, 512, 512]
+    assert plan_key_groups(keys, group_cost=10**9) == [(0, 7)]
+    assert plan_key_groups(keys, group_cost=0) == [(0, 3), (3, 5), (5, 7)]
+    many = list(range(1, 301))  # more rows than planning units: groups still tile the rows
+    groups = plan_key_groups(many, group_cost=64)
+    assert groups[0][0] == 0 and groups[-1][1] == 300
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(groups))
+    assert len(groups) > 1
+
+
+def test_grouped_decode_equals_single_group_and_graph_safe() -> None:
+    """Mixed lengths, shuffled blocks, an inactive row and an unmapped page: the grouped
+    dynamic decode gives the single-group result and the graph-safe one."""
+    model, _ = _bound(block_size=4, num_blocks=64)
+    lengths = [13, 2, 30, 7, 21, 9]
+    prompts = [_prompt(n, model.vocab_size, seed=50 + n) for n in lengths]
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    table = torch.full((len(lengths), 9), -1, dtype=torch.int32)
+    for row, n in enumerate(lengths):
+        count = n // 4 + 1
+        table[row, :count] = torch.tensor([order.pop() for _ in range(count)])
+    logits = prefill_prompts(model, prompts, table)
+    table[4, 1] = -1  # row 4 can no longer see positions 4..7
+    positions = torch.tensor(lengths)
+    positions[3] = -1  # inactive
+    tokens = logits.argmax(-1)
+    cache = model.kv_cache
+    assert cache is not None
+    snapshot = [(k.clone(), v.clone()) for k, v in cache]
+    results = []
+    for cost, graph_safe in ((0, None), (10**9, None), (0, True)):
+        for (k, v), (k0, v0) in zip(cache, snapshot, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        model.group_cost, model.graph_safe = cost, graph_safe
+        results.append(model.decode(tokens, positions=positions, page_table=table))
+    model.graph_safe = None
+    del model.group_cost
+    grouped, single, static = results
+    assert torch.equal(grouped[3], torch.zeros_like(grouped[3]))
+    assert (grouped - single).abs().max().item() < 1e-5
+    assert (grouped - static).abs().max().item() < 1e-5
 
 
 # ------------------------------------------------------------------------------- contract
