@@ -383,7 +383,7 @@ class ModelExecutor(LifecycleHost):
                 "device sampling buffers would be allocated after trace activation; warm up "
                 "with sampling before capture()"
             )
-        sampler.materialize(self.device.torch_device)
+        sampler.materialize(self.device)
 
     @guarded(*_SETUP)
     def compile_prefill(self, **request: Any) -> Any:

@@ -412,7 +412,7 @@ def ready_sampler(model: Any, device: Device) -> Any:
     sampler = model.sampling
     materialize = getattr(sampler, "materialize", None)
     if callable(materialize) and not getattr(sampler, "materialized", False):
-        materialize(device.torch_device)
+        materialize(device)
     return sampler
 
 

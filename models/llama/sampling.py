@@ -5,7 +5,8 @@ captured trace (a CUDA graph, or the CPU backend's re-run trace):
 
 * `materialize(device)` allocates every persistent buffer up front (per-row top_k, top_p,
   inverse temperature, seeds, penalties, log-prob row mask), so nothing is allocated lazily
-  inside capture; `release()` frees them (idempotent); `buffers` shows them.
+  inside capture; given a runtime `Device` it allocates through it, so the device counts
+  them; `release()` frees them (idempotent, retryable); `buffers` shows them.
 * `stage(prepared)` copies one `PreparedSamplingParams` into those buffers in place (host work;
   run it before capture and before every replay) and returns the `SamplerPlan`: the static facts
   (batch, path, penalties on, log-probs on, top-n width, seeded) the computation branches on.
@@ -53,6 +54,8 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
+from runtime.backends.base import Device
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -245,6 +248,32 @@ _BUFFER_DTYPES: tuple[tuple[str, torch.dtype], ...] = (
 )
 
 
+def _allocate_through(device: Device, rows: int) -> dict[str, torch.Tensor]:
+    """Every sampler buffer allocated through `device`, or none: a failure deallocates the
+    ones already made (their failures attached to the primary error) and re-raises."""
+    made: dict[str, torch.Tensor] = {}
+    try:
+        for name, dtype in _BUFFER_DTYPES:
+            tensor = device.allocate((rows,), dtype)
+            if not isinstance(tensor, torch.Tensor):
+                device.deallocate(tensor)
+                raise TypeError(
+                    f"device sampling needs torch tensors, but device {device.name!r} allocates "
+                    f"{type(tensor).__name__}; disable device sampling for this backend"
+                )
+            made[name] = tensor
+    except BaseException as error:
+        failures: list[BaseException] = []
+        for tensor in made.values():
+            try:
+                device.deallocate(tensor)
+            except BaseException as failure:
+                failures.append(failure)
+        attach_cleanup_failures(error, failures, note="allocating sampler buffers")
+        raise
+    return made
+
+
 class LlamaSampler:
     """Per-row top-k / top-p / temperature sampling with seeds, penalties and log-probs."""
 
@@ -254,6 +283,7 @@ class LlamaSampler:
         self.config = config
         self._buffers: dict[str, torch.Tensor] = {}
         self._device: torch.device | None = None
+        self._owner: Device | None = None  # the runtime device the buffers came from, if any
 
     # ---- buffers -----------------------------------------------------------------------
 
@@ -270,13 +300,17 @@ class LlamaSampler:
         """The persistent per-row buffers (empty before `materialize` and after `release`)."""
         return MappingProxyType(self._buffers)
 
-    def materialize(self, device: torch.device | str) -> None:
+    def materialize(self, device: Device | torch.device | str) -> None:
         """Allocate every buffer a sampling step (or a trace of one) reads; idempotent.
 
-        Call it before trace capture. Moving to another device needs `release()` first, so a
+        Call it before trace capture. Given a runtime `Device`, the buffers are allocated
+        through it, so its `live_allocations` counts them and `release()` deallocates them
+        there (a leak shows up in the executor's cleanup checks); a plain torch device or
+        name allocates with torch. Moving to another device needs `release()` first, so a
         captured trace can never be left reading freed buffers.
         """
-        target = torch.device(device)
+        owner = device if isinstance(device, Device) else None
+        target = owner.torch_device if owner is not None else torch.device(device)
         if self._device is not None:
             same_type = self._device.type == target.type
             if same_type and target.index in (None, self._device.index):
@@ -286,17 +320,39 @@ class LlamaSampler:
                 f"materializing on {target}"
             )
         rows = self.config.max_batch_size
-        self._buffers = {
-            name: torch.zeros(rows, dtype=dtype, device=target) for name, dtype in _BUFFER_DTYPES
-        }
+        if owner is None:
+            self._buffers = {
+                name: torch.zeros(rows, dtype=dtype, device=target)
+                for name, dtype in _BUFFER_DTYPES
+            }
+        else:
+            self._buffers = _allocate_through(owner, rows)
+        self._owner = owner
         # The buffers' own device: "cuda" resolves to "cuda:N", which logits report.
         self._device = self._buffers["top_k"].device
         logger.debug("sampler buffers materialized on %s for %d rows", self._device, rows)
 
     def release(self) -> None:
-        """Free the buffers; idempotent. A later `materialize` allocates fresh ones."""
+        """Free the buffers; idempotent and retryable. A later `materialize` allocates anew.
+
+        Buffers owned by a runtime `Device` are deallocated there, each exactly once; a buffer
+        whose deallocation fails stays held (so a retry releases it) and the first failure is
+        raised with the others attached.
+        """
+        if self._owner is not None:
+            failures: list[BaseException] = []
+            for name in list(self._buffers):
+                try:
+                    self._owner.deallocate(self._buffers[name])
+                except BaseException as error:
+                    failures.append(error)
+                else:
+                    del self._buffers[name]
+            if failures:
+                raise_cleanup_failures(failures)
         self._buffers = {}
         self._device = None
+        self._owner = None
 
     # ---- host side ---------------------------------------------------------------------
 

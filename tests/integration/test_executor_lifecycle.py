@@ -16,7 +16,10 @@ def test_start_reaches_serving_and_close_releases_everything() -> None:
     device = executor.device
     executor.start()
     assert executor.phase is Phase.SERVING
-    assert device.live_allocations == 2 * executor.model.n_layers
+    # The KV cache (K and V per layer) and the device sampler's buffers, all device-owned.
+    sampler_buffers = dict(executor.model.sampling.buffers)
+    assert sampler_buffers and all(device.is_owned(t) for t in sampler_buffers.values())
+    assert device.live_allocations == 2 * executor.model.n_layers + len(sampler_buffers)
     reached = [e.dest for e in executor.journal.entries if e.outcome.value == "ok"]
     for phase in ("CAPACITY_RESOLVED", "SEALED", "ALLOCATED", "COMPILED", "SERVING"):
         assert phase in reached

@@ -511,3 +511,65 @@ def test_seeded_rows_do_not_depend_on_batch_position(
         moved_logits, sampler.prepare(moved_sp, shift + rows), positions=moved_positions
     ).tokens
     assert moved[shift:].tolist() == [int(base[i]) for i in order]
+
+
+# ---- buffers owned by a runtime device -----------------------------------------------------
+
+
+def _device_sampler() -> LlamaSampler:
+    return LlamaSampler(SamplerConfig(max_batch_size=4, max_top_k=8, vocab_size=VOCAB))
+
+
+def test_buffers_from_a_runtime_device_are_counted_and_released_once() -> None:
+    from runtime.backends.faults import FaultInjectingDevice, FaultPlan
+    from runtime.backends.torch_device import TorchDevice
+
+    device = FaultInjectingDevice(TorchDevice("cpu"), FaultPlan())
+    sampler = _device_sampler()
+    sampler.materialize(device)
+    buffers = dict(sampler.buffers)
+    assert device.live_allocations == len(buffers) > 0
+    assert all(device.is_owned(tensor) for tensor in buffers.values())
+    sampler.materialize(device)  # idempotent: nothing more allocated
+    assert device.live_allocations == len(buffers)
+    plan = sampler.stage(prepared(sampler, 2, temperature=(0.0, 0.0)))
+    tokens = sampler.run(torch.randn(2, VOCAB), plan).tokens
+    assert tokens.shape[0] == 2
+    sampler.release()
+    sampler.release()  # idempotent
+    assert device.live_allocations == 0 and device.deallocated_twice == 0
+    assert not sampler.materialized and dict(sampler.buffers) == {}
+
+
+def test_failed_buffer_allocation_leaves_nothing_allocated() -> None:
+    from runtime.backends.faults import FaultInjectingDevice, InjectedFault
+    from runtime.backends.torch_device import TorchDevice
+
+    device = FaultInjectingDevice(TorchDevice("cpu"), "allocate:3")
+    sampler = _device_sampler()
+    with pytest.raises(InjectedFault):
+        sampler.materialize(device)
+    assert device.live_allocations == 0
+    assert not sampler.materialized
+    sampler.materialize(device)  # the fault fired once: a retry allocates everything
+    assert device.live_allocations == len(sampler.buffers)
+    sampler.release()
+    assert device.live_allocations == 0
+
+
+def test_failed_buffer_release_keeps_the_buffer_for_a_retry() -> None:
+    from runtime.backends.faults import FaultInjectingDevice, InjectedFault
+    from runtime.backends.torch_device import TorchDevice
+
+    device = FaultInjectingDevice(TorchDevice("cpu"), "deallocate:2")
+    sampler = _device_sampler()
+    sampler.materialize(device)
+    count = len(sampler.buffers)
+    with pytest.raises(InjectedFault):
+        sampler.release()
+    assert device.live_allocations == 1 and len(sampler.buffers) == 1
+    assert sampler.materialized
+    sampler.release()
+    assert device.live_allocations == 0 and device.deallocated_twice == 0
+    assert not sampler.materialized
+    assert count > 2

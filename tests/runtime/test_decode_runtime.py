@@ -425,7 +425,7 @@ def test_eager_logits_equal_the_model_with_inactive_rows(setup: TinySetup) -> No
     assert tuple(logits.shape) == (LANE, 1, setup.model.vocab_size)
     assert torch.equal(logits[:, 0], direct)
     assert logits[0].abs().sum() > 0 and not logits[1].any() and not logits[3].any()
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 def test_greedy_device_sampling_equals_argmax(setup: TinySetup) -> None:
@@ -480,7 +480,7 @@ def test_invoke_with_device_feedback_advances_inputs_on_device(setup: TinySetup)
     assert torch.equal(staged.tokens, tokens)
     assert torch.equal(staged.positions, torch.tensor([6, -1, 4, -1]))
     rt.consume(result)
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,7 +499,7 @@ def test_async_read_matches_blocking_read(setup: TinySetup, sampled: bool) -> No
         read_from_device=False,
     )
     assert rt.outstanding_lease_count == 1
-    assert setup.device.live_allocations > setup.kv_allocations  # staged inputs still owned
+    assert setup.device.live_allocations > setup.resident_allocations  # staged inputs still owned
     host, events = rt.read_decode_output(raw, async_read=True)
     assert len(events) == 1 and setup.reader.pending_count == 1
     with pytest.raises(RuntimeError, match="already read"):
@@ -507,7 +507,7 @@ def test_async_read_matches_blocking_read(setup: TinySetup, sampled: bool) -> No
     out = rt.process_decode_output_host(host)  # the lease knows the output kind
     assert torch.equal(out, blocking)
     assert rt.outstanding_lease_count == 0 and setup.reader.pending_count == 0
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 def test_sync_read_of_a_leased_output(setup: TinySetup) -> None:
@@ -518,7 +518,7 @@ def test_sync_read_of_a_leased_output(setup: TinySetup) -> None:
     raw = rt.consume(rt.invoke(prepared), read_from_device=False)
     host = rt.read_decode_output(raw)
     assert rt.outstanding_lease_count == 0
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
     assert torch.equal(rt.process_decode_output_host(host), expected)
 
 
@@ -534,7 +534,7 @@ def test_drain_releases_outstanding_leases(setup: TinySetup) -> None:
     rt.drain_external_outputs()
     assert all(lease.released for lease in leases)
     assert rt.outstanding_lease_count == 0 and setup.reader.pending_count == 0
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
     rt.drain_external_outputs()  # idempotent
     # A drained output can still be normalised by whoever holds its host value.
     assert tuple(rt.process_decode_output_host(host).shape) == (LANE, 1, setup.model.vocab_size)
@@ -562,7 +562,7 @@ def test_failed_invoke_releases_staged_inputs(setup: TinySetup) -> None:
     bad = rt.prepare(NEXT_TOKENS, START, torch.full((LANE, 8), 99, dtype=torch.int32))
     with pytest.raises(ValueError, match="page_table has entries"):
         rt.invoke(bad)
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
     assert rt.transient_orphan_count == 0
     rt.consume(rt.invoke(prepared))
 
@@ -582,7 +582,7 @@ def test_release_failures_become_orphans_that_block_prepare(setup: TinySetup) ->
         rt.invoke(prepared)
     rt.cleanup_transients()
     assert rt.transient_orphan_count == 0
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
     rt.cleanup_transients()  # idempotent
     rt.consume(rt.invoke(rt.prepare(NEXT_TOKENS, START, table)))
 

@@ -181,7 +181,7 @@ def test_logits_trace_replays_bit_identical_to_eager(setup: TinySetup) -> None:
     assert all(raw is outputs[0] for raw in outputs)  # trace-owned outputs, rewritten in place
     t.close()
     assert setup.device.live_traces == 0
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 @pytest.mark.parametrize(
@@ -214,7 +214,7 @@ def test_sampled_trace_replays_bit_identical_to_eager(
         assert same(got, expected)
         tokens = (expected[0] if isinstance(expected, tuple) else expected).clone()
     t.close()
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 def test_trace_uses_its_own_sampling_copies_and_restages_only_on_change(
@@ -314,7 +314,7 @@ def test_capture_allocates_nothing_and_reads_only_persistent_inputs(setup: TinyS
     assert torch.equal(first, second)
     orphan, failures = release_or_orphan(PersistentInputs(persistent), setup.device)
     assert orphan is None and not failures
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 def test_refresh_copies_what_the_decision_says(setup: TinySetup) -> None:
@@ -393,7 +393,7 @@ def test_sampling_path_changes_are_refused(setup: TinySetup) -> None:
     rt.refresh_trace(argmax_inputs, sampled, full)
     for value in (logits_inputs, argmax_inputs):
         release_or_orphan(value, setup.device)
-    assert setup.device.live_allocations == setup.kv_allocations
+    assert setup.device.live_allocations == setup.resident_allocations
 
 
 def test_penalty_history_has_a_fixed_captured_shape(setup: TinySetup) -> None:

@@ -59,12 +59,18 @@ class TinySetup:
         return num_blocks
 
     @property
-    def kv_allocations(self) -> int:
-        """Live device allocations that belong to the KV cache (K and V per layer)."""
-        return 2 * self.model.n_layers
+    def resident_allocations(self) -> int:
+        """Live device allocations that outlive a request: the KV cache (K and V per layer)
+        and, once the decode runtime materialised it, the device sampler's buffers."""
+        sampler = getattr(self.model, "sampling", None)
+        buffers = len(sampler.buffers) if sampler is not None else 0
+        return 2 * self.model.n_layers + buffers
 
     def close(self) -> None:
-        """Release the KV cache (idempotent)."""
+        """Release the sampler buffers and the KV cache (idempotent)."""
+        sampler = getattr(self.model, "sampling", None)
+        if sampler is not None:
+            sampler.release()
         self.kv_manager.release()
 
 
