@@ -55,7 +55,7 @@ import attrs
 import torch
 
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
-from runtime.backends.base import Device
+from runtime.backends import Device, allocates_torch_tensors
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -258,8 +258,8 @@ def _allocate_through(device: Device, rows: int) -> dict[str, torch.Tensor]:
             if not isinstance(tensor, torch.Tensor):
                 device.deallocate(tensor)
                 raise TypeError(
-                    f"device sampling needs torch tensors, but device {device.name!r} allocates "
-                    f"{type(tensor).__name__}; disable device sampling for this backend"
+                    f"sampler buffers must be torch tensors; device {device.name!r} allocated "
+                    f"a {type(tensor).__name__}"
                 )
             made[name] = tensor
     except BaseException as error:
@@ -306,8 +306,9 @@ class LlamaSampler:
         Call it before trace capture. Given a runtime `Device`, the buffers are allocated
         through it, so its `live_allocations` counts them and `release()` deallocates them
         there (a leak shows up in the executor's cleanup checks); a plain torch device or
-        name allocates with torch. Moving to another device needs `release()` first, so a
-        captured trace can never be left reading freed buffers.
+        name, or a backend whose tensors are not torch tensors, allocates with torch. Moving
+        to another device needs `release()` first, so a captured trace can never be left
+        reading freed buffers.
         """
         owner = device if isinstance(device, Device) else None
         target = owner.torch_device if owner is not None else torch.device(device)
@@ -320,13 +321,14 @@ class LlamaSampler:
                 f"materializing on {target}"
             )
         rows = self.config.max_batch_size
-        if owner is None:
+        if owner is not None and allocates_torch_tensors(owner):
+            self._buffers = _allocate_through(owner, rows)
+        else:
+            owner = None
             self._buffers = {
                 name: torch.zeros(rows, dtype=dtype, device=target)
                 for name, dtype in _BUFFER_DTYPES
             }
-        else:
-            self._buffers = _allocate_through(owner, rows)
         self._owner = owner
         # The buffers' own device: "cuda" resolves to "cuda:N", which logits report.
         self._device = self._buffers["top_k"].device

@@ -48,8 +48,21 @@ __all__ = [
     "TorchDevice",
     "TraceHandle",
     "TtnnDevice",
+    "allocates_torch_tensors",
     "make_device",
 ]
+
+
+def allocates_torch_tensors(device: Device) -> bool:
+    """Whether `device.allocate` hands out torch tensors that torch code can compute on.
+
+    True for the torch backend, also behind fault injection; ttnn hands out its own tensors
+    (and lacks some dtypes), so torch-side helpers keep host tensors there instead.
+    """
+    while isinstance(device, FaultInjectingDevice):
+        device = device.inner
+    return isinstance(device, TorchDevice)
+
 
 _SPEC = re.compile(r"^(?P<kind>cpu|cuda|ttnn)(?::(?P<index>\d+))?$")
 _ALLOWED = "'cpu', 'cuda', 'cuda:N', 'ttnn' or 'ttnn:N' (N a device index >= 0)"

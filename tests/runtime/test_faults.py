@@ -328,3 +328,10 @@ class FaultDeviceMachine(RuleBasedStateMachine):
 
 
 TestFaultDeviceMachine = FaultDeviceMachine.TestCase
+
+
+def test_allocates_torch_tensors_sees_through_fault_injection() -> None:
+    from runtime.backends import allocates_torch_tensors
+
+    assert allocates_torch_tensors(TorchDevice("cpu"))
+    assert allocates_torch_tensors(FaultInjectingDevice(TorchDevice("cpu"), "allocate:1"))

@@ -300,3 +300,17 @@ def test_real_ttnn_host_conversion_round_trips() -> None:
     assert torch.equal(ttnn.to_torch(converted), host)
     tiled = ttnn.from_torch(host.to(torch.bfloat16), dtype=ttnn.bfloat16, layout=ttnn.TILE_LAYOUT)
     assert torch.equal(ttnn.to_torch(tiled), host.to(torch.bfloat16))
+
+
+def test_device_sampler_keeps_torch_buffers_on_a_ttnn_device(device: TtnnDevice) -> None:
+    """The sampler is torch code: on a backend with native tensors its buffers stay torch
+    tensors on the host surrogate, and the probe allocation is handed back."""
+    from models.llama.sampling import LlamaSampler, SamplerConfig
+
+    sampler = LlamaSampler(SamplerConfig(max_batch_size=2, max_top_k=4, vocab_size=8))
+    sampler.materialize(device)
+    assert sampler.materialized and sampler.device == torch.device("cpu")
+    assert all(isinstance(t, torch.Tensor) for t in sampler.buffers.values())
+    assert device.live_allocations == 0
+    sampler.release()
+    assert not sampler.materialized
