@@ -87,24 +87,25 @@ def _lifecycle_diagram(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: allowed is an integer >= 1")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, with the allowed range in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{value} is invalid: allowed is an integer >= {minimum}"
+            )
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: allowed is an integer >= 0")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _temperature(text: str) -> float:
@@ -152,6 +153,22 @@ def _load(model: str, **kwargs: Any) -> Any:
         raise UsageError(str(error)) from error
     except (ValueError, TypeError) as error:
         raise UsageError(f"--model {model}: {_one_line(error)}") from error
+
+
+def _load_from_args(args: argparse.Namespace, **extra: Any) -> Any:
+    """`_load` with the model and lane geometry that `generate` and `bringup` share."""
+    return _load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        trace_mode=args.trace,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batch_size=args.max_batch,
+        max_prefill_chunk_size=args.prefill_chunk,
+        warmup=_warmup_config(args),
+        **extra,
+    )
 
 
 def _add_warmup_argument(parser: argparse.ArgumentParser, *, default: str) -> None:
@@ -232,17 +249,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
     )
-    executor = _load(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        trace_mode=args.trace,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_batch_size=args.max_batch,
-        max_prefill_chunk_size=args.prefill_chunk,
-        warmup=_warmup_config(args),
-    )
+    executor = _load_from_args(args)
     try:
         _run_generation(args, executor, prompts, params)
     except BaseException:
@@ -443,18 +450,7 @@ def _bringup(args: argparse.Namespace) -> int:
             FaultPlan.parse(args.fault)
         except ValueError as error:
             raise UsageError(f"--fault: {_one_line(error)}") from error
-    executor = _load(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        trace_mode=args.trace,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_batch_size=args.max_batch,
-        max_prefill_chunk_size=args.prefill_chunk,
-        warmup=_warmup_config(args),
-        faults=args.fault,
-    )
+    executor = _load_from_args(args, faults=args.fault)
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("resolve_capacity", lambda: executor.resolve_capacity(args.num_blocks)),
         ("seal", executor.seal),

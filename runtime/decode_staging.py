@@ -350,26 +350,23 @@ def normalize_tokens(host: Any, *, lane_capacity: int) -> torch.Tensor | tuple[A
         tokens, log_probs = host
     else:
         tokens = host
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"decode tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    flat_tokens = tokens.reshape(-1)
-    if flat_tokens.shape[0] < lane_capacity:
-        raise ValueError(
-            f"decode tokens hold {flat_tokens.shape[0]} value(s); expected the lane capacity "
-            f"{lane_capacity}"
-        )
-    out_tokens = flat_tokens[:lane_capacity].to(torch.int64)
+    out_tokens = _lane_values(tokens, "tokens", lane_capacity, torch.int64)
     if log_probs is None:
         return out_tokens
-    if not isinstance(log_probs, torch.Tensor):
-        raise TypeError(f"decode log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
-    flat_log_probs = log_probs.reshape(-1)
-    if flat_log_probs.shape[0] < lane_capacity:
+    return out_tokens, _lane_values(log_probs, "log_probs", lane_capacity, torch.float32)
+
+
+def _lane_values(value: Any, name: str, lane_capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `lane_capacity` values of a decode output, flattened, as `dtype`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"decode {name} must be a torch.Tensor, got {type(value).__name__}")
+    flat = value.reshape(-1)
+    if flat.shape[0] < lane_capacity:
         raise ValueError(
-            f"decode log_probs hold {flat_log_probs.shape[0]} value(s); expected the lane "
-            f"capacity {lane_capacity}"
+            f"decode {name} hold {flat.shape[0]} value(s); expected the lane capacity "
+            f"{lane_capacity}"
         )
-    return out_tokens, flat_log_probs[:lane_capacity].to(torch.float32)
+    return flat[:lane_capacity].to(dtype)
 
 
 # --------------------------------------------------------------------------------------------

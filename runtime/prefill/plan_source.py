@@ -129,18 +129,9 @@ class PlanSource:
         """int64 `shape`: row i holds `tokens[rows[i], starts[i] : starts[i] + lengths[i]]`,
         then 0; padding rows (`i >= len(rows)`) are all 0."""
         matrix = self._checked(self._tokens, self._token_version, "tokens")
-        if len(rows) == 1 and shape[0] == 1:
-            return _padded_row(
-                matrix,
-                self._token_geometry,
-                rows[0],
-                starts[0],
-                lengths[0],
-                shape[1],
-                0,
-                torch.int64,
-            )
-        return _gather_rows(matrix, rows, starts, lengths, shape, 0, torch.int64)
+        return _build_rows(
+            matrix, self._token_geometry, rows, starts, lengths, shape, 0, torch.int64
+        )
 
     def table_rows(
         self,
@@ -153,18 +144,27 @@ class PlanSource:
         """int32 `shape`: row i holds `counts[i]` page-table entries of source row `rows[i]`
         from column `starts[i]`, then `fill`; padding rows are all `fill`."""
         table = self._checked(self._page_table, self._table_version, "page_table")
-        if len(rows) == 1 and shape[0] == 1:
-            return _padded_row(
-                table,
-                self._table_geometry,
-                rows[0],
-                starts[0],
-                counts[0],
-                shape[1],
-                fill,
-                torch.int32,
-            )
-        return _gather_rows(table, rows, starts, counts, shape, fill, torch.int32)
+        return _build_rows(
+            table, self._table_geometry, rows, starts, counts, shape, fill, torch.int32
+        )
+
+
+def _build_rows(
+    matrix: torch.Tensor,
+    geometry: _Geometry,
+    rows: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    shape: Shape,
+    fill: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`shape` of `dtype`: row i holds `lengths[i]` values of `matrix[rows[i]]` from column
+    `starts[i]`, then `fill`; padding rows are all `fill`. One row takes the strided-view
+    path, several the blocked gather."""
+    if len(rows) == 1 and shape[0] == 1:
+        return _padded_row(matrix, geometry, rows[0], starts[0], lengths[0], shape[1], fill, dtype)
+    return _gather_rows(matrix, rows, starts, lengths, shape, fill, dtype)
 
 
 def _padded_row(

@@ -71,6 +71,20 @@ def mixed_batch(h: PrefillHarness) -> tuple[list[list[int]], torch.Tensor]:
     return prompts, table
 
 
+def prepare_mixed(
+    h: PrefillHarness, prompts: list[list[int]], table: torch.Tensor, **extra: Any
+) -> Any:
+    """`h.runtime.prepare` of the mixed batch (its lengths, cached starts and slots)."""
+    return h.runtime.prepare(
+        tokens=token_matrix(prompts),
+        page_table=table,
+        prompt_lens=list(MIXED_LENGTHS),
+        start_pos=list(MIXED_STARTS),
+        empty_slots=list(MIXED_SLOTS),
+        **extra,
+    )
+
+
 # -- configuration ---------------------------------------------------------------------------
 
 
@@ -293,13 +307,7 @@ def test_allocation_failure_releases_what_was_staged() -> None:
 
 def test_host_inputs_of_waves_and_chunks(harness: PrefillHarness) -> None:
     prompts, table = mixed_batch(harness)
-    prepared = harness.runtime.prepare(
-        tokens=token_matrix(prompts),
-        page_table=table,
-        prompt_lens=list(MIXED_LENGTHS),
-        start_pos=list(MIXED_STARTS),
-        empty_slots=list(MIXED_SLOTS),
-    )
+    prepared = prepare_mixed(harness, prompts, table)
     wave, long_row, cached_row = (item.request for item in prepared)
     regular = host_inputs(wave)
     assert regular.prompt_lens.tolist() == [20, 30, 10, 0]
@@ -320,13 +328,7 @@ def test_host_inputs_of_waves_and_chunks(harness: PrefillHarness) -> None:
 
 def test_mixed_batch_matches_single_row_full_prefill(harness: PrefillHarness) -> None:
     prompts, table = mixed_batch(harness)
-    prepared = harness.runtime.prepare(
-        tokens=token_matrix(prompts),
-        page_table=table,
-        prompt_lens=list(MIXED_LENGTHS),
-        start_pos=list(MIXED_STARTS),
-        empty_slots=list(MIXED_SLOTS),
-    )
+    prepared = prepare_mixed(harness, prompts, table)
     shapes = [
         (p.request.kind, p.request.source_rows, p.request.padded_batch_size, len(p.request.chunks))
         for p in prepared
@@ -454,14 +456,7 @@ def test_greedy_device_sampling_equals_argmax_of_logits(sampling_harness: Prefil
     h = sampling_harness
     prompts, table = mixed_batch(h)
     logits = h.run(prompts, table, start_pos=list(MIXED_STARTS), empty_slots=list(MIXED_SLOTS))
-    prepared = h.runtime.prepare(
-        tokens=token_matrix(prompts),
-        page_table=table,
-        prompt_lens=list(MIXED_LENGTHS),
-        start_pos=list(MIXED_STARTS),
-        empty_slots=list(MIXED_SLOTS),
-        sampling_params=SamplingParams(temperature=0.0),
-    )
+    prepared = prepare_mixed(h, prompts, table, sampling_params=SamplingParams(temperature=0.0))
     assert [p.sampling_path for p in prepared] == ["topk", "argmax", "argmax"]
     assert [p.program_signatures[0].sampling_path for p in prepared] == ["topk", "argmax", "argmax"]
     before = h.device.live_allocations
