@@ -70,6 +70,32 @@ class KeyGroup(NamedTuple):
     mask: torch.Tensor | None
 
 
+class PackedChunk(NamedTuple):
+    """Where a dynamic prefill chunk's real tokens sit in its padded `[B, S]` layout.
+
+    Token-wise work (projections, norms, rotary, MLP) runs on the `N` real tokens packed in
+    row-major order; attention needs the padded layout. `scatter` `[N]` holds each real
+    token's flat padded position `row * S + col`, or None when every position is real.
+    """
+
+    scatter: torch.Tensor | None
+    batch: int
+    seq: int
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """`[N, ...]` real-token values as `[B, S, ...]`, zeros at padding (never NaN: padded
+        keys are masked out, but a masked NaN value would still poison `softmax @ V`)."""
+        shape = (self.batch, self.seq, *packed.shape[1:])
+        if self.scatter is None:
+            return packed.reshape(shape)
+        flat = packed.new_zeros(self.batch * self.seq, *packed.shape[1:])
+        return flat.index_copy_(0, self.scatter, packed).view(shape)
+
+    def take(self, padded: torch.Tensor) -> torch.Tensor:
+        """The real tokens' entries `[N, ...]` of a flat padded tensor `[B * S, ...]`."""
+        return padded if self.scatter is None else padded.index_select(0, self.scatter)
+
+
 def plan_key_groups(
     n_keys: Sequence[int], *, group_cost: int = GROUP_COST_KEYS
 ) -> list[tuple[int, int]]:
@@ -567,24 +593,30 @@ class LlamaModel(nn.Module):
         *,
         use_cache_for_chunk: bool,
         key_groups: Sequence[KeyGroup] | None = None,
+        packed: PackedChunk | None = None,
     ) -> torch.Tensor:
         """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`.
 
-        With `key_groups` (dynamic decode) each group of rows attends to its own keys.
+        With `key_groups` (dynamic decode) each group of rows attends to its own keys. With
+        `packed` (dynamic prefill) `h` is `[N, dim]`, only the chunk's real tokens: the
+        projections run on those, attention on the padded `[B, S]` layout; returns `[N, dim]`.
         """
         args = self.args
-        batch, seq, _ = h.shape
         n_q, n_kv, hd = args.n_heads, args.n_kv_heads, args.head_dim
-        qkv = layer.wqkv(h).view(batch, seq, n_q + 2 * n_kv, hd)
-        qk = self._rope(qkv[:, :, : n_q + n_kv], cos, sin)
-        q = qk[:, :, :n_q]
-        k = qk[:, :, n_q:]
-        v = qkv[:, :, n_q + n_kv :]
+        if packed is None:
+            batch, seq, _ = h.shape
+        else:
+            batch, seq = packed.batch, packed.seq
+        qkv = layer.wqkv(h).view(*h.shape[:-1], n_q + 2 * n_kv, hd)
+        qk = self._rope(qkv[..., : n_q + n_kv, :], cos, sin)
+        q = qk[..., :n_q, :]
+        k = qk[..., n_q:, :]
+        v = qkv[..., n_q + n_kv :, :]
         k_cache, v_cache = cache
         k_flat = k_cache.view(-1, hd)
         v_flat = v_cache.view(-1, hd)
-        k_tokens = k.reshape(batch * seq, n_kv, hd)
-        v_tokens = v.reshape(batch * seq, n_kv, hd)
+        k_tokens = k.reshape(-1, n_kv, hd)
+        v_tokens = v.reshape(-1, n_kv, hd)
         if addressing.write_rows is not None:
             k_tokens = k_tokens.index_select(0, addressing.write_rows)
             v_tokens = v_tokens.index_select(0, addressing.write_rows)
@@ -603,6 +635,8 @@ class LlamaModel(nn.Module):
             out = self._grouped_decode_attention(q, cache, key_groups)
             grouped: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
             return grouped
+        if packed is not None:
+            q, k, v = packed.pad(q), packed.pad(k), packed.pad(v)
         if use_cache_for_chunk:
             assert addressing.gather_index is not None
             keys = self._gather(k_flat, addressing.gather_index)
@@ -629,6 +663,8 @@ class LlamaModel(nn.Module):
             is_causal=addressing.mask is None,
             enable_gqa=n_q != n_kv,
         )
+        if packed is not None:
+            return layer.wo(packed.take(out.transpose(1, 2).reshape(batch * seq, n_q * hd)))
         projected = layer.wo(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
         return projected
 
@@ -687,10 +723,11 @@ class LlamaModel(nn.Module):
         *,
         use_cache_for_chunk: bool,
         key_groups: Sequence[KeyGroup] | None = None,
+        packed: PackedChunk | None = None,
     ) -> torch.Tensor:
         x = F.embedding(tokens, self.embedding_matrix())
-        cos = self._rope_cos[positions].unsqueeze(2)
-        sin = self._rope_sin[positions].unsqueeze(2)
+        cos = self._rope_cos[positions].unsqueeze(-2)
+        sin = self._rope_sin[positions].unsqueeze(-2)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             assert isinstance(layer, DecoderLayer)
             x = x + self._attention_block(
@@ -702,6 +739,7 @@ class LlamaModel(nn.Module):
                 addressing,
                 use_cache_for_chunk=use_cache_for_chunk,
                 key_groups=key_groups,
+                packed=packed,
             )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
@@ -793,20 +831,52 @@ class LlamaModel(nn.Module):
                 self._prefill_extent(lens, start, seq, bs, width)
             return self._prefill_static(cache, bs, tokens, pages, lens, start)
         self._check_page_table(pages, batch, num_blocks)
-        device = self.device
         real, start, _ = self._prefill_extent(lens, start, seq, bs, width)
+        live = real > 0
+        if bool(live.all()):
+            return self._prefill_packed(cache, bs, tokens, pages, real, start)
+        out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=self.device)
+        if bool(live.any()):
+            rows = live.nonzero().squeeze(1)
+            out[rows] = self._prefill_packed(
+                cache, bs, tokens[rows], pages[rows], real[rows], start[rows]
+            )
+        return out
+
+    def _prefill_packed(
+        self,
+        cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        bs: int,
+        tokens: torch.Tensor,
+        pages: torch.Tensor,
+        real: torch.Tensor,
+        start: torch.Tensor,
+    ) -> torch.Tensor:
+        """Dynamic prefill of rows that each have `real` (>= 1) tokens from `start`.
+
+        Why packed: a planner chunk is padded to a bucket shape (a row's last 8 tokens can
+        arrive as a `[1, 256]` chunk), so the projections and MLPs, most of the work, run on
+        the `N` real tokens only; attention uses the `[B, longest]` padded layout.
+        """
+        device = self.device
+        batch = tokens.shape[0]
+        seq = int(real.max())
         cols = torch.arange(seq, device=device)
         positions = start.unsqueeze(1) + cols  # [B, S]
-        is_real = cols.unsqueeze(0) < real.unsqueeze(1)
-        safe_pos = torch.where(is_real, positions, torch.zeros_like(positions))
-        block_col = safe_pos // bs
-        block = pages.gather(1, block_col)
-        writable = is_real & (block >= 0)
-        flat_write = writable.reshape(-1)
-        write_rows = flat_write.nonzero().squeeze(1)
-        write_index = self._flat_rows(
-            block.reshape(-1)[write_rows], (safe_pos % bs).reshape(-1)[write_rows], bs
-        ).reshape(-1)
+        is_real = (cols.unsqueeze(0) < real.unsqueeze(1)).reshape(-1)
+        scatter = None if bool(is_real.all()) else is_real.nonzero().squeeze(1)
+        chunk = PackedChunk(scatter=scatter, batch=batch, seq=seq)
+        token_ids = chunk.take(tokens[:, :seq].reshape(-1))
+        token_pos = chunk.take(positions.reshape(-1))
+        block = chunk.take(
+            pages.gather(1, positions.clamp(max=pages.shape[1] * bs - 1) // bs).reshape(-1)
+        )
+        mapped = block >= 0
+        write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
+        write_block, write_off = block, token_pos % bs
+        if write_rows is not None:
+            write_block, write_off = block[write_rows], write_off[write_rows]
+        write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
         # Cached prefix: positions < chunk_start, read from the cache.
         prefix = int(start.max())
         gather_index: torch.Tensor | None = None
@@ -824,17 +894,13 @@ class LlamaModel(nn.Module):
                 dim=2,
             ).unsqueeze(1)
         addressing = Addressing(
-            write_rows=None if bool(flat_write.all()) else write_rows,
-            write_index=write_index,
-            gather_index=gather_index,
-            mask=mask,
+            write_rows=write_rows, write_index=write_index, gather_index=gather_index, mask=mask
         )
-        rope_pos = positions.clamp(max=self.max_seq_len - 1)
-        hidden = self._run_layers(tokens, rope_pos, addressing, cache, use_cache_for_chunk=False)
-        last = (real - 1).clamp(min=0)
-        last_hidden = hidden[torch.arange(batch, device=device), last]
-        logits = self._logits(last_hidden)
-        return logits.masked_fill_((real == 0).unsqueeze(1), 0.0)
+        hidden = self._run_layers(
+            token_ids, token_pos, addressing, cache, use_cache_for_chunk=False, packed=chunk
+        )
+        last = torch.cumsum(real, 0) - 1  # each row's last real token in packed order
+        return self._logits(hidden.index_select(0, last))
 
     @torch.inference_mode()
     def prefill_graph_safe(
