@@ -165,12 +165,21 @@ def rope_tables(args: LlamaArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return cos.to(dtype), sin.to(dtype)
 
 
-class Projection(nn.Module):
-    """A bias-free linear map whose weight layout is picked for fast batch-1 decode.
+# Rows from which `Projection` uses `F.linear` (as fast as `W @ x^T` there, no output copy).
+LINEAR_FROM_ROWS = 64
 
-    MKL's matrix-vector path streams a `[in, out]` (transposed) weight about 1.4-2.6x faster
-    than the usual `[out, in]` one when `out >= in` (measured on this project's CPU), and the
-    other way round for narrow outputs; batched matmuls run the same either way.
+
+class Projection(nn.Module):
+    """A bias-free linear map, weight stored `[out, in]`, computed as `W @ x^T` on CPU.
+
+    Why this form: on the project's CPU (MKL, 2 threads) `torch.mm(W, x.T)` with the weight
+    as the left operand is the fastest product for decode's row counts, and one row is padded
+    to two, because MKL's two-row matrix product streams the weight faster than its
+    matrix-vector product: one decode step's projections at batch 1 took
+    26 instead of 32 ms (`[in, out]` matrix-vector), at batch 8 44 instead of 70 ms and at
+    batch 32 89 instead of 114 ms (`benchmarks/RESULTS.md`). From `LINEAR_FROM_ROWS` rows on
+    (prefill chunks) `F.linear` is as fast and its output needs no transposing copy; other
+    devices always use it.
     """
 
     def __init__(
@@ -179,30 +188,34 @@ class Projection(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.transposed = out_features >= in_features
-        shape = (in_features, out_features) if self.transposed else (out_features, in_features)
+        shape = (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.transposed:
-            return torch.matmul(x, self.weight)
-        return F.linear(x, self.weight)
+        weight = self.weight
+        rows = x.reshape(-1, self.in_features)
+        count = rows.shape[0]
+        if weight.device.type != "cpu" or count >= LINEAR_FROM_ROWS:
+            return F.linear(x, weight)
+        if count == 1:
+            product = torch.mm(weight, torch.cat((rows, rows)).t())[:, :1]
+        else:
+            product = torch.mm(weight, rows.t())
+        return product.t().contiguous().view(*x.shape[:-1], self.out_features)
 
     def load(self, weight: torch.Tensor) -> None:
         """Take a `[out, in]` (HF-layout) weight."""
         expected = (self.out_features, self.in_features)
         if tuple(weight.shape) != expected:
             raise ValueError(f"weight has shape {list(weight.shape)}: allowed is {list(expected)}")
-        stored = weight.t() if self.transposed else weight
-        self.weight = nn.Parameter(stored.contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
 
     def hf_weight(self) -> torch.Tensor:
-        """The weight as `[out, in]` (a view, no copy)."""
-        weight = self.weight.detach()
-        return weight.t() if self.transposed else weight
+        """The weight as `[out, in]` (no copy)."""
+        return self.weight.detach()
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, transposed={self.transposed}"
+        return f"in={self.in_features}, out={self.out_features}"
 
 
 class DecoderLayer(nn.Module):

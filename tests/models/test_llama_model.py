@@ -15,7 +15,7 @@ from models.llama import (
     greedy_generate,
     random_state_dict,
 )
-from models.llama.model import plan_key_groups
+from models.llama.model import LINEAR_FROM_ROWS, Projection, plan_key_groups
 from models.llama.reference import contiguous_page_table, prefill_prompts
 from runtime.model_contract import AttentionMetadata, PagedAttentionConfig, PagedModel
 from tests.models.llama_oracle import (
@@ -42,6 +42,24 @@ def _bound(
     cache = allocate_kv_cache(model, num_blocks)
     model.set_kv_cache(cache)
     return model, cache
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 24), (2, 24), (1, 1, 24), (3, 5, 24), (LINEAR_FROM_ROWS - 1, 24), (1, 70, 24)]
+)
+def test_projection_equals_linear_for_every_row_count(shape: tuple[int, ...]) -> None:
+    """One row (padded to two), a few rows (`W @ x^T`) and many rows (`F.linear`) agree."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 24, generator=generator)
+    projection = Projection(24, 40, dtype=torch.float32, device=torch.device("cpu"))
+    projection.load(weight)
+    x = torch.randn(*shape, generator=generator)
+    out = projection(x)
+    assert out.shape == (*shape[:-1], 40) and out.is_contiguous()
+    assert torch.allclose(out, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert torch.equal(projection.hf_weight(), weight)
+    with pytest.raises(ValueError, match=r"allowed is \[40, 24\]"):
+        projection.load(weight.t())
 
 
 # ----------------------------------------------------------------------- against transformers
