@@ -76,11 +76,16 @@ class PackedChunk(NamedTuple):
     Token-wise work (projections, norms, rotary, MLP) runs on the `N` real tokens packed in
     row-major order; attention needs the padded layout. `scatter` `[N]` holds each real
     token's flat padded position `row * S + col`, or None when every position is real.
+    `last_mask` None means each last token sees every key (no prefix, no padding).
     """
 
     scatter: torch.Tensor | None
     batch: int
     seq: int
+    # Each row's last real token (packed index) and what it may see `[B, 1, 1, keys]`: the
+    # last layer only needs those tokens' outputs (see `LlamaModel._run_layers`).
+    last: torch.Tensor
+    last_mask: torch.Tensor | None
 
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
         """`[N, ...]` real-token values as `[B, S, ...]`, zeros at padding (never NaN: padded
@@ -607,12 +612,14 @@ class LlamaModel(nn.Module):
         use_cache_for_chunk: bool,
         key_groups: Sequence[KeyGroup] | None = None,
         packed: PackedChunk | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`.
 
         With `key_groups` (dynamic decode) each group of rows attends to its own keys. With
         `packed` (dynamic prefill) `h` is `[N, dim]`, only the chunk's real tokens: the
-        projections run on those, attention on the padded `[B, S]` layout; returns `[N, dim]`.
+        projections run on those, attention on the padded `[B, S]` layout; returns `[N, dim]`,
+        or with `last_only` (every token's K/V is written) `[B, dim]` for each row's last token.
         """
         args = self.args
         n_q, n_kv, hd = args.n_heads, args.n_kv_heads, args.head_dim
@@ -649,7 +656,9 @@ class LlamaModel(nn.Module):
             grouped: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
             return grouped
         if packed is not None:
-            q, k, v = packed.pad(q), packed.pad(k), packed.pad(v)
+            # last_only: the queries are each row's last token, `[B, 1, n_q, hd]`.
+            q = q.index_select(0, packed.last).unsqueeze(1) if last_only else packed.pad(q)
+            k, v = packed.pad(k), packed.pad(v)
         if use_cache_for_chunk:
             assert addressing.gather_index is not None
             keys = self._gather(k_flat, addressing.gather_index)
@@ -668,6 +677,13 @@ class LlamaModel(nn.Module):
             )
             projected: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
             return projected
+        if last_only:
+            assert packed is not None
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=packed.last_mask, enable_gqa=n_q != n_kv
+            )
+            last: torch.Tensor = layer.wo(out.reshape(batch, n_q * hd))
+            return last
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys,
@@ -738,12 +754,17 @@ class LlamaModel(nn.Module):
         key_groups: Sequence[KeyGroup] | None = None,
         packed: PackedChunk | None = None,
     ) -> torch.Tensor:
+        """The decoder stack. With `packed` (dynamic prefill) returns only each row's last
+        token `[B, dim]`: the last layer writes every token's K/V but attends, projects and
+        runs its MLP for those tokens alone (no later layer needs the others)."""
         x = F.embedding(tokens, self.embedding_matrix())
         cos = self._rope_cos[positions].unsqueeze(-2)
         sin = self._rope_sin[positions].unsqueeze(-2)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
+        final = len(self.layers) - 1
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             assert isinstance(layer, DecoderLayer)
-            x = x + self._attention_block(
+            last_only = packed is not None and i == final
+            attended = self._attention_block(
                 layer,
                 layer_cache,
                 layer.input_layernorm(x),
@@ -753,7 +774,12 @@ class LlamaModel(nn.Module):
                 use_cache_for_chunk=use_cache_for_chunk,
                 key_groups=key_groups,
                 packed=packed,
+                last_only=last_only,
             )
+            if last_only:
+                assert packed is not None
+                x = x.index_select(0, packed.last)
+            x = x + attended
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
@@ -869,31 +895,22 @@ class LlamaModel(nn.Module):
 
         Why packed: a planner chunk is padded to a bucket shape (a row's last 8 tokens can
         arrive as a `[1, 256]` chunk), so the projections and MLPs, most of the work, run on
-        the `N` real tokens only; attention uses the `[B, longest]` padded layout.
+        the `N` real tokens only; attention uses the `[B, longest]` padded layout. The last
+        layer computes only each row's last token past its K/V write (all the logits need).
         """
         device = self.device
         batch = tokens.shape[0]
         seq = int(real.max())
         cols = torch.arange(seq, device=device)
         positions = start.unsqueeze(1) + cols  # [B, S]
-        is_real = (cols.unsqueeze(0) < real.unsqueeze(1)).reshape(-1)
+        chunk_ok = cols.unsqueeze(0) < real.unsqueeze(1)  # [B, S]: real tokens
+        is_real = chunk_ok.reshape(-1)
         scatter = None if bool(is_real.all()) else is_real.nonzero().squeeze(1)
-        chunk = PackedChunk(scatter=scatter, batch=batch, seq=seq)
-        token_ids = chunk.take(tokens[:, :seq].reshape(-1))
-        token_pos = chunk.take(positions.reshape(-1))
-        block = chunk.take(
-            pages.gather(1, positions.clamp(max=pages.shape[1] * bs - 1) // bs).reshape(-1)
-        )
-        mapped = block >= 0
-        write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
-        write_block, write_off = block, token_pos % bs
-        if write_rows is not None:
-            write_block, write_off = block[write_rows], write_off[write_rows]
-        write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
         # Cached prefix: positions < chunk_start, read from the cache.
         prefix = int(start.max())
         gather_index: torch.Tensor | None = None
         mask: torch.Tensor | None = None  # no prefix: SDPA's own causal path (half the work)
+        last_mask = None if scatter is None else chunk_ok.view(batch, 1, 1, seq)
         if prefix:
             gather_index, page_ok = self._key_rows(pages, prefix, bs)
             key_pos = torch.arange(prefix, device=device)
@@ -906,14 +923,32 @@ class LlamaModel(nn.Module):
                 ),
                 dim=2,
             ).unsqueeze(1)
+            last_mask = torch.cat((prefix_ok, chunk_ok), dim=1).view(batch, 1, 1, -1)
+        chunk = PackedChunk(
+            scatter=scatter,
+            batch=batch,
+            seq=seq,
+            last=torch.cumsum(real, 0) - 1,  # each row's last real token in packed order
+            last_mask=last_mask,
+        )
+        token_ids = chunk.take(tokens[:, :seq].reshape(-1))
+        token_pos = chunk.take(positions.reshape(-1))
+        block = chunk.take(
+            pages.gather(1, positions.clamp(max=pages.shape[1] * bs - 1) // bs).reshape(-1)
+        )
+        mapped = block >= 0
+        write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
+        write_block, write_off = block, token_pos % bs
+        if write_rows is not None:
+            write_block, write_off = block[write_rows], write_off[write_rows]
+        write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
         addressing = Addressing(
             write_rows=write_rows, write_index=write_index, gather_index=gather_index, mask=mask
         )
         hidden = self._run_layers(
             token_ids, token_pos, addressing, cache, use_cache_for_chunk=False, packed=chunk
         )
-        last = torch.cumsum(real, 0) - 1  # each row's last real token in packed order
-        return self._logits(hidden.index_select(0, last))
+        return self._logits(hidden)
 
     @torch.inference_mode()
     def prefill_graph_safe(
