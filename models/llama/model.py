@@ -573,6 +573,20 @@ class LlamaModel(nn.Module):
             blocks, offsets, n_kv_heads=self.args.n_kv_heads, block_size=block_size
         )
 
+    def _token_writes(
+        self, block: torch.Tensor, pos: torch.Tensor, bs: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Cache writes of tokens at positions `pos` on pages `block` (`-1`: unmapped, skipped).
+
+        Returns `(write_rows, write_index)` for `Addressing`: the writing tokens (None when
+        all of them write) and their flat cache rows.
+        """
+        mapped = block >= 0
+        if bool(mapped.all()):
+            return None, self._flat_rows(block, pos % bs, bs).reshape(-1)
+        rows = mapped.nonzero().squeeze(1)
+        return rows, self._flat_rows(block[rows], pos[rows] % bs, bs).reshape(-1)
+
     def _key_rows(
         self, page_table: torch.Tensor, n_keys: int, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -936,12 +950,7 @@ class LlamaModel(nn.Module):
         block = chunk.take(
             pages.gather(1, positions.clamp(max=pages.shape[1] * bs - 1) // bs).reshape(-1)
         )
-        mapped = block >= 0
-        write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
-        write_block, write_off = block, token_pos % bs
-        if write_rows is not None:
-            write_block, write_off = block[write_rows], write_off[write_rows]
-        write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
+        write_rows, write_index = self._token_writes(block, token_pos, bs)
         addressing = Addressing(
             write_rows=write_rows, write_index=write_index, gather_index=gather_index, mask=mask
         )
@@ -1073,12 +1082,7 @@ class LlamaModel(nn.Module):
             order = torch.argsort(pos, stable=True)
             tokens, pos, pages = tokens[order], pos[order], pages[order]
         block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
-        mapped = block >= 0
-        write_rows = None if bool(mapped.all()) else mapped.nonzero().squeeze(1)
-        write_block, write_off = block, pos % bs
-        if write_rows is not None:
-            write_block, write_off = block[write_rows], write_off[write_rows]
-        write_index = self._flat_rows(write_block, write_off, bs).reshape(-1)
+        write_rows, write_index = self._token_writes(block, pos, bs)
         addressing = Addressing(
             write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
         )
