@@ -238,6 +238,11 @@ class DecoderLayer(nn.Module):
         self.w_gate_up = Projection(args.dim, 2 * args.ffn_dim, **kw)
         self.w_down = Projection(args.ffn_dim, args.dim, **kw)
 
+    def attention_out(self, attended: torch.Tensor) -> torch.Tensor:
+        """The attention output projection `wo` (typed)."""
+        out: torch.Tensor = self.wo(attended)
+        return out
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
         out: torch.Tensor = self.w_down(F.silu(gate) * up)
@@ -631,24 +636,61 @@ class LlamaModel(nn.Module):
         """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`.
 
         With `key_groups` (dynamic decode) each group of rows attends to its own keys. With
-        `packed` (dynamic prefill) `h` is `[N, dim]`, only the chunk's real tokens: the
-        projections run on those, attention on the padded `[B, S]` layout; returns `[N, dim]`,
-        or with `last_only` (every token's K/V is written) `[B, dim]` for each row's last token.
+        `packed` (dynamic prefill) `h` is `[N, dim]`: see `_packed_prefill_attention`.
         """
+        n_q, hd = self.args.n_heads, self.args.head_dim
+        q, k, v = self._project_and_write(layer, cache, h, cos, sin, addressing)
+        if key_groups is not None:
+            out = self._grouped_decode_attention(q, cache, key_groups)
+            return layer.attention_out(out.reshape(q.shape[0], 1, n_q * hd))
+        if packed is not None:
+            return self._packed_prefill_attention(
+                layer, cache, q, k, v, addressing, packed, last_only=last_only
+            )
+        batch, seq, _ = h.shape
+        if use_cache_for_chunk:
+            assert addressing.gather_index is not None
+            keys = self._gather(cache[0].view(-1, hd), addressing.gather_index)
+            values = self._gather(cache[1].view(-1, hd), addressing.gather_index)
+        else:
+            keys, values = self._chunk_keys(cache, k, v, addressing)
+        n_kv = self.args.n_kv_heads
+        if seq == 1 and n_q != n_kv and addressing.any_writer is not None:
+            # Graph-safe decode attends over the whole page-table width: fold each KV head's
+            # query group into the query axis, so no backend repeats K/V per query head.
+            out = F.scaled_dot_product_attention(
+                q.reshape(batch, n_kv, n_q // n_kv, hd), keys, values, attn_mask=addressing.mask
+            )
+            return layer.attention_out(out.reshape(batch, 1, n_q * hd))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=addressing.mask,
+            is_causal=addressing.mask is None,
+            enable_gqa=n_q != n_kv,
+        )
+        return layer.attention_out(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
+
+    def _project_and_write(
+        self,
+        layer: DecoderLayer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        addressing: Addressing,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V of `h` `[..., dim]` (rotary applied) as `[..., heads, hd]`; writes K/V."""
         args = self.args
         n_q, n_kv, hd = args.n_heads, args.n_kv_heads, args.head_dim
-        if packed is None:
-            batch, seq, _ = h.shape
-        else:
-            batch, seq = packed.batch, packed.seq
         qkv = layer.wqkv(h).view(*h.shape[:-1], n_q + 2 * n_kv, hd)
         qk = self._rope(qkv[..., : n_q + n_kv, :], cos, sin)
         q = qk[..., :n_q, :]
         k = qk[..., n_q:, :]
         v = qkv[..., n_q + n_kv :, :]
-        k_cache, v_cache = cache
-        k_flat = k_cache.view(-1, hd)
-        v_flat = v_cache.view(-1, hd)
+        k_flat = cache[0].view(-1, hd)
+        v_flat = cache[1].view(-1, hd)
         k_tokens = k.reshape(-1, n_kv, hd)
         v_tokens = v.reshape(-1, n_kv, hd)
         if addressing.write_rows is not None:
@@ -665,51 +707,62 @@ class LlamaModel(nn.Module):
                 v_new = torch.where(addressing.any_writer, v_new, v_flat.index_select(0, index))
             k_flat.index_copy_(0, addressing.write_index, k_new)
             v_flat.index_copy_(0, addressing.write_index, v_new)
-        if key_groups is not None:
-            out = self._grouped_decode_attention(q, cache, key_groups)
-            grouped: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
-            return grouped
-        if packed is not None:
-            # last_only: the queries are each row's last token, `[B, 1, n_q, hd]`.
-            q = q.index_select(0, packed.last).unsqueeze(1) if last_only else packed.pad(q)
-            k, v = packed.pad(k), packed.pad(v)
-        if use_cache_for_chunk:
-            assert addressing.gather_index is not None
-            keys = self._gather(k_flat, addressing.gather_index)
-            values = self._gather(v_flat, addressing.gather_index)
-        else:
-            keys = k.transpose(1, 2)
-            values = v.transpose(1, 2)
-            if addressing.gather_index is not None:
-                keys = torch.cat((self._gather(k_flat, addressing.gather_index), keys), dim=2)
-                values = torch.cat((self._gather(v_flat, addressing.gather_index), values), dim=2)
-        if seq == 1 and n_q != n_kv and addressing.any_writer is not None:
-            # Graph-safe decode attends over the whole page-table width: fold each KV head's
-            # query group into the query axis, so no backend repeats K/V per query head.
-            out = F.scaled_dot_product_attention(
-                q.reshape(batch, n_kv, n_q // n_kv, hd), keys, values, attn_mask=addressing.mask
-            )
-            projected: torch.Tensor = layer.wo(out.reshape(batch, 1, n_q * hd))
-            return projected
+        return q, k, v
+
+    def _chunk_keys(
+        self,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        addressing: Addressing,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's keys and values `[B, kv, P + S, hd]`: the cached prefix
+        (`addressing.gather_index`, P keys, when there is one) then the chunk's `[B, S]`."""
+        keys = k.transpose(1, 2)
+        values = v.transpose(1, 2)
+        if addressing.gather_index is None:
+            return keys, values
+        hd = self.args.head_dim
+        prefix_k = self._gather(cache[0].view(-1, hd), addressing.gather_index)
+        prefix_v = self._gather(cache[1].view(-1, hd), addressing.gather_index)
+        return torch.cat((prefix_k, keys), dim=2), torch.cat((prefix_v, values), dim=2)
+
+    def _packed_prefill_attention(
+        self,
+        layer: DecoderLayer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        addressing: Addressing,
+        packed: PackedChunk,
+        *,
+        last_only: bool,
+    ) -> torch.Tensor:
+        """Attention of a packed chunk's `[N, heads, hd]` Q/K/V on its padded `[B, S]` layout.
+
+        Returns `[N, dim]`, or with `last_only` `[B, dim]` for each row's last real token
+        (its query alone; the K/V of every token are already written).
+        """
+        n_q, n_kv, hd = self.args.n_heads, self.args.n_kv_heads, self.args.head_dim
+        batch, seq = packed.batch, packed.seq
+        keys, values = self._chunk_keys(cache, packed.pad(k), packed.pad(v), addressing)
+        gqa = n_q != n_kv
         if last_only:
-            assert packed is not None
+            last_q = q.index_select(0, packed.last).unsqueeze(2)  # [B, n_q, 1, hd]
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=packed.last_mask, enable_gqa=n_q != n_kv
+                last_q, keys, values, attn_mask=packed.last_mask, enable_gqa=gqa
             )
-            last: torch.Tensor = layer.wo(out.reshape(batch, n_q * hd))
-            return last
+            return layer.attention_out(out.reshape(batch, n_q * hd))
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
+            packed.pad(q).transpose(1, 2),
             keys,
             values,
             attn_mask=addressing.mask,
             is_causal=addressing.mask is None,
-            enable_gqa=n_q != n_kv,
+            enable_gqa=gqa,
         )
-        if packed is not None:
-            return layer.wo(packed.take(out.transpose(1, 2).reshape(batch * seq, n_q * hd)))
-        projected = layer.wo(out.transpose(1, 2).reshape(batch, seq, n_q * hd))
-        return projected
+        return layer.attention_out(packed.take(out.transpose(1, 2).reshape(batch * seq, n_q * hd)))
 
     def _grouped_decode_attention(
         self,
