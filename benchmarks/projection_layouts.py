@@ -1,7 +1,7 @@
 """Which float32 matrix product is fastest for SmolLM2's projections at decode row counts.
 
 Run: `python benchmarks/projection_layouts.py [--threads N]` (about 30 s). This is the
-measurement behind `models.llama.model.Projection` (weight stored `[out, in]`, computed as
+measurement behind `models.llama.layers.Projection` (weight stored `[out, in]`, computed as
 `torch.mm(W, x.T)`, one row padded to two, `F.linear` from `LINEAR_FROM_ROWS` rows): rerun it
 on new hardware before trusting that choice there.
 
