@@ -105,6 +105,22 @@ def table_key_rows(
     return rows.view(batch, n_kv_heads, width * block_size), mapped
 
 
+def prefix_then_causal_mask(prefix_ok: torch.Tensor, seq: int) -> torch.Tensor:
+    """Attention mask `[B, 1, S, P + S]` of a prefill chunk whose keys are a cached prefix then
+    the chunk itself: query `s` sees the prefix keys `prefix_ok` `[B, P]` allows and the
+    chunk's keys up to `s`."""
+    batch = prefix_ok.shape[0]
+    cols = torch.arange(seq, device=prefix_ok.device)
+    causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
+    return torch.cat(
+        (
+            prefix_ok.unsqueeze(1).expand(batch, seq, -1),
+            causal.unsqueeze(0).expand(batch, seq, seq),
+        ),
+        dim=2,
+    ).unsqueeze(1)
+
+
 def redirect_writes(
     writer: torch.Tensor, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -209,14 +225,7 @@ def static_prefill(
     gather_index, mapped = table_key_rows(pages, n_kv_heads=n_kv_heads, block_size=block_size)
     key_pos = torch.arange(width * block_size, device=device)
     prefix_ok = (key_pos.unsqueeze(0) < start.unsqueeze(1)) & mapped  # [B, L]
-    causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
-    mask = torch.cat(
-        (
-            prefix_ok.unsqueeze(1).expand(batch, seq, -1),
-            causal.unsqueeze(0).expand(batch, seq, seq),
-        ),
-        dim=2,
-    ).unsqueeze(1)
+    mask = prefix_then_causal_mask(prefix_ok, seq)
     return StaticPrefill(
         tokens=tokens.clamp(0, vocab_size - 1),
         positions=positions.clamp(max=max_seq_len - 1),

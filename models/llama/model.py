@@ -32,6 +32,7 @@ from models.llama.config import LlamaArgs
 from models.llama.graph_safe import (
     Addressing,
     flat_cache_rows,
+    prefix_then_causal_mask,
     static_decode,
     static_prefill,
     stream_capturing,
@@ -784,14 +785,7 @@ class LlamaModel(nn.Module):
             gather_index, page_ok = self._key_rows(pages, prefix, bs)
             key_pos = torch.arange(prefix, device=device)
             prefix_ok = (key_pos.unsqueeze(0) < start.unsqueeze(1)) & page_ok  # [B, P]
-            causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
-            mask = torch.cat(
-                (
-                    prefix_ok.unsqueeze(1).expand(batch, seq, -1),
-                    causal.unsqueeze(0).expand(batch, seq, seq),
-                ),
-                dim=2,
-            ).unsqueeze(1)
+            mask = prefix_then_causal_mask(prefix_ok, seq)
             last_mask = torch.cat((prefix_ok, chunk_ok), dim=1).view(batch, 1, 1, -1)
         chunk = PackedChunk(
             scatter=scatter,
@@ -833,6 +827,15 @@ class LlamaModel(nn.Module):
         )
         return self._prefill_static(cache, bs, tokens, pages, lens, start)
 
+    def _static_limits(self, bs: int) -> dict[str, int]:
+        """The geometry and ranges the graph-safe planners clamp against."""
+        return {
+            "n_kv_heads": self.args.n_kv_heads,
+            "block_size": bs,
+            "vocab_size": self.vocab_size,
+            "max_seq_len": self.max_seq_len,
+        }
+
     def _prefill_static(
         self,
         cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
@@ -845,16 +848,7 @@ class LlamaModel(nn.Module):
         batch = tokens.shape[0]
         if pages.shape[1] == 0:
             raise ValueError("page_table has 0 columns: the graph-safe prefill needs W >= 1")
-        plan = static_prefill(
-            tokens,
-            pages,
-            lens,
-            start,
-            n_kv_heads=self.args.n_kv_heads,
-            block_size=bs,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-        )
+        plan = static_prefill(tokens, pages, lens, start, **self._static_limits(bs))
         hidden = self._run_layers(
             plan.tokens, plan.positions, plan.addressing, cache, use_cache_for_chunk=False
         )
@@ -1017,15 +1011,7 @@ class LlamaModel(nn.Module):
         if pages.shape[1] == 0:
             # A static fact: no row can hold a token, so every row must be inactive.
             return torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=self.device)
-        plan = static_decode(
-            tokens,
-            pos,
-            pages,
-            n_kv_heads=self.args.n_kv_heads,
-            block_size=bs,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-        )
+        plan = static_decode(tokens, pos, pages, **self._static_limits(bs))
         hidden = self._run_layers(
             plan.tokens.unsqueeze(1),
             plan.positions.unsqueeze(1),
