@@ -36,7 +36,9 @@ __all__ = [
     "VLLMAdapterConfig",
 ]
 
-Operation = Literal["prefill_forward", "decode_forward"]
+Operation = Literal[
+    "prefill_forward", "decode_forward", "warmup_model_prefill", "warmup_model_decode"
+]
 
 FORWARDED_VLLM_KWARGS: tuple[str, ...] = ("prompt_tokens", "output_tokens", "slot_remap")
 """Compatibility keywords that carry request-owned sampling state into the executor."""
@@ -329,7 +331,7 @@ class VLLMAdapter:
                 f"{enable_trace!r} of type {type(enable_trace).__name__}"
             )
         trace = self.config.trace
-        static = trace.prefill_enabled if operation == "prefill_forward" else trace.decode_enabled
+        static = trace.prefill_enabled if "prefill" in operation else trace.decode_enabled
         if enable_trace and not static:
             raise ValueError(
                 f"enable_trace=True for {operation} disagrees with static TraceConfig policy "
@@ -450,8 +452,7 @@ class VLLMAdapter:
         expected_heads = config.expected_kv_heads_per_device
         if expected_heads is not None and kv_heads != expected_heads:
             raise ValueError(
-                f"kv_cache_shape has {kv_heads} KV heads per device; the model has "
-                f"{expected_heads}"
+                f"kv_cache_shape has {kv_heads} KV heads per device; the model has {expected_heads}"
             )
         if config.expected_head_dim is not None and head_dim != config.expected_head_dim:
             raise ValueError(
