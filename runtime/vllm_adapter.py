@@ -301,9 +301,21 @@ def _sampling(value: object) -> SamplingParams | None:
     fields: dict[str, Any] = {}
     for name in _SAMPLING_FIELDS:
         item = getattr(value, name, None) if name in known else None
-        if item is not None:
-            fields[name] = item.tolist() if isinstance(item, np.ndarray) else item
+        if item is None:
+            continue
+        if isinstance(item, np.ndarray | torch.Tensor):
+            item = item.tolist()
+        if name == "num_logprobs":
+            item = _logprob_counts(item)
+        fields[name] = item
     return SamplingParams(**fields)
+
+
+def _logprob_counts(value: Any) -> Any:
+    """The engine encodes "no log-probs" as a negative count (-2); the runtime uses 0."""
+    if isinstance(value, list | tuple):
+        return [max(0, int(item)) for item in value]
+    return max(0, int(value))
 
 
 # --------------------------------------------------------------------------------------------

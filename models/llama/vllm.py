@@ -21,6 +21,7 @@ The target is anything with the single-lane execution-target API (`phase`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import weakref
@@ -219,6 +220,7 @@ class LlamaVLLMModel:
             max_num_blocks=max_batch_size * blocks_per_seq,
             num_blocks=None,
         )
+        self._traced_warmups: set[str] = set()
         self._holder = _TargetHolder(target)
         self._finalizer = weakref.finalize(self, _TargetHolder.close_quietly, self._holder)
         args = loaded.args
@@ -419,12 +421,13 @@ class LlamaVLLMModel:
     ) -> None:
         """Phase 1 (enable_trace=False) compiles prefill; phase 2 registers its traces."""
         self.adapter.check_enable_trace("warmup_model_prefill", enable_trace)
-        self.executor.warmup_model_prefill(
+        self._warm(
+            "prefill",
+            enable_trace,
             kv_cache=kv_cache,
             can_sample_on_device=can_sample_on_device,
             enable_trace=enable_trace,
         )
-        self._capture_when_ready()
 
     def warmup_model_decode(
         self,
@@ -442,19 +445,44 @@ class LlamaVLLMModel:
                 f"warmup_model_decode max_batch_size={max_batch_size!r} differs from the "
                 f"{self.max_batch_size} global slots the facade was initialized with"
             )
-        self.executor.warmup_model_decode(
+        self._warm(
+            "decode",
+            enable_trace,
             kv_cache=kv_cache,
             max_batch_size=max_batch_size,
             num_blocks=num_blocks,
             can_sample_on_device=can_sample_on_device,
             enable_trace=enable_trace,
         )
-        self._capture_when_ready()
 
-    def _capture_when_ready(self) -> None:
+    def _warm(self, kind: str, traced: bool, **engine_arguments: Any) -> None:
+        """Forward one warmup with the engine's arguments; capture once all traced ones ran.
+
+        While another statically traced operation still awaits its traced warmup, the
+        target's capture barrier is deferred: phase 1 left that operation's latest hint
+        eager, and the barrier would otherwise stage a capture without it.
+        """
         target = self.executor
-        if target.phase is Phase.COMPILED and _capture_pending(target):
+        waiting = self._traced_operations() - self._traced_warmups - {kind}
+        deferral = _defer_capture(target) if traced and waiting else contextlib.nullcontext()
+        with deferral:
+            getattr(target, f"warmup_model_{kind}")(**engine_arguments)
+        if traced:
+            self._traced_warmups.add(kind)
+        if (
+            target.phase is Phase.COMPILED
+            and self._traced_warmups >= self._traced_operations()
+            and _capture_pending(target)
+        ):
             target.capture()
+
+    def _traced_operations(self) -> set[str]:
+        operations = set()
+        if self.trace.prefill_enabled:
+            operations.add("prefill")
+        if self.trace.decode_enabled:
+            operations.add("decode")
+        return operations
 
     # -- serving ----------------------------------------------------------------------------------
 
@@ -642,6 +670,14 @@ class LlamaVLLMModel:
     def closed(self) -> bool:
         """Whether the target reached TERMINAL."""
         return bool(self.executor.is_terminal)
+
+
+def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:
+    """The target's capture deferral (a lane group defers every lane), if it has one."""
+    defer = getattr(getattr(target, "warmup", None), "defer_capture", None)
+    if defer is None:
+        defer = getattr(target, "defer_capture", None)
+    return defer() if callable(defer) else contextlib.nullcontext()
 
 
 def _capture_pending(target: Any) -> bool:
