@@ -292,11 +292,15 @@ def test_smollm2_engine_run_equals_generator() -> None:
         tokenizer = lane.tokenizer
         assert tokenizer is not None
         prompts = [
-            tokenizer.encode("The capital of France is Paris. The capital of Italy is"),
+            tokenizer.encode(
+                "The capital of France is Paris, the capital of Germany is Berlin, and the "
+                "capital of Italy is"
+            ),
             tokenizer.encode("Count with me: one, two, three,"),
         ]
         # The third prompt shares the first prompt's first 16 tokens (a one-block hit).
-        shared = prompts[0][:16] + tokenizer.encode(" and Spain")
+        assert len(prompts[0]) > 16
+        shared = prompts[0][:16] + tokenizer.encode(" and Spain", add_special_tokens=False)
         everything = [prompts[0], prompts[1], shared]
         completions = Generator(lane).generate(
             everything, GenerationParams(max_new_tokens=5, ignore_eos=True)
