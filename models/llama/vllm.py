@@ -268,16 +268,14 @@ class LlamaVLLMModel:
                 "(runtime.lane_group.LaneGroupExecutor), which this facade does not build yet; "
                 "start the engine with data parallel size 1"
             )
-        try:
-            facade_options = VLLMFacadeOptions(**options)
-        except TypeError as error:
-            if "unexpected keyword" in str(error):
-                allowed = [field.name for field in attrs.fields(VLLMFacadeOptions)]
-                raise TypeError(
-                    f"initialize_vllm_model got unknown option(s) {sorted(options)}; "
-                    f"allowed options: {allowed}"
-                ) from error
-            raise
+        allowed = [field.name for field in attrs.fields(VLLMFacadeOptions)]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise TypeError(
+                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: "
+                f"{allowed}"
+            )
+        facade_options = VLLMFacadeOptions(**options)
         name = _model_name(hf_config, facade_options.model)
         device = _device(mesh_device)
         loaded = load_model(
