@@ -376,6 +376,13 @@ class LlamaVLLMModel:
         if target.phase is not Phase.CONSTRUCTED:
             return target.allocate_kv_cache(kv_cache_shape, dtype, num_layers)  # PhaseError
         kv_config = self.adapter.resolve_legacy_kv_cache_config(kv_cache_shape, dtype, num_layers)
+        chunk = self.options.max_prefill_chunk_size
+        if chunk % kv_config.block_size:
+            raise ValueError(
+                f"the engine's block_size {kv_config.block_size} does not divide the facade's "
+                f"max_prefill_chunk_size {chunk}; start the engine with a block size that "
+                "divides it, or initialize the facade with a matching max_prefill_chunk_size"
+            )
         target = self._adopt_geometry(target, kv_config)
         handle = target.allocate_kv_cache(tuple(kv_cache_shape), dtype, num_layers)
         self.adapter = VLLMAdapter(attrs.evolve(self.adapter.config, paged_kv_cache=kv_config))

@@ -114,6 +114,8 @@ def test_engine_geometry_is_adopted_and_bad_specs_change_nothing() -> None:
         model.allocate_kv_cache((40, 2, 4, 16), torch.float32, 3)
     with pytest.raises(ValueError, match="KV heads per device"):
         model.allocate_kv_cache((40, 3, 4, 16), torch.float32, 2)
+    with pytest.raises(ValueError, match="block_size 12 does not divide"):
+        model.allocate_kv_cache((40, 2, 12, 16), torch.float32, 2)
     assert model.executor is placeholder and model.phase is Phase.CONSTRUCTED
     handle = model.allocate_kv_cache((40, 2, 4, 16), torch.float32, 2)
     assert model.executor is not placeholder and placeholder.is_terminal
