@@ -227,7 +227,7 @@ class LlamaVLLMModel:
         self.adapter = VLLMAdapter(
             VLLMAdapterConfig.resolve(
                 trace=self.trace,
-                paged_kv_cache=target.config.paged_kv_cache,
+                paged_kv_cache=_kv_config(target),
                 expected_num_layers=args.n_layers,
                 expected_kv_heads_per_device=args.n_kv_heads,
                 expected_head_dim=args.head_dim,
@@ -272,8 +272,7 @@ class LlamaVLLMModel:
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise TypeError(
-                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: "
-                f"{allowed}"
+                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: {allowed}"
             )
         facade_options = VLLMFacadeOptions(**options)
         name = _model_name(hf_config, facade_options.model)
@@ -389,7 +388,7 @@ class LlamaVLLMModel:
         return handle
 
     def _adopt_geometry(self, target: Any, kv_config: PagedKVCacheConfig) -> Any:
-        current = target.config.paged_kv_cache
+        current = _kv_config(target)
         assert kv_config.num_blocks is not None
         if (
             kv_config.block_size == current.block_size
@@ -675,6 +674,15 @@ class LlamaVLLMModel:
     def closed(self) -> bool:
         """Whether the target reached TERMINAL."""
         return bool(self.executor.is_terminal)
+
+
+def _kv_config(target: Any) -> PagedKVCacheConfig:
+    """The target's paged KV config (a lane group keeps one per lane, all alike)."""
+    config = getattr(getattr(target, "config", None), "paged_kv_cache", None)
+    if config is None:
+        config = target.paged_kv_cache_config[0]
+    assert isinstance(config, PagedKVCacheConfig)
+    return config
 
 
 def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:
