@@ -132,20 +132,28 @@ def drop_and_collect(driver: EngineDriver) -> int:
 
 
 @pytest.mark.parametrize(
-    ("trace_mode", "sample_on_device", "async_decode"),
+    ("trace_mode", "sample_on_device", "async_decode", "compatibility_keywords"),
     [
-        ("decode_only", True, True),
-        ("none", True, True),
-        ("none", True, False),
-        ("decode_only", False, False),
-        ("all", True, True),
+        ("decode_only", True, True, False),
+        ("decode_only", True, True, True),
+        ("none", True, True, False),
+        ("none", True, False, False),
+        ("decode_only", False, False, False),
+        ("all", True, True, False),
     ],
 )
 def test_engine_run_equals_generator(
-    expected: list[list[int]], trace_mode: str, sample_on_device: bool, async_decode: bool
+    expected: list[list[int]],
+    trace_mode: str,
+    sample_on_device: bool,
+    async_decode: bool,
+    compatibility_keywords: bool,
 ) -> None:
     driver = tiny_driver(
-        trace_mode=trace_mode, sample_on_device=sample_on_device, async_decode=async_decode
+        trace_mode=trace_mode,
+        sample_on_device=sample_on_device,
+        async_decode=async_decode,
+        compatibility_keywords=compatibility_keywords,
     )
     driver.start()
     model = driver.model
