@@ -499,17 +499,22 @@ class LlamaVLLMModel:
         if phase is Phase.COMPILED:
             if self.trace.mode == "none":
                 return
+            missing = [
+                f"warmup_model_{kind}"
+                for kind in ("prefill", "decode")
+                if kind in self._traced_operations() - self._traced_warmups
+            ]
+            phase_two = ", ".join(f"{call}(enable_trace=True)" for call in missing)
             raise PhaseError(
                 owner=type(self).__name__,
                 operation=operation,
                 phase=phase.value,
                 legal_phases=(Phase.SERVING.value,),
-                next_calls=("warmup_model_decode",),
+                next_calls=tuple(missing),
                 reason=(
-                    f"the facade traces (trace mode {self.trace.mode!r}) but the engine ran no "
-                    "traced warmup; run phase 2 (warmup_model_decode(enable_trace=True)) by "
-                    "giving the engine the same trace mode, or build the facade with "
-                    "trace_mode='none'"
+                    f"the facade traces (trace mode {self.trace.mode!r}) but the engine has not "
+                    f"run the traced warmup {phase_two}; give the engine the same trace mode, "
+                    "or build the facade with trace_mode='none'"
                 ),
             )
         next_calls = {
