@@ -200,12 +200,15 @@ class ModelExecutor(LifecycleHost):
                 # Traced lanes close the compile gate, so every wave the planner can form
                 # must be covered; eager lanes keep the reference's smallest-bucket waves.
                 batched_sequence_lengths=lengths if trace.mode != "none" else None,
+                max_seq_len=config.max_seq_len,
             ),
             execution=self.traced_executor or self.eager_executor,
             ensure_sampling_buffers=self.ensure_sampling_buffers,
             validate_bound_cache=self._validate_cache_argument,
             progress=progress,
             auto_capture=False,
+            journal=self.journal,
+            owner_name=f"{owner_name}.warmup",
         )
         self._kv_handle: list[list[Any]] | None = None
 

@@ -193,14 +193,55 @@ class PrefillRuntime:
         """
         self._require_usable("prepare")
         self._postprocessor.validate_sampling_request(sampling_params)
+        requests = self.plan(
+            tokens=tokens,
+            page_table=page_table,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            sampled=sampling_params is not None,
+        )
+        prepared: list[PreparedPrefill] = []
+        for index, request in enumerate(requests):
+            raw: SamplingParams | None = None
+            sampling: PreparedSamplingParams | None = None
+            if sampling_params is not None:
+                raw = slice_sampling_params(sampling_params, request.source_rows)
+                sampling = self.prepare_request_sampling(
+                    request,
+                    raw,
+                    tokens,
+                    prompt_tokens=prompt_tokens,
+                    output_tokens=output_tokens,
+                    slot_remap=slot_remap if index == 0 else None,
+                )
+            prepared.append(self.identify(request, raw, sampling))
+        logger.debug("prepared %d prefill request(s)", len(prepared))
+        return tuple(prepared)
+
+    def plan(
+        self,
+        *,
+        tokens: torch.Tensor,
+        page_table: torch.Tensor,
+        prompt_lens: IntVector = None,
+        start_pos: IntVector = None,
+        empty_slots: IntVector = None,
+        sampled: bool = False,
+    ) -> tuple[PrefillRequest, ...]:
+        """The planner call `prepare` makes (warmup coverage derives identities from it).
+
+        `sampled` says whether sampling parameters come with the call: without batched
+        extraction they turn batching off.
+        """
         config = self._config
         layout = config.page_table_layout
         disable = (
             config.disable_batched_prefill
             or batched_prefill_disabled_by_env()
-            or (sampling_params is not None and not config.batched_prefill_batched_extract)
+            or (sampled and not config.batched_prefill_batched_extract)
         )
-        requests = plan_prefill_requests(
+        return plan_prefill_requests(
             tokens=tokens,
             page_table=page_table,
             block_size=layout.block_size,
@@ -216,22 +257,25 @@ class PrefillRuntime:
             canonical_page_table_width=layout.prefill_width,
             policy=config.policy,
         )
-        prepared: list[PreparedPrefill] = []
-        for index, request in enumerate(requests):
-            raw: SamplingParams | None = None
-            sampling: PreparedSamplingParams | None = None
-            if sampling_params is not None:
-                raw = slice_sampling_params(sampling_params, request.source_rows)
-                sampling = self._postprocessor.prepare_request_sampling(
-                    request,
-                    raw,
-                    prompt_tokens=self._prompt_history(request, tokens, prompt_tokens),
-                    output_tokens=self._history("output_tokens", request, tokens, output_tokens),
-                    slot_remap=slot_remap if index == 0 else None,
-                )
-            prepared.append(self._identify(request, raw, sampling))
-        logger.debug("prepared %d prefill request(s)", len(prepared))
-        return tuple(prepared)
+
+    def prepare_request_sampling(
+        self,
+        request: PrefillRequest,
+        raw: SamplingParams,
+        tokens: torch.Tensor,
+        *,
+        prompt_tokens: torch.Tensor | None = None,
+        output_tokens: torch.Tensor | None = None,
+        slot_remap: IntVector = None,
+    ) -> PreparedSamplingParams:
+        """The prepared sampling of one planned request (`raw` sliced to its rows)."""
+        return self._postprocessor.prepare_request_sampling(
+            request,
+            raw,
+            prompt_tokens=self._prompt_history(request, tokens, prompt_tokens),
+            output_tokens=self._history("output_tokens", request, tokens, output_tokens),
+            slot_remap=slot_remap,
+        )
 
     def _history(
         self,
@@ -263,12 +307,13 @@ class PrefillRuntime:
         history = default_prompt_history(rows, request.prompt_lengths)
         return pad_history_rows(history, self._postprocessor.sampling_batch_size(request))
 
-    def _identify(
+    def identify(
         self,
         request: PrefillRequest,
         raw: SamplingParams | None,
         sampling: PreparedSamplingParams | None,
     ) -> PreparedPrefill:
+        """A planned request with its sampling path and program and trace identities."""
         path = classify_sampling_path(request, sampling)
         penalties = sampling is not None and sampling.penalties_enabled
         logprobs = sampling is not None and sampling.log_probs_enabled

@@ -1,0 +1,301 @@
+"""Warmup coverage derived from identity: every program a lane's requests can need.
+
+A traced lane closes the compile gate at capture, so warmup must compile every program
+signature serving can ask for. Rather than listing shapes (a list drifts from the identity
+rules: the Q128 last-token tile start was such a drift), this module asks the planner and the
+signature functions serving itself uses (`PrefillRuntime.plan` / `identify`,
+`DecodeRuntime.prepare` / `program_signature`) what they produce for every admissible
+request: each prompt length 1..max_seq_len-1, uncached and behind a cached prefix, alone and
+in every wave the planner forms within the lane, for each sampling recipe (none, greedy,
+sampled). One representative probe is kept per distinct program signature; compiling the
+probe covers the signature, so a new identity field is covered the day it is added.
+
+The cached prefix is probed at one block: cached tokens are refreshed inputs (the chunk start),
+never identity, so a longer prefix maps to a signature a one-block prefix already produced
+(`tests/runtime/test_warmup_coverage.py` checks this against the planner).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from runtime.identity import key_material_of
+from runtime.sampling import SamplingParams
+
+Operation = Literal["prefill", "decode"]
+Recipe = Literal["none", "greedy", "sampled"]
+RECIPES: tuple[Recipe, ...] = ("none", "greedy", "sampled")
+
+GREEDY_RECIPE = SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
+SAMPLED_TOP_K = 32
+SAMPLED_TOP_P = 0.08
+
+
+def recipe_params(recipe: Recipe, rows: int, *, max_top_k: int) -> SamplingParams | None:
+    """Per-row sampling parameters of a recipe (a scalar would describe one active row)."""
+    if recipe == "none":
+        return None
+    if recipe == "greedy":
+        temperature, top_k, top_p = 0.0, 1, 1.0
+    else:
+        temperature, top_k, top_p = 1.0, min(SAMPLED_TOP_K, max_top_k), SAMPLED_TOP_P
+    return SamplingParams(
+        temperature=[temperature] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows
+    )
+
+
+@attrs.frozen
+class WarmupCase:
+    """One call warmup compiles: a representative request of one or more program identities.
+
+    `batch_size` is the padded (physical) batch, `sequence_length` the invocation length of the
+    first chunk (None for decode), `prompt_length` each row's prompt (cached prefix included),
+    `rows` the active rows, `tile_start` the baked last-token tile (Q128 single-row argmax).
+    """
+
+    operation: Operation
+    batch_size: int
+    sequence_length: int | None
+    sampling_path: str
+    cached_tokens: int = 0
+    prompt_length: int | None = None
+    rows: int = 1
+    tile_start: int | None = None
+    recipe: Recipe = "none"
+
+    def describe(self) -> str:
+        """A short label for progress output and the journal."""
+        if self.operation == "decode":
+            return f"decode batch={self.batch_size} {self.sampling_path}"
+        parts = [f"prefill batch={self.batch_size} len={self.sequence_length}"]
+        if self.prompt_length is not None:
+            parts.append(f"prompt={self.prompt_length}")
+        if self.rows != self.batch_size:
+            parts.append(f"rows={self.rows}")
+        if self.cached_tokens:
+            parts.append(f"cached={self.cached_tokens}")
+        if self.tile_start is not None:
+            parts.append(f"tile={self.tile_start}")
+        parts.append(self.sampling_path)
+        return " ".join(parts)
+
+    def prefill_request(self, *, block_size: int, max_top_k: int) -> dict[str, Any]:
+        """The keyword arguments of `compile_prefill` for this case (zero tokens, block 0)."""
+        if self.operation != "prefill" or self.prompt_length is None:
+            raise ValueError(f"{self.describe()} is not a prefill case with a prompt length")
+        rows, prompt = self.rows, self.prompt_length
+        request: dict[str, Any] = {
+            "tokens": torch.zeros(rows, prompt, dtype=torch.long),
+            "page_table": torch.zeros(rows, math.ceil(prompt / block_size), dtype=torch.int32),
+            "prompt_lens": torch.full((rows,), prompt, dtype=torch.long),
+            "empty_slots": list(range(rows)),
+            "sampling_params": recipe_params(self.recipe, rows, max_top_k=max_top_k),
+        }
+        if self.cached_tokens:
+            request["start_pos"] = torch.full((rows,), self.cached_tokens, dtype=torch.long)
+        return request
+
+
+@attrs.frozen
+class CoverageFilter:
+    """User trims of derived coverage (`WarmupConfig`), applied after derivation.
+
+    `sequence_lengths`: invocation lengths kept (None keeps all); `batch_sizes`: padded wave
+    sizes kept (single rows always stay); `batched_lengths`: invocation lengths at which waves
+    are kept (None keeps all; eager lanes keep the reference's smallest bucket only).
+    """
+
+    sequence_lengths: tuple[int, ...] | None = None
+    batch_sizes: tuple[int, ...] | None = None
+    batched_lengths: tuple[int, ...] | None = None
+
+    def keeps(self, padded_batch: int, length: int) -> bool:
+        if self.sequence_lengths is not None and length not in self.sequence_lengths:
+            return False
+        if padded_batch == 1:
+            return True
+        if self.batch_sizes is not None and padded_batch not in self.batch_sizes:
+            return False
+        return self.batched_lengths is None or length in self.batched_lengths
+
+
+@attrs.frozen
+class _Candidate:
+    case: WarmupCase
+    invocations: int
+
+    def better_than(self, other: _Candidate) -> bool:
+        """Fewer invocations compile faster; within a count, the longest prompt (tile end)."""
+        mine = (self.invocations, -(self.case.prompt_length or 0), -self.case.rows)
+        theirs = (other.invocations, -(other.case.prompt_length or 0), -other.case.rows)
+        return mine < theirs
+
+
+def _material(signature: Any) -> Any:
+    return key_material_of(signature)
+
+
+class _PrefillDeriver:
+    """Probes the planner and identifies each planned request under every recipe."""
+
+    def __init__(self, prefill: Any, recipes: tuple[Recipe, ...], max_top_k: int) -> None:
+        self._prefill = prefill
+        self._recipes = recipes
+        self._max_top_k = max_top_k
+        self._sampling: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self.best: dict[Any, _Candidate] = {}
+
+    def _sampling_for(self, recipe: Recipe, request: Any, tokens: torch.Tensor) -> tuple[Any, Any]:
+        # The prepared sampling of a recipe depends on the request's rows, not its length.
+        key = (recipe, request.kind, request.padded_batch_size, request.active_batch_size)
+        cached = self._sampling.get(key)
+        if cached is None:
+            raw = recipe_params(recipe, request.active_batch_size, max_top_k=self._max_top_k)
+            prepared = None
+            if raw is not None:
+                prepared = self._prefill.prepare_request_sampling(request, raw, tokens)
+            cached = self._sampling[key] = (raw, prepared)
+        return cached
+
+    def probe(self, tokens: torch.Tensor, table: torch.Tensor, prompt: int, rows: int,
+              cached: int) -> tuple[Any, ...] | None:
+        """Plan one probe (every recipe); None when the planner refuses it (inadmissible)."""
+        planned: dict[bool, tuple[Any, ...]] = {}
+        for recipe in self._recipes:
+            sampled = recipe != "none"
+            if sampled not in planned:
+                try:
+                    planned[sampled] = self._prefill.plan(
+                        tokens=tokens[:rows],
+                        page_table=table[:rows],
+                        prompt_lens=[prompt] * rows,
+                        start_pos=[cached] * rows,
+                        empty_slots=list(range(rows)),
+                        sampled=sampled,
+                    )
+                except ValueError:
+                    return None
+            for request in planned[sampled]:
+                self._record(recipe, request, tokens, prompt, rows, cached)
+        return planned.get(False) or planned.get(True)
+
+    def _record(
+        self, recipe: Recipe, request: Any, tokens: torch.Tensor, prompt: int, rows: int,
+        cached: int,
+    ) -> None:
+        raw, sampling = self._sampling_for(recipe, request, tokens)
+        prepared = self._prefill.identify(request, raw, sampling)
+        first = prepared.program_signatures[0]
+        case = WarmupCase(
+            "prefill",
+            request.padded_batch_size,
+            request.first_chunk.chunk_size,
+            prepared.sampling_path,
+            cached_tokens=cached,
+            prompt_length=prompt,
+            rows=rows,
+            tile_start=first.last_token_tile_start,
+            recipe=recipe,
+        )
+        candidate = _Candidate(case, len(request.chunks))
+        for signature in prepared.program_signatures:
+            material = _material(signature)
+            current = self.best.get(material)
+            if current is None or candidate.better_than(current):
+                self.best[material] = candidate
+
+
+def derive_prefill_cases(
+    prefill: Any,
+    *,
+    max_prompt_length: int,
+    lane_batch_size: int,
+    recipes: tuple[Recipe, ...],
+    max_top_k: int,
+    coverage: CoverageFilter = CoverageFilter(),
+) -> tuple[WarmupCase, ...]:
+    """One case per distinct prefill program signature the lane's requests can produce.
+
+    Probes every prompt length `1..max_prompt_length` as a single row (uncached, and behind a
+    one-block cached prefix), then every wave of 2..`lane_batch_size` equal rows at each padded
+    length the single rows produced.
+    """
+    block = prefill.config.page_table_layout.block_size
+    width = math.ceil(max_prompt_length / block)
+    tokens = torch.zeros(max(1, lane_batch_size), max_prompt_length, dtype=torch.long)
+    table = torch.zeros(max(1, lane_batch_size), width, dtype=torch.int32)
+    deriver = _PrefillDeriver(prefill, recipes, max_top_k)
+    wave_lengths: dict[int, int] = {}
+    for cached in (0, block):
+        for prompt in range(cached + 1, max_prompt_length + 1):
+            planned = deriver.probe(tokens, table, prompt, 1, cached)
+            if planned and cached == 0 and not planned[0].uses_chunked_prefill:
+                wave_lengths.setdefault(planned[0].padded_sequence_length, prompt)
+    for prompt in wave_lengths.values():
+        for rows in range(2, lane_batch_size + 1):
+            deriver.probe(tokens, table, prompt, rows, 0)
+    return _kept(deriver.best.values(), coverage)
+
+
+def _kept(candidates: Iterable[_Candidate], coverage: CoverageFilter) -> tuple[WarmupCase, ...]:
+    cases: dict[WarmupCase, None] = {}
+    for candidate in candidates:
+        case = candidate.case
+        assert case.sequence_length is not None
+        if coverage.keeps(case.batch_size, case.sequence_length):
+            cases.setdefault(case)
+    return tuple(
+        sorted(
+            cases,
+            key=lambda c: (
+                c.sequence_length or 0, c.batch_size, c.cached_tokens, c.tile_start or -1,
+                c.sampling_path,
+            ),
+        )
+    )
+
+
+def derive_decode_cases(
+    decode: Any,
+    *,
+    lane_batch_size: int,
+    page_table_width: int,
+    recipes: tuple[Recipe, ...],
+    max_top_k: int,
+) -> tuple[WarmupCase, ...]:
+    """One case per distinct decode program signature (the recipes' sampling paths)."""
+    seen: dict[Any, WarmupCase] = {}
+    for recipe in recipes:
+        prepared = decode.prepare(
+            torch.zeros(lane_batch_size, dtype=torch.long),
+            torch.zeros(lane_batch_size, dtype=torch.long),
+            torch.zeros(lane_batch_size, page_table_width, dtype=torch.int32),
+            sampling_params=recipe_params(recipe, lane_batch_size, max_top_k=max_top_k),
+        )
+        signature = decode.program_signature(prepared)
+        seen.setdefault(
+            _material(signature),
+            WarmupCase(
+                "decode", lane_batch_size, None, prepared.sampling_path, rows=lane_batch_size,
+                recipe=recipe,
+            ),
+        )
+    return tuple(seen.values())
+
+
+def identity_field_counts(signatures: Iterable[Any]) -> dict[str, dict[str, int]]:
+    """How many signatures carry each value of each identity field (manifest summary)."""
+    counts: dict[str, dict[str, int]] = {}
+    for signature in signatures:
+        for name, value in key_material_of(signature):
+            assert isinstance(name, str)
+            per_value = counts.setdefault(name, {})
+            text = "null" if value is None else str(value)
+            per_value[text] = per_value.get(text, 0) + 1
+    return {name: dict(sorted(values.items())) for name, values in sorted(counts.items())}
+
