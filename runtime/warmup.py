@@ -418,10 +418,15 @@ class WarmupCoordinator:
         """Compile (and register for capture) every declared decode case not yet covered."""
         self._check_hints("decode", can_sample_on_device, enable_trace)
         self._validate_bound_cache(kv_cache)
-        if max_batch_size != self.config.lane_batch_size:
+        lane = self.config.lane_batch_size
+        if (
+            isinstance(max_batch_size, bool)
+            or not isinstance(max_batch_size, int)
+            or not 1 <= max_batch_size <= lane
+        ):
             raise ValueError(
-                f"max_batch_size must equal the lane capacity {self.config.lane_batch_size}, "
-                f"got {max_batch_size}"
+                f"max_batch_size must be an int in 1..{lane} (the lane capacity; decode runs "
+                f"the whole lane), got {max_batch_size!r}"
             )
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")

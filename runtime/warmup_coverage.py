@@ -24,7 +24,7 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from runtime.identity import key_material_of
+from runtime.identity import key_material_of, key_pairs_of
 from runtime.sampling import SamplingParams
 
 Operation = Literal["prefill", "decode"]
@@ -162,8 +162,9 @@ class _PrefillDeriver:
             cached = self._sampling[key] = (raw, prepared)
         return cached
 
-    def probe(self, tokens: torch.Tensor, table: torch.Tensor, prompt: int, rows: int,
-              cached: int) -> tuple[Any, ...] | None:
+    def probe(
+        self, tokens: torch.Tensor, table: torch.Tensor, prompt: int, rows: int, cached: int
+    ) -> tuple[Any, ...] | None:
         """Plan one probe (every recipe); None when the planner refuses it (inadmissible)."""
         planned: dict[bool, tuple[Any, ...]] = {}
         for recipe in self._recipes:
@@ -185,7 +186,12 @@ class _PrefillDeriver:
         return planned.get(False) or planned.get(True)
 
     def _record(
-        self, recipe: Recipe, request: Any, tokens: torch.Tensor, prompt: int, rows: int,
+        self,
+        recipe: Recipe,
+        request: Any,
+        tokens: torch.Tensor,
+        prompt: int,
+        rows: int,
         cached: int,
     ) -> None:
         raw, sampling = self._sampling_for(recipe, request, tokens)
@@ -253,7 +259,10 @@ def _kept(candidates: Iterable[_Candidate], coverage: CoverageFilter) -> tuple[W
         sorted(
             cases,
             key=lambda c: (
-                c.sequence_length or 0, c.batch_size, c.cached_tokens, c.tile_start or -1,
+                c.sequence_length or 0,
+                c.batch_size,
+                c.cached_tokens,
+                c.tile_start or -1,
                 c.sampling_path,
             ),
         )
@@ -281,7 +290,11 @@ def derive_decode_cases(
         seen.setdefault(
             _material(signature),
             WarmupCase(
-                "decode", lane_batch_size, None, prepared.sampling_path, rows=lane_batch_size,
+                "decode",
+                lane_batch_size,
+                None,
+                prepared.sampling_path,
+                rows=lane_batch_size,
                 recipe=recipe,
             ),
         )
@@ -292,10 +305,8 @@ def identity_field_counts(signatures: Iterable[Any]) -> dict[str, dict[str, int]
     """How many signatures carry each value of each identity field (manifest summary)."""
     counts: dict[str, dict[str, int]] = {}
     for signature in signatures:
-        for name, value in key_material_of(signature):
-            assert isinstance(name, str)
+        for name, value in key_pairs_of(signature):
             per_value = counts.setdefault(name, {})
             text = "null" if value is None else str(value)
             per_value[text] = per_value.get(text, 0) + 1
     return {name: dict(sorted(values.items())) for name, values in sorted(counts.items())}
-
