@@ -168,7 +168,7 @@ class _PrefillDeriver:
         """Plan one probe (every recipe); None when the planner refuses it (inadmissible)."""
         planned: dict[bool, tuple[Any, ...]] = {}
         for recipe in self._recipes:
-            sampled = recipe != "none"
+            sampled = recipe != "none" and rows > 1  # sampling only changes wave formation
             if sampled not in planned:
                 try:
                     planned[sampled] = self._prefill.plan(
@@ -182,7 +182,7 @@ class _PrefillDeriver:
                 except ValueError:
                     return None
             for request in planned[sampled]:
-                self._record(recipe, request, tokens, prompt, rows, cached)
+                self._record(recipe, request, tokens[:rows, :prompt], prompt, rows, cached)
         return planned.get(False) or planned.get(True)
 
     def _record(

@@ -246,7 +246,12 @@ def build_program_signatures(
         relative_last = request.last_token_indices[0] - request.cached_tokens[0]
         tile_start = relative_last // TILE_SIZE * TILE_SIZE
     signatures: list[PrefillProgramSignature] = []
+    geometries: set[tuple[int, int | None]] = set()
     for chunk in request.chunks:
+        geometry = (chunk.chunk_size, chunk.chunk_page_table_width)
+        if geometry in geometries:
+            continue  # equal chunks share one program (a long request has many)
+        geometries.add(geometry)
         signature = PrefillProgramSignature(
             operation_variant=variant,
             padded_batch_size=request.padded_batch_size,
