@@ -153,7 +153,7 @@ def test_equal_digest_with_different_material_is_a_key_collision(
     )
     calls: list[int] = []
     first = compiler.compile(Sig("decode", 1), lambda ctx: torch.zeros(1))
-    with pytest.raises(RuntimeError, match="Program key collision for 0{64}"):
+    with pytest.raises(RuntimeError, match=r"Program key collision for 0{64}"):
         compiler.compile(Sig("decode", 2), lambda ctx: calls.append(1) or torch.zeros(1))
     assert calls == []  # refused before running anything
     with pytest.raises(RuntimeError, match="Program key collision"):
