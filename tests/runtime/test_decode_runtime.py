@@ -396,9 +396,7 @@ def test_sampling_is_prepared_over_the_sampler_batch(setup: TinySetup) -> None:
     setup.model.sampling = tiny_sampler(setup.model, max_batch_size=2 * LANE)
     rt = runtime(setup, sampling=True)
     assert rt.config.sampling_batch_size == 2 * LANE
-    params = SamplingParams(
-        temperature=[0.0] * LANE + [0.9] * LANE, top_k=[1] * LANE + [5] * LANE
-    )
+    params = SamplingParams(temperature=[0.0] * LANE + [0.9] * LANE, top_k=[1] * LANE + [5] * LANE)
     prepared = rt.prepare(NEXT_TOKENS, START, table, sampling_params=params)
     sampling = prepared.prepared_sampling
     assert sampling is not None and sampling.batch_size == LANE
@@ -415,9 +413,7 @@ def test_sampling_is_prepared_over_the_sampler_batch(setup: TinySetup) -> None:
     assert with_history.prepared_sampling.prompt_tokens is not None
     assert tuple(with_history.prepared_sampling.prompt_tokens.shape) == (LANE, 3)
     with pytest.raises(ValueError, match="sampling batch has 8 rows"):
-        rt.prepare(
-            NEXT_TOKENS, START, table, sampling_params=SamplingParams(temperature=[0.0] * 9)
-        )
+        rt.prepare(NEXT_TOKENS, START, table, sampling_params=SamplingParams(temperature=[0.0] * 9))
 
 
 def test_signatures_use_lane_capacity_and_decode_width(setup: TinySetup) -> None:

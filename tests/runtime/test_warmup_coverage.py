@@ -101,9 +101,7 @@ def test_every_admissible_request_maps_to_a_derived_signature(
     _, covered = _DERIVED.setdefault("torch", _derived(torch_lane))
     rows = data.draw(st.integers(1, LANES))
     cached = data.draw(st.lists(st.integers(0, 6), min_size=rows, max_size=rows))
-    lengths = [
-        data.draw(st.integers(c * BLOCK + 1, MAX_PROMPT)) for c in cached
-    ]
+    lengths = [data.draw(st.integers(c * BLOCK + 1, MAX_PROMPT)) for c in cached]
     recipe = data.draw(st.sampled_from(RECIPES))
     width = max(-(-n // BLOCK) for n in lengths)
     request = {
