@@ -462,7 +462,8 @@ class WarmupCoordinator:
             self._ensure_sampling_buffers()
         cases = list(self._cases(operation, sampling))
         if trace and sampling:
-            cases.sort(key=lambda case: case.sampling_path != "topk")
+            # Top-k registers first, within each probe, so siblings still share a forward.
+            cases.sort(key=lambda case: (case.probe_key, case.sampling_path != "topk"))
         done = self._registered if trace else self._compiled
         todo = [case for case in cases if case not in done]
         for index, case in enumerate(todo, start=1):

@@ -68,6 +68,17 @@ class WarmupCase:
     tile_start: int | None = None
     recipe: Recipe = "none"
 
+    @property
+    def probe_key(self) -> tuple[int, ...]:
+        """Orders cases so the sampling siblings of one probe compile next to each other."""
+        return (
+            self.sequence_length or 0,
+            self.batch_size,
+            self.cached_tokens,
+            self.prompt_length or 0,
+            self.rows,
+        )
+
     def describe(self) -> str:
         """A short label for progress output and the journal."""
         if self.operation == "decode":
@@ -255,18 +266,7 @@ def _kept(candidates: Iterable[_Candidate], coverage: CoverageFilter) -> tuple[W
         assert case.sequence_length is not None
         if coverage.keeps(case.batch_size, case.sequence_length):
             cases.setdefault(case)
-    return tuple(
-        sorted(
-            cases,
-            key=lambda c: (
-                c.sequence_length or 0,
-                c.batch_size,
-                c.cached_tokens,
-                c.tile_start or -1,
-                c.sampling_path,
-            ),
-        )
-    )
+    return tuple(sorted(cases, key=lambda c: (c.probe_key, c.sampling_path)))
 
 
 def derive_decode_cases(

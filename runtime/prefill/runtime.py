@@ -39,6 +39,7 @@ from runtime.prefill.sampling_helpers import (
     select_history_rows,
 )
 from runtime.prefill.sequence_runner import PrefillSequenceRunner
+from runtime.prefill.shared_forward import SharedCompileForward
 from runtime.prefill.signatures import (
     PreparedPrefill,
     build_program_signatures,
@@ -91,6 +92,7 @@ class PrefillRuntime:
             postprocessor=self._postprocessor,
             release_transient=self._release_transient,
         )
+        self._shared_forward = SharedCompileForward()
         self._trace = PrefillTraceLifecycle(
             config=config,
             input_stager=self._stager,
@@ -103,6 +105,11 @@ class PrefillRuntime:
     @property
     def config(self) -> PrefillRuntimeConfig:
         return self._config
+
+    @property
+    def shared_compile_forwards(self) -> int:
+        """Compile runs that reused a sibling program's model forward (warmup redundancy cut)."""
+        return self._shared_forward.hits
 
     @property
     def transient_orphan_count(self) -> int:
@@ -135,6 +142,7 @@ class PrefillRuntime:
 
     def cleanup(self) -> None:
         """Retry every orphaned transient; raise the first failure (rest attached) if any."""
+        self._shared_forward.clear()
         failures = release_orphans(self._orphans)
         if failures:
             raise_cleanup_failures(failures)
@@ -350,15 +358,19 @@ class PrefillRuntime:
     def invoke(self, prepared: PreparedPrefill, *, count_tokens: bool = True) -> InvocationResult:
         """Run every planned chunk of `prepared` eagerly; the result owns its transients.
 
-        `count_tokens` is accepted for the reference call shape; this runtime has no
-        sampling-state controller whose token counters it would drive.
+        `count_tokens=False` marks a compile run (the reference's call shape; this runtime has
+        no sampling-state controller whose token counters it would drive): compile runs of
+        programs that differ only in sampling path share one model forward.
         """
         if not isinstance(prepared, PreparedPrefill):
             raise TypeError(f"prepared must be a PreparedPrefill, got {type(prepared).__name__}")
         if not isinstance(count_tokens, bool):
             raise TypeError(f"count_tokens must be bool, got {type(count_tokens).__name__}")
         self._require_usable("invoke")
-        return self._runner.run(prepared)
+        if count_tokens:
+            self._shared_forward.clear()
+            return self._runner.run(prepared)
+        return self._runner.run(prepared, shared=self._shared_forward)
 
     def assemble(
         self,

@@ -229,3 +229,16 @@ def test_trace_none_rejects_trace_warmup_hints() -> None:
     with pytest.raises(ValueError, match="statically disabled"):
         executor.warmup_model_prefill(can_sample_on_device=True)
     executor.close()
+
+
+def test_sampling_siblings_share_one_compile_forward(lanes: dict[str, LlamaExecutor]) -> None:
+    # Logits, argmax and top-k programs of one probe run the model forward once.
+    for mode in MODES:
+        executor = lanes[mode]
+        programs = [
+            p
+            for p in executor.program_compiler.compiled_programs
+            if type(p.signature).__name__ == "PrefillProgramSignature"
+        ]
+        shared = executor.prefill_runtime.shared_compile_forwards
+        assert shared >= len(programs) // 3, (mode, shared, len(programs))
