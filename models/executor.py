@@ -553,8 +553,9 @@ class ModelExecutor(LifecycleHost):
     def _do_capture(self) -> str:
         manifest = self.warmup.capture_pending_traces()
         assert self.trace_compiler is not None
+        tracer = self.trace_compiler
         return (
-            f"{self.trace_compiler.capture_count} traces captured for "
+            f"{tracer.capture_count} captures for {tracer.trace_count} traces and "
             f"{len(manifest.aliases)} programs"
         )
 

@@ -242,3 +242,20 @@ def test_sampling_siblings_share_one_compile_forward(lanes: dict[str, LlamaExecu
         ]
         shared = executor.prefill_runtime.shared_compile_forwards
         assert shared >= len(programs) // 3, (mode, shared, len(programs))
+
+
+def test_prefill_traces_of_one_capture_schema_share_one_capture(
+    lanes: dict[str, LlamaExecutor],
+) -> None:
+    tracer = lanes["all"].trace_compiler
+    assert tracer is not None
+    # logits, argmax and top-k traces of one geometry replay one hidden-state capture
+    assert tracer.shared_capture_count > 0
+    assert tracer.capture_count + tracer.shared_capture_count == tracer.trace_count
+    schemas = {
+        record.plan.schema_fingerprint
+        for key, _ in tracer.registered_coverage("prefill")
+        if (record := tracer.get(key)) is not None
+    }
+    decode_traces = len(tracer.registered_coverage("decode"))
+    assert tracer.capture_count == len(schemas) + decode_traces
