@@ -137,94 +137,112 @@ class CoverageFilter:
 
 @attrs.frozen
 class _Candidate:
+    """A probe for a signature; `rank` orders probes: fewer invocations compile faster,
+    then the longest prompt (a tile end, as the reference primes), then the most rows."""
+
     case: WarmupCase
-    invocations: int
-
-    def better_than(self, other: _Candidate) -> bool:
-        """Fewer invocations compile faster; within a count, the longest prompt (tile end)."""
-        mine = (self.invocations, -(self.case.prompt_length or 0), -self.case.rows)
-        theirs = (other.invocations, -(other.case.prompt_length or 0), -other.case.rows)
-        return mine < theirs
-
-
-def _material(signature: Any) -> Any:
-    return key_material_of(signature)
+    rank: tuple[int, int, int]
 
 
 class _PrefillDeriver:
-    """Probes the planner and identifies each planned request under every recipe."""
+    """Plans probes and identifies each planned request under every recipe."""
+
+    BLOCK_ROWS = 256
+    """Single-row probes planned per planner call (the planner validates per call)."""
 
     def __init__(self, prefill: Any, recipes: tuple[Recipe, ...], max_top_k: int) -> None:
         self._prefill = prefill
         self._recipes = recipes
         self._max_top_k = max_top_k
-        self._sampling: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self._sampling: dict[tuple[Any, ...], Any] = {}
         self.best: dict[Any, _Candidate] = {}
 
-    def _sampling_for(self, recipe: Recipe, request: Any, tokens: torch.Tensor) -> tuple[Any, Any]:
+    def _sampling_for(self, recipe: Recipe, request: Any) -> Any:
         # The prepared sampling of a recipe depends on the request's rows, not its length.
         key = (recipe, request.kind, request.padded_batch_size, request.active_batch_size)
-        cached = self._sampling.get(key)
-        if cached is None:
+        if key not in self._sampling:
             raw = recipe_params(recipe, request.active_batch_size, max_top_k=self._max_top_k)
             prepared = None
             if raw is not None:
+                tokens = torch.zeros(
+                    request.active_batch_size, max(request.prompt_lengths), dtype=torch.long
+                )
                 prepared = self._prefill.prepare_request_sampling(request, raw, tokens)
-            cached = self._sampling[key] = (raw, prepared)
-        return cached
+            self._sampling[key] = prepared
+        return self._sampling[key]
 
-    def probe(
-        self, tokens: torch.Tensor, table: torch.Tensor, prompt: int, rows: int, cached: int
-    ) -> tuple[Any, ...] | None:
-        """Plan one probe (every recipe); None when the planner refuses it (inadmissible)."""
-        planned: dict[bool, tuple[Any, ...]] = {}
+    def single_rows(self, prompts: list[int], cached: int) -> list[Any]:
+        """Plan one row per prompt length; refused rows (inadmissible) are left out."""
+        planned: list[Any] = []
+        for start in range(0, len(prompts), self.BLOCK_ROWS):
+            block = prompts[start : start + self.BLOCK_ROWS]
+            try:
+                requests = self._prefill.plan_single_rows(block, [cached] * len(block))
+            except ValueError:
+                requests = self._one_by_one(block, cached)
+            for request in requests:
+                self.record(request, rows=1)
+            planned.extend(requests)
+        return planned
+
+    def _one_by_one(self, prompts: list[int], cached: int) -> list[Any]:
+        admitted: list[Any] = []
+        for prompt in prompts:
+            try:
+                admitted.extend(self._prefill.plan_single_rows([prompt], [cached]))
+            except ValueError:
+                continue  # the planner refuses this prompt: the lane never admits it
+        return admitted
+
+    def wave(self, prompt: int, rows: int) -> None:
+        """Plan `rows` equal uncached prompts as one lane call, with and without sampling."""
+        tokens = torch.zeros(rows, prompt, dtype=torch.long)
+        table = torch.zeros(rows, -(-prompt // self._block), dtype=torch.int32)
+        for sampled in sorted({recipe != "none" for recipe in self._recipes}):
+            try:
+                requests = self._prefill.plan(
+                    tokens=tokens,
+                    page_table=table,
+                    prompt_lens=[prompt] * rows,
+                    empty_slots=list(range(rows)),
+                    sampled=sampled,
+                )
+            except ValueError:
+                return
+            for request in requests:
+                self.record(request, rows=rows, sampled=sampled)
+
+    @property
+    def _block(self) -> int:
+        block: int = self._prefill.config.page_table_layout.block_size
+        return block
+
+    def record(self, request: Any, *, rows: int, sampled: bool | None = None) -> None:
+        """Identify `request` under each recipe; keep the best probe per program signature."""
+        prompt = max(request.prompt_lengths)
+        rank = (len(request.chunks), -prompt, -rows)
         for recipe in self._recipes:
-            sampled = recipe != "none" and rows > 1  # sampling only changes wave formation
-            if sampled not in planned:
-                try:
-                    planned[sampled] = self._prefill.plan(
-                        tokens=tokens[:rows],
-                        page_table=table[:rows],
-                        prompt_lens=[prompt] * rows,
-                        start_pos=[cached] * rows,
-                        empty_slots=list(range(rows)),
-                        sampled=sampled,
-                    )
-                except ValueError:
-                    return None
-            for request in planned[sampled]:
-                self._record(recipe, request, tokens[:rows, :prompt], prompt, rows, cached)
-        return planned.get(False) or planned.get(True)
-
-    def _record(
-        self,
-        recipe: Recipe,
-        request: Any,
-        tokens: torch.Tensor,
-        prompt: int,
-        rows: int,
-        cached: int,
-    ) -> None:
-        raw, sampling = self._sampling_for(recipe, request, tokens)
-        prepared = self._prefill.identify(request, raw, sampling)
-        first = prepared.program_signatures[0]
-        case = WarmupCase(
-            "prefill",
-            request.padded_batch_size,
-            request.first_chunk.chunk_size,
-            prepared.sampling_path,
-            cached_tokens=cached,
-            prompt_length=prompt,
-            rows=rows,
-            tile_start=first.last_token_tile_start,
-            recipe=recipe,
-        )
-        candidate = _Candidate(case, len(request.chunks))
-        for signature in prepared.program_signatures:
-            material = _material(signature)
-            current = self.best.get(material)
-            if current is None or candidate.better_than(current):
-                self.best[material] = candidate
+            if sampled is not None and sampled != (recipe != "none"):
+                continue
+            path, signatures = self._prefill.program_signatures(
+                request, self._sampling_for(recipe, request)
+            )
+            for signature in signatures:  # frozen: equal signatures are equal keys
+                current = self.best.get(signature)
+                if current is not None and current.rank <= rank:
+                    continue
+                case = WarmupCase(
+                    "prefill",
+                    request.padded_batch_size,
+                    request.first_chunk.chunk_size,
+                    path,
+                    cached_tokens=request.cached_tokens[0],
+                    prompt_length=prompt,
+                    rows=rows,
+                    tile_start=signatures[0].last_token_tile_start,
+                    recipe=recipe,
+                )
+                self.best[signature] = _Candidate(case, rank)
 
 
 def derive_prefill_cases(
@@ -243,19 +261,18 @@ def derive_prefill_cases(
     length the single rows produced.
     """
     block = prefill.config.page_table_layout.block_size
-    width = math.ceil(max_prompt_length / block)
-    tokens = torch.zeros(max(1, lane_batch_size), max_prompt_length, dtype=torch.long)
-    table = torch.zeros(max(1, lane_batch_size), width, dtype=torch.int32)
     deriver = _PrefillDeriver(prefill, recipes, max_top_k)
     wave_lengths: dict[int, int] = {}
     for cached in (0, block):
-        for prompt in range(cached + 1, max_prompt_length + 1):
-            planned = deriver.probe(tokens, table, prompt, 1, cached)
-            if planned and cached == 0 and not planned[0].uses_chunked_prefill:
-                wave_lengths.setdefault(planned[0].padded_sequence_length, prompt)
+        planned = deriver.single_rows(list(range(cached + 1, max_prompt_length + 1)), cached)
+        if cached:
+            continue
+        for request in planned:
+            if not request.uses_chunked_prefill:
+                wave_lengths.setdefault(request.padded_sequence_length, request.prompt_lengths[0])
     for prompt in wave_lengths.values():
         for rows in range(2, lane_batch_size + 1):
-            deriver.probe(tokens, table, prompt, rows, 0)
+            deriver.wave(prompt, rows)
     return _kept(deriver.best.values(), coverage)
 
 
@@ -288,7 +305,7 @@ def derive_decode_cases(
         )
         signature = decode.program_signature(prepared)
         seen.setdefault(
-            _material(signature),
+            key_material_of(signature),
             WarmupCase(
                 "decode",
                 lane_batch_size,

@@ -41,12 +41,18 @@ from runtime.prefill.sampling_helpers import (
 from runtime.prefill.sequence_runner import PrefillSequenceRunner
 from runtime.prefill.shared_forward import SharedCompileForward
 from runtime.prefill.signatures import (
+    PrefillProgramSignature,
     PreparedPrefill,
     build_program_signatures,
     build_trace_signature,
 )
 from runtime.prefill.trace import PrefillCapturePlan, PrefillTraceLifecycle
-from runtime.sampling import PreparedSamplingParams, SamplingParams, slice_sampling_params
+from runtime.sampling import (
+    PreparedSamplingParams,
+    SamplingParams,
+    SamplingPath,
+    slice_sampling_params,
+)
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 
 logger = logging.getLogger(__name__)
@@ -315,6 +321,52 @@ class PrefillRuntime:
         history = default_prompt_history(rows, request.prompt_lengths)
         return pad_history_rows(history, self._postprocessor.sampling_batch_size(request))
 
+    def program_signatures(
+        self, request: PrefillRequest, sampling: PreparedSamplingParams | None
+    ) -> tuple[SamplingPath, tuple[PrefillProgramSignature, ...]]:
+        """The sampling path and program identities of a planned request (what `identify`
+        and derived warmup coverage both use)."""
+        path = classify_sampling_path(request, sampling)
+        return path, build_program_signatures(
+            request,
+            path,
+            static_q128_topk_supported=STATIC_Q128_TOPK_SUPPORTED,
+            penalties_enabled=sampling is not None and sampling.penalties_enabled,
+            logprobs_enabled=sampling is not None and sampling.log_probs_enabled,
+        )
+
+    def plan_single_rows(
+        self, prompt_lens: Sequence[int], cached_tokens: Sequence[int]
+    ) -> tuple[PrefillRequest, ...]:
+        """Plan each row alone, as the planner plans a lane row it does not batch.
+
+        One planner call for many rows (warmup coverage probes every prompt length): batching
+        is off and the slot range is the row count, since a single row's plan depends on
+        neither. A row the planner refuses makes the whole call raise `ValueError`.
+        """
+        config = self._config
+        layout = config.page_table_layout
+        rows = len(prompt_lens)
+        width = max(prompt_lens)
+        # Zero probes, never read: one zero row viewed as every row.
+        return plan_prefill_requests(
+            tokens=torch.zeros(1, width, dtype=torch.long).expand(rows, width),
+            page_table=torch.zeros(1, -(-width // layout.block_size), dtype=torch.int32).expand(
+                rows, -1
+            ),
+            block_size=layout.block_size,
+            max_batch_size=rows,
+            max_prefill_chunk_size=config.max_prefill_chunk_size,
+            prompt_lens=list(prompt_lens),
+            start_pos=list(cached_tokens),
+            supports_batched_prefill=config.supports_batched_prefill,
+            disable_batched_prefill=True,
+            max_prefill_batch_size=config.max_prefill_batch_size,
+            max_actual_page_table_width=layout.raw_capacity_width,
+            canonical_page_table_width=layout.prefill_width,
+            policy=config.policy,
+        )
+
     def identify(
         self,
         request: PrefillRequest,
@@ -322,7 +374,7 @@ class PrefillRuntime:
         sampling: PreparedSamplingParams | None,
     ) -> PreparedPrefill:
         """A planned request with its sampling path and program and trace identities."""
-        path = classify_sampling_path(request, sampling)
+        path, program_signatures = self.program_signatures(request, sampling)
         penalties = sampling is not None and sampling.penalties_enabled
         logprobs = sampling is not None and sampling.log_probs_enabled
         length = request.first_chunk.chunk_size
@@ -336,13 +388,7 @@ class PrefillRuntime:
             request=request,
             sampling_params=raw,
             sampling_path=path,
-            program_signatures=build_program_signatures(
-                request,
-                path,
-                static_q128_topk_supported=STATIC_Q128_TOPK_SUPPORTED,
-                penalties_enabled=penalties,
-                logprobs_enabled=logprobs,
-            ),
+            program_signatures=program_signatures,
             trace_signature=build_trace_signature(
                 request,
                 trace_enabled=trace_enabled,
