@@ -33,6 +33,10 @@ _REMEDIES = (
 )
 
 
+_NEAREST = 8
+"""Compiled programs a closed-gate error lists, nearest to the missing signature first."""
+
+
 class TraceCoverageError(RuntimeError):
     """A traced operation's prepared request has no captured trace; nothing ran."""
 
@@ -267,17 +271,31 @@ class EagerExecutor:
         compiler = self.program_compiler
         key = compiler.key_for(signature)
         family = type(signature)
+        wanted = dict(key_pairs_of(signature))
+
+        def distance(program: CompiledProgram) -> int:
+            pairs = dict(key_pairs_of(program.signature))
+            return sum(pairs.get(name) != value for name, value in wanted.items())
+
+        siblings = sorted(
+            (p for p in compiler.compiled_programs if type(p.signature) is family), key=distance
+        )
         listed = "; ".join(
             f"{program.key.digest[:12]}: {_compact(program.signature)}"
-            for program in compiler.compiled_programs
-            if type(program.signature) is family
+            for program in siblings[:_NEAREST]
         )
+        if len(siblings) > _NEAREST:
+            listed += (
+                f"; ... {len(siblings) - _NEAREST} more compiled {operation} programs (the "
+                "coverage manifest lists them all)"
+            )
         raise CompileGateClosedError(
             f"{operation} program was not compiled before the compile gate closed at trace "
             f"capture: operation={operation}; trace_mode={self.trace_mode}; "
             f"model={_model_name(self.prefill.config.model)}; signature "
             f"{family.__name__}({_compact(signature)}); request {request}; "
-            f"signature_digest={key.digest}; configured_coverage=[{listed}]. Nothing was "
+            f"signature_digest={key.digest}; configured_coverage (nearest first)=[{listed}]. "
+            "Nothing was "
             f"executed and no KV cache entry was written. {_gate_remedies(operation)}"
         )
 

@@ -172,7 +172,7 @@ def test_closed_gate_error_names_the_signature_and_leaves_kv_unchanged() -> None
             "cached_tokens=[0]",
             "prompt_lengths=[40]",
             "signature_digest=",
-            "configured_coverage=[",
+            "configured_coverage (nearest first)=[",
             "invocation_sequence_length=32",
             "(1) warm up this signature",
             "(2) serve it",
