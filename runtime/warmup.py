@@ -324,6 +324,8 @@ class WarmupCoordinator:
         self._journal = journal
         self._owner_name = owner_name
         self._plans: dict[tuple[bool, PageTableLayout], WarmupPlan] = {}
+        self.derivation_seconds = 0.0
+        """Seconds spent deriving coverage from the planner (not compiling)."""
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -384,6 +386,7 @@ class WarmupCoordinator:
                 decode=self._eager.decode,
             )
             self._plans[key] = plan
+            self.derivation_seconds += time.perf_counter() - started
             logger.info(
                 "derived %d prefill and %d decode warmup case(s) in %.2f s",
                 len(plan.prefill),
