@@ -137,11 +137,12 @@ class CoverageFilter:
 
 @attrs.frozen
 class _Candidate:
-    """A probe for a signature; `rank` orders probes: fewer invocations compile faster,
-    then the longest prompt (a tile end, as the reference primes), then the most rows."""
+    """A probe for a signature; the lowest `rank` wins: fewest invocations, then fewest real
+    tokens (the torch models compute real tokens only), except that a baked Q128 tile is
+    primed at its tile end as the reference does (32, 64, 96, 128)."""
 
     case: WarmupCase
-    rank: tuple[int, int, int]
+    rank: tuple[int, ...]
 
 
 class _PrefillDeriver:
@@ -220,13 +221,16 @@ class _PrefillDeriver:
     def record(self, request: Any, *, rows: int, sampled: bool | None = None) -> None:
         """Identify `request` under each recipe; keep the best probe per program signature."""
         prompt = max(request.prompt_lengths)
-        rank = (len(request.chunks), -prompt, -rows)
+        tokens = sum(request.prompt_lengths) - sum(request.cached_tokens)
+        invocations = len(request.chunks)
         for recipe in self._recipes:
             if sampled is not None and sampled != (recipe != "none"):
                 continue
             path, signatures = self._prefill.program_signatures(
                 request, self._sampling_for(recipe, request)
             )
+            tile = signatures[0].last_token_tile_start
+            rank = (invocations, -prompt if tile is not None else tokens, rows, prompt)
             for signature in signatures:  # frozen: equal signatures are equal keys
                 current = self.best.get(signature)
                 if current is not None and current.rank <= rank:
@@ -239,7 +243,7 @@ class _PrefillDeriver:
                     cached_tokens=request.cached_tokens[0],
                     prompt_length=prompt,
                     rows=rows,
-                    tile_start=signatures[0].last_token_tile_start,
+                    tile_start=tile,
                     recipe=recipe,
                 )
                 self.best[signature] = _Candidate(case, rank)
