@@ -131,3 +131,37 @@ def test_identity_field_counts_name_each_value() -> None:
         assert counts["sampling_path"] == {"argmax": 1}
     finally:
         harness.setup.close()
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(
+    lengths=st.lists(st.integers(1, MAX_PROMPT), min_size=1, max_size=12),
+    cached_blocks=st.integers(0, 3),
+)
+def test_planning_rows_together_equals_planning_each_alone(
+    torch_lane: PrefillHarness, lengths: list[int], cached_blocks: int
+) -> None:
+    # plan_single_rows (one planner call for many probes) is the planner's single-row plan.
+    runtime = torch_lane.runtime
+    cached = cached_blocks * BLOCK
+    lengths = [n + cached for n in lengths]
+    together = runtime.plan_single_rows(lengths, [cached] * len(lengths))
+    for request, length in zip(together, lengths, strict=True):
+        tokens = torch.zeros(1, length, dtype=torch.long)
+        alone = runtime.plan(
+            tokens=tokens,
+            page_table=torch.zeros(1, -(-length // BLOCK), dtype=torch.int32),
+            prompt_lens=[length],
+            start_pos=[cached],
+        )
+        assert len(alone) == 1
+        for recipe in RECIPES:
+            raw = recipe_params(recipe, 1, max_top_k=8)
+            sampling = (
+                None if raw is None else runtime.prepare_request_sampling(alone[0], raw, tokens)
+            )
+            assert runtime.program_signatures(request, sampling) == runtime.program_signatures(
+                alone[0], sampling
+            )
+        assert request.prompt_lengths == alone[0].prompt_lengths
+        assert request.chunks == alone[0].chunks
