@@ -177,6 +177,7 @@ class ModelExecutor(LifecycleHost):
             prefill=self.prefill_runtime,
             decode=self.decode_runtime,
             program_compiler=self.program_compiler,
+            trace_mode=trace.mode,
         )
         self.trace_compiler: TraceCompiler | None = None
         self.traced_executor: TracedExecutor | None = None
@@ -200,12 +201,15 @@ class ModelExecutor(LifecycleHost):
                 # Traced lanes close the compile gate, so every wave the planner can form
                 # must be covered; eager lanes keep the reference's smallest-bucket waves.
                 batched_sequence_lengths=lengths if trace.mode != "none" else None,
+                max_seq_len=config.max_seq_len,
             ),
             execution=self.traced_executor or self.eager_executor,
             ensure_sampling_buffers=self.ensure_sampling_buffers,
             validate_bound_cache=self._validate_cache_argument,
             progress=progress,
             auto_capture=False,
+            journal=self.journal,
+            owner_name=f"{owner_name}.warmup",
         )
         self._kv_handle: list[list[Any]] | None = None
 
@@ -408,13 +412,40 @@ class ModelExecutor(LifecycleHost):
             enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
         )
 
-    def _decode_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
-        num_blocks = self.kv_cache_manager.config.num_blocks
-        assert num_blocks is not None
+    def _decode_warmup(
+        self,
+        kv_cache: Any,
+        sampling: bool | None,
+        trace: bool | None,
+        max_batch_size: int | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        physical = self.kv_cache_manager.config.num_blocks
+        assert physical is not None
+        lane = self.config.max_batch_size
+        if max_batch_size is not None and (
+            isinstance(max_batch_size, bool)
+            or not isinstance(max_batch_size, int)
+            or not 1 <= max_batch_size <= lane
+        ):
+            raise ValueError(
+                f"max_batch_size={max_batch_size!r} is outside the lane capacity: allowed is an "
+                f"int in 1..{lane} (ModelExecutorConfig.max_batch_size); decode always runs the "
+                "whole lane"
+            )
+        if num_blocks is not None and (
+            isinstance(num_blocks, bool)
+            or not isinstance(num_blocks, int)
+            or not 1 <= num_blocks <= physical
+        ):
+            raise ValueError(
+                f"num_blocks={num_blocks!r} is outside the allocated paged KV cache: allowed is "
+                f"an int in 1..{physical} (the resolved num_blocks)"
+            )
         self.warmup.warmup_decode(
             kv_cache=kv_cache,
-            max_batch_size=self.config.max_batch_size,
-            num_blocks=num_blocks,
+            max_batch_size=lane if max_batch_size is None else max_batch_size,
+            num_blocks=physical if num_blocks is None else num_blocks,
             can_sample_on_device=self.config.device_sampling_enabled
             if sampling is None
             else sampling,
@@ -457,22 +488,50 @@ class ModelExecutor(LifecycleHost):
         self,
         *,
         kv_cache: Any = None,
+        max_batch_size: int | None = None,
+        num_blocks: int | None = None,
         can_sample_on_device: bool | None = None,
         enable_trace: bool | None = None,
     ) -> None:
-        """Compile every declared decode shape; with prefill done, ALLOCATED -> COMPILED."""
-        self._decode_warmup(kv_cache, can_sample_on_device, enable_trace)
+        """Compile every declared decode shape; with prefill done, ALLOCATED -> COMPILED.
+
+        `max_batch_size` (1..lane capacity) and `num_blocks` (1..allocated blocks) are what a
+        serving engine warms for; None means the lane's own values.
+        """
+        self._decode_warmup(
+            kv_cache, can_sample_on_device, enable_trace, max_batch_size, num_blocks
+        )
         self._after_warmup()
 
-    def warmup_model_prefill(self, **kwargs: Any) -> None:
-        """The seed's name for `warmup_prefill`."""
-        self.warmup_prefill(**kwargs)
+    def warmup_model_prefill(
+        self,
+        *,
+        kv_cache: Any = None,
+        can_sample_on_device: bool | None = None,
+        enable_trace: bool | None = None,
+    ) -> None:
+        """The seed's name for `warmup_prefill` (every argument honoured)."""
+        self.warmup_prefill(
+            kv_cache=kv_cache, can_sample_on_device=can_sample_on_device, enable_trace=enable_trace
+        )
 
-    def warmup_model_decode(self, **kwargs: Any) -> None:
-        """The seed's name for `warmup_decode`."""
-        kwargs.pop("max_batch_size", None)
-        kwargs.pop("num_blocks", None)
-        self.warmup_decode(**kwargs)
+    def warmup_model_decode(
+        self,
+        *,
+        kv_cache: Any = None,
+        max_batch_size: int | None = None,
+        num_blocks: int | None = None,
+        can_sample_on_device: bool | None = None,
+        enable_trace: bool | None = None,
+    ) -> None:
+        """The seed's name for `warmup_decode` (every argument honoured and validated)."""
+        self.warmup_decode(
+            kv_cache=kv_cache,
+            max_batch_size=max_batch_size,
+            num_blocks=num_blocks,
+            can_sample_on_device=can_sample_on_device,
+            enable_trace=enable_trace,
+        )
 
     def _do_compile(self) -> str:
         self._prefill_warmup(None, None, None)
@@ -494,8 +553,9 @@ class ModelExecutor(LifecycleHost):
     def _do_capture(self) -> str:
         manifest = self.warmup.capture_pending_traces()
         assert self.trace_compiler is not None
+        tracer = self.trace_compiler
         return (
-            f"{self.trace_compiler.capture_count} traces captured for "
+            f"{tracer.capture_count} captures for {tracer.trace_count} traces and "
             f"{len(manifest.aliases)} programs"
         )
 

@@ -57,6 +57,7 @@ from runtime.sampling import (
     SamplingParams,
     SamplingPath,
     prepare_sampling_params,
+    slice_prepared_sampling_params,
 )
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
@@ -338,6 +339,26 @@ class DecodeRuntimeConfig:
 # --------------------------------------------------------------------------------------------
 
 
+def _pad_history(value: torch.Tensor | None, lane: int, rows: int) -> torch.Tensor | None:
+    """Lane-row history extended with empty (-1) rows to the sampler batch."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != lane:
+        return value  # broadcast, full-width or malformed: the sampler validates it
+    if rows == lane:
+        return value
+    filler = torch.full((rows - lane, value.shape[1]), -1, dtype=value.dtype, device=value.device)
+    return torch.cat([value, filler])
+
+
+def _pad_slot_remap(
+    value: Sequence[int] | torch.Tensor | None, lane: int, rows: int
+) -> Sequence[int] | torch.Tensor | None:
+    """A lane-wide slot remap extended with "no source" (-1) entries to the sampler batch."""
+    if value is None or rows == lane:
+        return value
+    items = value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else list(value)
+    return items + [-1] * (rows - lane) if len(items) == lane else value
+
+
 def _require_prepared(value: object) -> PreparedDecode:
     if not isinstance(value, PreparedDecode):
         raise TypeError(f"prepared must be a PreparedDecode, got {type(value).__name__}")
@@ -482,16 +503,12 @@ class DecodeRuntime:
                     "sampling_params need at least one active decode row (start_pos >= 0); "
                     "every row is inactive"
                 )
-            assert config.max_device_top_k is not None
-            prepared_sampling = prepare_sampling_params(
+            prepared_sampling = self._prepare_sampling(
                 sampling_params,
-                lane,
-                max_device_top_k=config.max_device_top_k,
-                allow_force_argmax=config.allow_force_argmax and not config.force_greedy_top_k,
+                [bool(flag) for flag in active.tolist()],
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,
                 slot_remap=slot_remap,
-                active_mask=[bool(flag) for flag in active.tolist()],
             )
             sampling_path = prepared_sampling.sampling_path
         normalized = self._normalizer.normalize(
@@ -510,6 +527,40 @@ class DecodeRuntime:
             device_feedback=device_feedback,
             page_table_changed=changed,
         )
+
+    def _prepare_sampling(
+        self,
+        sampling_params: SamplingParams,
+        active: list[bool],
+        *,
+        prompt_tokens: torch.Tensor | None,
+        output_tokens: torch.Tensor | None,
+        slot_remap: Sequence[int] | torch.Tensor | None,
+    ) -> PreparedSamplingParams:
+        """Normalise over the sampler batch (reference 2.15), then keep the lane's rows.
+
+        Slot-indexed values may cover the whole sampler batch (e.g. 32 rows for a lane of 1);
+        rows past the lane are inactive, hence neutral, and never change the sampling path.
+        """
+        config = self._config
+        lane = config.lane_capacity
+        rows = config.sampling_batch_size or lane
+        assert config.max_device_top_k is not None
+        full = prepare_sampling_params(
+            sampling_params,
+            rows,
+            max_device_top_k=config.max_device_top_k,
+            allow_force_argmax=config.allow_force_argmax and not config.force_greedy_top_k,
+            prompt_tokens=_pad_history(prompt_tokens, lane, rows),
+            output_tokens=_pad_history(output_tokens, lane, rows),
+            slot_remap=_pad_slot_remap(slot_remap, lane, rows),
+            active_mask=active + [False] * (rows - lane),
+        )
+        if rows == lane:
+            return full
+        lane_rows = slice_prepared_sampling_params(full, range(lane))
+        remap = None if full.slot_remap is None else full.slot_remap[:lane]
+        return attrs.evolve(lane_rows, slot_remap=remap)
 
     def program_signature(self, prepared: PreparedDecode) -> DecodeProgramSignature:
         """The eager program identity: lane capacity, normalised width, sampling facts."""

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from runtime.decode_staging import DecodeInvocationResult
-from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, signature_digest
+from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of, signature_digest
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
 from runtime.trace_compiler import (
     RefreshDecision,
@@ -33,8 +33,48 @@ _REMEDIES = (
 )
 
 
+_NEAREST = 8
+"""Compiled programs a closed-gate error lists, nearest to the missing signature first."""
+
+
 class TraceCoverageError(RuntimeError):
     """A traced operation's prepared request has no captured trace; nothing ran."""
+
+
+class CompileGateClosedError(TraceCoverageError):
+    """An eager call after capture needs a program warmup never compiled; nothing ran."""
+
+
+def _compact(signature: Any) -> str:
+    """`name=value` pairs of a signature's key material (None values left out)."""
+    pairs = key_pairs_of(signature)
+    return ", ".join(f"{name}={value}" for name, value in pairs if value is not None)
+
+
+def _request_fields(prepared: Any) -> str:
+    """The request facts behind a prefill signature: rows, prompt lengths, cached tokens."""
+    request = prepared.request
+    return (
+        f"active_rows={request.active_batch_size}, prompt_lengths={list(request.prompt_lengths)}, "
+        f"cached_tokens={list(request.cached_tokens)}, chunks={len(request.chunks)}"
+    )
+
+
+def _gate_remedies(operation: str) -> str:
+    shape = (
+        "WarmupConfig(prefill_seq_lens=..., prefill_batch_sizes=...)"
+        if operation == "prefill"
+        else "WarmupConfig(include_decode_top_k=...)"
+    )
+    return (
+        "Remedies: (1) warm up this signature before capture: the default coverage is derived "
+        f"from the planner and covers every request the lane admits, so widen a trimmed {shape}"
+        ", warm up with can_sample_on_device=True when requests sample, or call "
+        f"compile_{operation}() with this request before capture(); (2) serve it on a lane "
+        "built with TraceConfig(mode='none') (--trace none), where the compile gate never "
+        "closes; (3) if the lane was warmed with its defaults, this is a coverage bug: report "
+        "the signature above."
+    )
 
 
 @attrs.frozen
@@ -80,7 +120,14 @@ def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
 class EagerExecutor:
     """Compiles and runs eager requests over the prefill and decode runtimes."""
 
-    def __init__(self, *, prefill: Any, decode: Any, program_compiler: ProgramCompiler) -> None:
+    def __init__(
+        self,
+        *,
+        prefill: Any,
+        decode: Any,
+        program_compiler: ProgramCompiler,
+        trace_mode: str = "none",
+    ) -> None:
         if not isinstance(program_compiler, ProgramCompiler):
             raise TypeError(
                 f"program_compiler must be a ProgramCompiler, got {type(program_compiler).__name__}"
@@ -95,6 +142,8 @@ class EagerExecutor:
         self.prefill = prefill
         self.decode = decode
         self.program_compiler = program_compiler
+        self.trace_mode = trace_mode
+        self._gate_refusals = 0
         self._eager_prefill_count = 0
         self._eager_decode_count = 0
 
@@ -191,12 +240,7 @@ class EagerExecutor:
             output_tokens=output_tokens,
             slot_remap=slot_remap,
         )
-        if self.program_compiler.gate_closed:
-            for item in prepared:
-                for signature in item.program_signatures:
-                    self.program_compiler.require_compiled(
-                        self.program_compiler.key_for(signature), signature
-                    )
+        self.preflight_prefill(prepared)
 
         def results() -> Iterator[tuple[Any, Any]]:
             for item in prepared:
@@ -206,6 +250,53 @@ class EagerExecutor:
 
         return self.prefill.assemble(
             results(), batch_size=int(tokens.shape[0]), sampling_params=sampling_params
+        )
+
+    def preflight_prefill(self, prepared: Sequence[Any]) -> None:
+        """Once the gate closed, every signature must be compiled; checked before any run."""
+        if not self.program_compiler.gate_closed:
+            return
+        for item in prepared:
+            for signature in item.program_signatures:
+                if not self.program_compiler.is_compiled(signature):
+                    self._refuse("prefill", signature, _request_fields(item))
+
+    @property
+    def compile_gate_refusals(self) -> int:
+        """Eager calls refused because the closed gate lacked their program."""
+        return self._gate_refusals
+
+    def _refuse(self, operation: str, signature: Any, request: str) -> None:
+        self._gate_refusals += 1
+        compiler = self.program_compiler
+        key = compiler.key_for(signature)
+        family = type(signature)
+        wanted = dict(key_pairs_of(signature))
+
+        def distance(program: CompiledProgram) -> int:
+            pairs = dict(key_pairs_of(program.signature))
+            return sum(pairs.get(name) != value for name, value in wanted.items())
+
+        siblings = sorted(
+            (p for p in compiler.compiled_programs if type(p.signature) is family), key=distance
+        )
+        listed = "; ".join(
+            f"{program.key.digest[:12]}: {_compact(program.signature)}"
+            for program in siblings[:_NEAREST]
+        )
+        if len(siblings) > _NEAREST:
+            listed += (
+                f"; ... {len(siblings) - _NEAREST} more compiled {operation} programs (the "
+                "coverage manifest lists them all)"
+            )
+        raise CompileGateClosedError(
+            f"{operation} program was not compiled before the compile gate closed at trace "
+            f"capture: operation={operation}; trace_mode={self.trace_mode}; "
+            f"model={_model_name(self.prefill.config.model)}; signature "
+            f"{family.__name__}({_compact(signature)}); request {request}; "
+            f"signature_digest={key.digest}; configured_coverage (nearest first)=[{listed}]. "
+            "Nothing was "
+            f"executed and no KV cache entry was written. {_gate_remedies(operation)}"
         )
 
     # -- decode ---------------------------------------------------------------------------------
@@ -279,9 +370,13 @@ class EagerExecutor:
         )
         if self.program_compiler.gate_closed:
             signature = self.decode.program_signature(prepared)
-            self.program_compiler.require_compiled(
-                self.program_compiler.key_for(signature), signature
-            )
+            if not self.program_compiler.is_compiled(signature):
+                self._refuse(
+                    "decode",
+                    signature,
+                    f"active_rows={int((prepared.start_pos >= 0).sum())}, "
+                    f"reset_batch={prepared.reset_batch}",
+                )
         result = self.decode.invoke(prepared, device_feedback=False)
         self._eager_decode_count += 1
         return self.decode.consume(result, read_from_device=read_from_device)
@@ -295,6 +390,7 @@ class EagerExecutor:
             "rejected_post_activation_compile_attempts": (
                 self.program_compiler.post_activation_compile_rejections
             ),
+            "compile_gate_refusals": self._gate_refusals,
         }
 
 
@@ -553,6 +649,7 @@ class TracedExecutor:
 
 
 __all__ = [
+    "CompileGateClosedError",
     "EagerExecutor",
     "PrefillReplayEvidence",
     "TraceCoverageError",

@@ -83,6 +83,22 @@ def key_material_of(signature: object) -> tuple[KeyMaterial, ...]:
     return material
 
 
+def key_pairs_of(signature: object) -> tuple[tuple[str, KeyMaterial], ...]:
+    """A signature's key material as `(field name, value)` pairs (for messages and counts).
+
+    Raises `TypeError` when the material is not a tuple of named pairs.
+    """
+    pairs: list[tuple[str, KeyMaterial]] = []
+    for item in key_material_of(signature):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(
+                f"{type(signature).__name__}.key_material is not a tuple of (name, value) "
+                f"pairs: {item!r}"
+            )
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
+
+
 def canonical_key_json(domain: str, schema_version: int, material: tuple[KeyMaterial, ...]) -> str:
     """The canonical ASCII JSON text that a digest hashes: domain, schema version, material."""
     if not isinstance(domain, str) or not domain:

@@ -153,8 +153,22 @@ class ProgramCompiler:
         return key
 
     def is_compiled(self, signature: object) -> bool:
-        """Whether `signature` has a compiled program."""
-        return self.key_for(signature) in self._programs
+        """Whether `signature` has a compiled program; a digest collision raises (2.16)."""
+        key = self.key_for(signature)
+        program = self._programs.get(key)
+        if program is None:
+            return False
+        self._check_collision(key, signature, program)
+        return True
+
+    @staticmethod
+    def _check_collision(key: ProgramKey, signature: object, program: CompiledProgram) -> None:
+        """Equal digests with different key material are a collision, never the same program."""
+        if key_material_of(signature) != key_material_of(program.signature):
+            raise RuntimeError(
+                f"Program key collision for {key.digest}: {signature!r} differs from the "
+                f"compiled {program.signature!r}"
+            )
 
     def require_compiled(self, key: ProgramKey, signature: object | None = None) -> CompiledProgram:
         """The compiled program for `key`, or a `RuntimeError` naming what is missing."""
@@ -167,13 +181,8 @@ class ProgramCompiler:
                 f"Program key {key.digest} was not compiled{when}; warm up this signature "
                 "before serving"
             )
-        if signature is not None and key_material_of(signature) != key_material_of(
-            program.signature
-        ):
-            raise RuntimeError(
-                f"Program key collision for {key.digest}: {signature!r} differs from the "
-                f"compiled {program.signature!r}"
-            )
+        if signature is not None:
+            self._check_collision(key, signature, program)
         return program
 
     # -- compilation ----------------------------------------------------------------------------
@@ -203,11 +212,7 @@ class ProgramCompiler:
         key = self.key_for(signature)
         existing = self._programs.get(key)
         if existing is not None:
-            if key_material_of(existing.signature) != key_material_of(signature):
-                raise RuntimeError(
-                    f"Program key collision for {key.digest}: {signature!r} differs from the "
-                    f"compiled {existing.signature!r}"
-                )
+            self._check_collision(key, signature, existing)
             if expected_output_spec is not None and expected_output_spec != existing.output_spec:
                 raise ValueError(
                     f"program {key.digest} is already compiled with a different output "

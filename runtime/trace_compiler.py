@@ -120,6 +120,8 @@ class TraceRecord:
     plan: TraceCapturePlan
     persistent: PersistentInputs | None = None
     artifact: TraceArtifact | None = None
+    shares: TraceKey | None = None
+    """The trace whose capture this key replays (equal capture schema), or None."""
 
 
 @attrs.define(eq=False)
@@ -185,8 +187,13 @@ class TraceCompiler:
 
     @property
     def capture_count(self) -> int:
-        """Traces captured by `capture_all` (each key at most once)."""
+        """Captures `capture_all` ran: one per capture schema (each key at most once)."""
         return self._captures
+
+    @property
+    def shared_capture_count(self) -> int:
+        """Trace keys that replay another key's capture (same capture schema)."""
+        return sum(1 for record in self._records.values() if record.shares is not None)
 
     @property
     def trace_count(self) -> int:
@@ -303,23 +310,48 @@ class TraceCompiler:
             self.program_compiler.require_compiled(alias_key)
         self._lifecycle.fire("begin_capture", detail=f"{len(self._records)} trace(s)")
         self.program_compiler.begin_capture()
+        leaders = self._assign_shared_captures()
         try:
-            for record in self._records.values():
+            for record in leaders:
                 record.persistent = PersistentInputs(record.plan.prepare_inputs())
             for alias in self._aliases.values():
                 if alias.prepare_workspace is not None:
                     alias.workspace = alias.prepare_workspace()
-            ordered = sorted(self._records.values(), key=lambda r: r.operation != "decode")
+            ordered = sorted(leaders, key=lambda r: r.operation != "decode")
             for record in ordered:
                 self._capture_one(record)
+            for record in self._records.values():
+                if record.shares is not None:
+                    record.artifact = self._records[record.shares].artifact
             self._device.synchronize()
         except BaseException as error:
             self._rollback(error)
             raise
-        self._captures += len(self._records)
+        self._captures += len(leaders)
         self._lifecycle.fire("activate", detail=f"{len(self._records)} trace(s) captured")
         self.program_compiler.activate()
         trim_host_allocator()
+
+    def _assign_shared_captures(self) -> list[TraceRecord]:
+        """The records to capture; the others replay a leader with the same capture schema.
+
+        Prefill traces whose keys differ only in sampling material capture the same
+        hidden-state computation (equal schema fingerprint and refresh policy): one capture
+        serves them all, each program keeping its own post-processing workspace.
+        """
+        leaders: list[TraceRecord] = []
+        by_schema: dict[tuple[Any, ...], TraceRecord] = {}
+        for record in self._records.values():
+            plan = record.plan
+            record.shares = None
+            if record.operation == "prefill" and plan.schema_fingerprint is not None:
+                group = (plan.schema_fingerprint, plan.refresh_policy)
+                leader = by_schema.setdefault(group, record)
+                if leader is not record:
+                    record.shares = leader.key
+                    continue
+            leaders.append(record)
+        return leaders
 
     def _capture_one(self, record: TraceRecord) -> None:
         plan = record.plan
@@ -358,6 +390,9 @@ class TraceCompiler:
         """Release every trace, then its inputs; a trace that fails to release keeps them."""
         failures: list[BaseException] = []
         for record in self._records.values():
+            if record.shares is not None:
+                record.artifact = None  # its leader owns and releases the capture
+                continue
             artifact = record.artifact
             if artifact is not None and not artifact.trace_released:
                 try:

@@ -1,7 +1,8 @@
 """Warmup coverage and the prefill/decode capture barrier.
 
-The coverage plan is declared up front from static policy (lengths, batch sizes, sampling
-paths), so users can see what start-up compiles and trim it. `warmup_prefill` and
+The coverage plan is derived from the identity rules serving uses (`runtime.warmup_coverage`):
+every program a request the lane admits can need, trimmed only where the user asked
+(`WarmupConfig`). `warmup_prefill` and
 `warmup_decode` may run in either order and repeatedly: each compiles (and, when tracing,
 registers) only what is not yet covered. Capture happens exactly once, only after every
 configured operation registered its complete case set; a lane group can defer it and
@@ -14,49 +15,34 @@ import contextlib
 import enum
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import torch
 
+from lifecycle.journal import Journal, Outcome
 from runtime.config import PageTableLayout, TraceConfig, WarmupConfig
+from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
 from runtime.execution import EagerExecutor, TracedExecutor
 from runtime.identity import ProgramKey, TraceKey, key_material_of
+from runtime.prefill.runtime import STATIC_Q128_TOPK_SUPPORTED
 from runtime.program_compiler import CompiledProgram
-from runtime.sampling import SamplingParams
+from runtime.warmup_coverage import (
+    CoverageFilter,
+    Operation,
+    Recipe,
+    WarmupCase,
+    derive_decode_cases,
+    derive_prefill_cases,
+    identity_field_counts,
+    recipe_params,
+)
 
 logger = logging.getLogger(__name__)
 
-Operation = Literal["prefill", "decode"]
-WarmupPath = Literal["logits", "argmax", "topk"]
 Progress = Callable[[str, int, int], None]
-
-GREEDY_RECIPE = SamplingParams(temperature=0.0, top_k=1, top_p=1.0)
-TOPK_RECIPE = SamplingParams(temperature=1.0, top_k=32, top_p=0.08)
-
-
-@attrs.frozen
-class WarmupCase:
-    """One shape warmup compiles: operation, physical batch, length, sampling path."""
-
-    operation: Operation
-    batch_size: int
-    sequence_length: int | None
-    sampling_path: WarmupPath
-    cached_tokens: int = 0
-
-    def describe(self) -> str:
-        """A short label for progress output."""
-        if self.operation == "decode":
-            return f"decode batch={self.batch_size} {self.sampling_path}"
-        cached = f" cached={self.cached_tokens}" if self.cached_tokens else ""
-        return (
-            f"prefill batch={self.batch_size} len={self.sequence_length}{cached} "
-            f"{self.sampling_path}"
-        )
 
 
 @attrs.frozen
@@ -87,6 +73,22 @@ class CoverageManifest:
     trace_signatures: tuple[Any, ...]
     aliases: tuple[CoverageAlias, ...]
 
+    def identity_fields(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Which identity fields (and values) produced how many programs and traces."""
+        groups: dict[str, list[Any]] = {
+            "prefill_programs": [],
+            "decode_programs": [],
+            "prefill_traces": [],
+            "decode_traces": [],
+        }
+        for signature in self.eager_program_signatures:
+            operation = "decode" if isinstance(signature, DecodeProgramSignature) else "prefill"
+            groups[f"{operation}_programs"].append(signature)
+        for signature in self.trace_signatures:
+            operation = "decode" if isinstance(signature, DecodeTraceSignature) else "prefill"
+            groups[f"{operation}_traces"].append(signature)
+        return {name: identity_field_counts(items) for name, items in groups.items()}
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description (signatures as their key material)."""
 
@@ -94,6 +96,7 @@ class CoverageManifest:
             return _jsonable(key_material_of(signature))
 
         return {
+            "identity_fields": self.identity_fields(),
             "eager_programs": [material(s) for s in self.eager_program_signatures],
             "traced_programs": [material(s) for s in self.traced_source_program_signatures],
             "traces": [
@@ -116,56 +119,6 @@ class CoverageManifest:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
-def build_warmup_plan(
-    *,
-    warmup: WarmupConfig,
-    prefill_sequence_lengths: Sequence[int],
-    batched_sequence_lengths: Sequence[int],
-    lane_batch_size: int,
-    max_prefill_batch_size: int,
-    max_batched_prefill_tokens: int,
-    can_sample_on_device: bool,
-    allow_force_argmax: bool,
-    block_size: int,
-    raw_capacity_width: int,
-) -> WarmupPlan:
-    """The cases for one sampling decision (reference 2.19, batched lengths configurable).
-
-    Batch sizes above 1 apply to `batched_sequence_lengths` only (the reference batches the
-    smallest bucket); other lengths use single rows. Each length also gets a cached case when
-    the KV capacity holds one block plus the length.
-    """
-    paths: list[WarmupPath] = ["logits"]
-    if can_sample_on_device:
-        paths.append("topk")
-    prefill: list[WarmupCase] = []
-    for length in prefill_sequence_lengths:
-        sizes = warmup.prefill_batch_sizes if length in batched_sequence_lengths else (1,)
-        for batch in sizes:
-            if batch > lane_batch_size or batch > max(1, max_prefill_batch_size):
-                continue
-            if batch > 1 and batch * length >= max_batched_prefill_tokens:
-                continue
-            batch_paths = list(paths)
-            if can_sample_on_device and allow_force_argmax and batch == 1:
-                batch_paths.append("argmax")
-            prefill.extend(WarmupCase("prefill", batch, length, p) for p in batch_paths)
-        if block_size + length <= raw_capacity_width * block_size:
-            cached_paths = list(paths)
-            if can_sample_on_device and allow_force_argmax:
-                cached_paths.append("argmax")
-            prefill.extend(
-                WarmupCase("prefill", 1, length, p, cached_tokens=block_size) for p in cached_paths
-            )
-    decode_paths: list[WarmupPath] = ["logits"]
-    if can_sample_on_device and allow_force_argmax:
-        decode_paths.append("argmax")
-    if can_sample_on_device and (not allow_force_argmax or warmup.include_decode_top_k):
-        decode_paths.append("topk")
-    decode = tuple(WarmupCase("decode", lane_batch_size, None, p) for p in decode_paths)
-    return WarmupPlan(prefill=tuple(prefill), decode=decode)
-
-
 def _unique_positive(name: str, values: object) -> tuple[int, ...]:
     if not isinstance(values, tuple) or not values:
         raise ValueError(f"{name} must be a non-empty tuple of positive integers, got {values!r}")
@@ -179,19 +132,29 @@ def _unique_positive(name: str, values: object) -> tuple[int, ...]:
 
 @attrs.frozen
 class WarmupCoordinatorConfig:
-    """Resolved warmup policy shared by prefill and decode of one lane."""
+    """Resolved warmup policy shared by prefill and decode of one lane.
+
+    Coverage is derived (`runtime.warmup_coverage`): every prompt length up to
+    `max_prompt_length`, every wave the planner forms within the lane, each sampling recipe.
+    `coverage` holds the user's trims (`WarmupConfig`); `prime_q128_tile_ends` reports whether
+    Q128 top-k programs also bake the last-token tile (reference 2.19: the static Q128 top-k
+    sampler); argmax programs always do, and each of their tile ends is a derived case.
+    """
 
     warmup: WarmupConfig
     trace: TraceConfig
     model: Any
     page_table_layout: PageTableLayout
     prefill_sequence_lengths: tuple[int, ...]
-    batched_sequence_lengths: tuple[int, ...]
+    batched_sequence_lengths: tuple[int, ...] | None
     lane_batch_size: int
     max_prefill_batch_size: int
     max_batched_prefill_tokens: int
     device_sampling_enabled: bool
     allow_force_argmax: bool
+    max_prompt_length: int | None = None
+    max_device_top_k: int = 1
+    prime_q128_tile_ends: bool = False
 
     @classmethod
     def resolve(
@@ -203,8 +166,14 @@ class WarmupCoordinatorConfig:
         decode: Any,
         prefill_sequence_lengths: tuple[int, ...],
         batched_sequence_lengths: tuple[int, ...] | None = None,
+        max_seq_len: int | None = None,
     ) -> WarmupCoordinatorConfig:
-        """Validate that prefill and decode agree, and fix the coverage lengths."""
+        """Validate that prefill and decode agree, and fix the coverage trims.
+
+        `batched_sequence_lengths=None` keeps the reference's eager default (waves at the
+        first length only); a traced lane passes every length. `max_seq_len` bounds the
+        probed prompt lengths (`1..max_seq_len-1`; default: the KV capacity).
+        """
         if not isinstance(warmup, WarmupConfig):
             raise TypeError(f"warmup must be a WarmupConfig, got {type(warmup).__name__}")
         if not isinstance(trace, TraceConfig):
@@ -221,6 +190,10 @@ class WarmupCoordinatorConfig:
             )
         if p.device_sampling_enabled != d.device_sampling_enabled:
             raise ValueError("prefill and decode runtimes must share device-sampling policy")
+        if max_seq_len is not None and (
+            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2
+        ):
+            raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
         lengths = _unique_positive(
             "prefill_sequence_lengths",
             warmup.prefill_seq_lens
@@ -228,6 +201,7 @@ class WarmupCoordinatorConfig:
             else prefill_sequence_lengths,
         )
         batched = lengths[:1] if batched_sequence_lengths is None else batched_sequence_lengths
+        sampling = d.device_sampling_enabled
         return cls(
             warmup=warmup,
             trace=trace,
@@ -238,8 +212,11 @@ class WarmupCoordinatorConfig:
             lane_batch_size=d.lane_capacity,
             max_prefill_batch_size=p.max_prefill_batch_size,
             max_batched_prefill_tokens=p.policy.max_batched_prefill_tokens,
-            device_sampling_enabled=d.device_sampling_enabled,
+            device_sampling_enabled=sampling,
             allow_force_argmax=d.allow_force_argmax,
+            max_prompt_length=None if max_seq_len is None else max_seq_len - 1,
+            max_device_top_k=(d.max_device_top_k or 1) if sampling else 1,
+            prime_q128_tile_ends=sampling and STATIC_Q128_TOPK_SUPPORTED,
         )
 
     def with_page_table_layout(self, layout: PageTableLayout) -> WarmupCoordinatorConfig:
@@ -248,21 +225,49 @@ class WarmupCoordinatorConfig:
             raise TypeError(f"layout must be a PageTableLayout, got {type(layout).__name__}")
         return attrs.evolve(self, page_table_layout=layout)
 
-    def plan(self, *, can_sample_on_device: bool) -> WarmupPlan:
-        """The coverage plan for one sampling decision."""
-        layout = self.page_table_layout
-        return build_warmup_plan(
-            warmup=self.warmup,
-            prefill_sequence_lengths=self.prefill_sequence_lengths,
-            batched_sequence_lengths=self.batched_sequence_lengths,
-            lane_batch_size=self.lane_batch_size,
-            max_prefill_batch_size=self.max_prefill_batch_size,
-            max_batched_prefill_tokens=self.max_batched_prefill_tokens,
-            can_sample_on_device=can_sample_on_device and self.device_sampling_enabled,
-            allow_force_argmax=self.allow_force_argmax,
-            block_size=layout.block_size,
-            raw_capacity_width=layout.raw_capacity_width,
+    @property
+    def coverage(self) -> CoverageFilter:
+        """The user's trims: configured lengths only when set, waves per lane policy."""
+        warmup = self.warmup
+        return CoverageFilter(
+            sequence_lengths=warmup.prefill_seq_lens,
+            batch_sizes=warmup.prefill_batch_sizes,
+            batched_lengths=self.batched_sequence_lengths,
         )
+
+    def recipes(self, can_sample_on_device: bool) -> tuple[Recipe, ...]:
+        """Sampling recipes probed: none, plus greedy and sampled when sampling on device."""
+        if can_sample_on_device and self.device_sampling_enabled:
+            return ("none", "greedy", "sampled")
+        return ("none",)
+
+    def prompt_length_limit(self) -> int:
+        """The longest prompt probed: max_seq_len - 1, within the KV capacity."""
+        layout = self.page_table_layout
+        capacity = layout.raw_capacity_width * layout.block_size
+        if self.max_prompt_length is None:
+            return capacity
+        return min(self.max_prompt_length, capacity)
+
+    def plan(self, *, can_sample_on_device: bool, prefill: Any, decode: Any) -> WarmupPlan:
+        """The derived coverage for one sampling decision (see `runtime.warmup_coverage`)."""
+        recipes = self.recipes(can_sample_on_device)
+        prefill_cases = derive_prefill_cases(
+            prefill,
+            max_prompt_length=self.prompt_length_limit(),
+            lane_batch_size=self.lane_batch_size,
+            recipes=recipes,
+            max_top_k=self.max_device_top_k,
+            coverage=self.coverage,
+        )
+        decode_cases = derive_decode_cases(
+            decode,
+            lane_batch_size=self.lane_batch_size,
+            page_table_width=self.page_table_layout.decode_width,
+            recipes=recipes,
+            max_top_k=self.max_device_top_k,
+        )
+        return WarmupPlan(prefill=prefill_cases, decode=decode_cases)
 
 
 class WarmupCoordinator:
@@ -277,6 +282,8 @@ class WarmupCoordinator:
         validate_bound_cache: Callable[[Any], None],
         progress: Progress | None = None,
         auto_capture: bool = True,
+        journal: Journal | None = None,
+        owner_name: str = "WarmupCoordinator",
     ) -> None:
         if not isinstance(config, WarmupCoordinatorConfig):
             raise TypeError(f"config must be a WarmupCoordinatorConfig, got {config!r}")
@@ -314,6 +321,11 @@ class WarmupCoordinator:
         self._sealed = False
         self.coverage_manifest: CoverageManifest | None = None
         self.case_seconds: dict[WarmupCase, float] = {}
+        self._journal = journal
+        self._owner_name = owner_name
+        self._plans: dict[tuple[bool, PageTableLayout], WarmupPlan] = {}
+        self.derivation_seconds = 0.0
+        """Seconds spent deriving coverage from the planner (not compiling)."""
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -362,8 +374,29 @@ class WarmupCoordinator:
             self._traced is None or not self._trace_required() or self._trace_activated
         )
 
+    def plan(self, *, can_sample_on_device: bool) -> WarmupPlan:
+        """The derived coverage for one sampling decision (memoised per layout)."""
+        key = (can_sample_on_device, self.config.page_table_layout)
+        plan = self._plans.get(key)
+        if plan is None:
+            started = time.perf_counter()
+            plan = self.config.plan(
+                can_sample_on_device=can_sample_on_device,
+                prefill=self._eager.prefill,
+                decode=self._eager.decode,
+            )
+            self._plans[key] = plan
+            self.derivation_seconds += time.perf_counter() - started
+            logger.info(
+                "derived %d prefill and %d decode warmup case(s) in %.2f s",
+                len(plan.prefill),
+                len(plan.decode),
+                time.perf_counter() - started,
+            )
+        return plan
+
     def _cases(self, operation: Operation, sampling: bool) -> tuple[WarmupCase, ...]:
-        plan = self.config.plan(can_sample_on_device=sampling)
+        plan = self.plan(can_sample_on_device=sampling)
         return plan.prefill if operation == "prefill" else plan.decode
 
     # -- warmup calls ---------------------------------------------------------------------------
@@ -388,10 +421,15 @@ class WarmupCoordinator:
         """Compile (and register for capture) every declared decode case not yet covered."""
         self._check_hints("decode", can_sample_on_device, enable_trace)
         self._validate_bound_cache(kv_cache)
-        if max_batch_size != self.config.lane_batch_size:
+        lane = self.config.lane_batch_size
+        if (
+            isinstance(max_batch_size, bool)
+            or not isinstance(max_batch_size, int)
+            or not 1 <= max_batch_size <= lane
+        ):
             raise ValueError(
-                f"max_batch_size must equal the lane capacity {self.config.lane_batch_size}, "
-                f"got {max_batch_size}"
+                f"max_batch_size must be an int in 1..{lane} (the lane capacity; decode runs "
+                f"the whole lane), got {max_batch_size!r}"
             )
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
@@ -427,15 +465,28 @@ class WarmupCoordinator:
             self._ensure_sampling_buffers()
         cases = list(self._cases(operation, sampling))
         if trace and sampling:
-            cases.sort(key=lambda case: case.sampling_path != "topk")
+            # Top-k registers first, within each probe, so siblings still share a forward.
+            cases.sort(key=lambda case: (case.probe_key, case.sampling_path != "topk"))
         done = self._registered if trace else self._compiled
         todo = [case for case in cases if case not in done]
         for index, case in enumerate(todo, start=1):
             if self._progress is not None:
                 self._progress(case.describe(), index, len(todo))
             started = time.perf_counter()
+            wall = time.time()
             programs = self._compile_case(case, trace=trace, num_blocks=num_blocks)
-            self.case_seconds[case] = time.perf_counter() - started
+            seconds = self.case_seconds[case] = time.perf_counter() - started
+            if self._journal is not None:
+                self._journal.record(
+                    machine=self._owner_name,
+                    trigger=f"warmup_{operation}",
+                    source="pending",
+                    dest="traced" if trace else "compiled",
+                    started=wall,
+                    duration_s=seconds,
+                    outcome=Outcome.OK,
+                    detail=f"{case.describe()}: {len(programs)} program(s)",
+                )
             self._required.extend(programs)
             self._compiled.add(case)
             if trace:
@@ -447,28 +498,11 @@ class WarmupCoordinator:
         self, case: WarmupCase, *, trace: bool, num_blocks: int | None
     ) -> tuple[CompiledProgram, ...]:
         target: Any = self._traced if trace else self._eager
-        sampling = None
-        if case.sampling_path == "argmax":
-            sampling = GREEDY_RECIPE
-        elif case.sampling_path == "topk":
-            sampling = TOPK_RECIPE
-        block = self.config.page_table_layout.block_size
+        top_k = self.config.max_device_top_k
         if case.operation == "prefill":
-            assert case.sequence_length is not None
-            prompt = case.cached_tokens + case.sequence_length
-            width = math.ceil(prompt / block)
-            tokens = torch.zeros(case.batch_size, prompt, dtype=torch.long)
-            request: dict[str, Any] = {
-                "tokens": tokens,
-                "page_table": torch.zeros(case.batch_size, width, dtype=torch.int32),
-                "prompt_lens": torch.full((case.batch_size,), prompt, dtype=torch.long),
-                "empty_slots": list(range(case.batch_size)),
-                "sampling_params": _broadcast(sampling, case.batch_size),
-            }
-            if case.cached_tokens:
-                request["start_pos"] = torch.full(
-                    (case.batch_size,), case.cached_tokens, dtype=torch.long
-                )
+            request = case.prefill_request(
+                block_size=self.config.page_table_layout.block_size, max_top_k=top_k
+            )
             return tuple(target.compile_prefill(**request))
         assert num_blocks is not None
         lane = case.batch_size
@@ -478,7 +512,7 @@ class WarmupCoordinator:
             page_table=torch.zeros(
                 lane, min(num_blocks, self.config.page_table_layout.decode_width), dtype=torch.int32
             ),
-            sampling_params=_broadcast(sampling, lane),
+            sampling_params=recipe_params(case.recipe, lane, max_top_k=top_k),
         )
         return (program,)
 
@@ -606,18 +640,6 @@ class WarmupCoordinator:
         if not self._deferring or not self._capture_pending or self.coverage_manifest is None:
             raise RuntimeError("no deferred capture is pending")
         self._capture(self.coverage_manifest)
-
-
-def _broadcast(sampling: SamplingParams | None, rows: int) -> SamplingParams | None:
-    """One recipe per row: a scalar would describe a single active row."""
-    if sampling is None:
-        return None
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    assert isinstance(temperature, float) and isinstance(top_k, int)
-    assert isinstance(top_p, float)
-    return SamplingParams(
-        temperature=[temperature] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows
-    )
 
 
 def _jsonable(value: Any) -> Any:

@@ -39,13 +39,20 @@ from runtime.prefill.sampling_helpers import (
     select_history_rows,
 )
 from runtime.prefill.sequence_runner import PrefillSequenceRunner
+from runtime.prefill.shared_forward import SharedCompileForward
 from runtime.prefill.signatures import (
+    PrefillProgramSignature,
     PreparedPrefill,
     build_program_signatures,
     build_trace_signature,
 )
 from runtime.prefill.trace import PrefillCapturePlan, PrefillTraceLifecycle
-from runtime.sampling import PreparedSamplingParams, SamplingParams, slice_sampling_params
+from runtime.sampling import (
+    PreparedSamplingParams,
+    SamplingParams,
+    SamplingPath,
+    slice_sampling_params,
+)
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 
 logger = logging.getLogger(__name__)
@@ -91,6 +98,7 @@ class PrefillRuntime:
             postprocessor=self._postprocessor,
             release_transient=self._release_transient,
         )
+        self._shared_forward = SharedCompileForward()
         self._trace = PrefillTraceLifecycle(
             config=config,
             input_stager=self._stager,
@@ -103,6 +111,11 @@ class PrefillRuntime:
     @property
     def config(self) -> PrefillRuntimeConfig:
         return self._config
+
+    @property
+    def shared_compile_forwards(self) -> int:
+        """Compile runs that reused a sibling program's model forward (warmup redundancy cut)."""
+        return self._shared_forward.hits
 
     @property
     def transient_orphan_count(self) -> int:
@@ -135,6 +148,7 @@ class PrefillRuntime:
 
     def cleanup(self) -> None:
         """Retry every orphaned transient; raise the first failure (rest attached) if any."""
+        self._shared_forward.clear()
         failures = release_orphans(self._orphans)
         if failures:
             raise_cleanup_failures(failures)
@@ -193,14 +207,55 @@ class PrefillRuntime:
         """
         self._require_usable("prepare")
         self._postprocessor.validate_sampling_request(sampling_params)
+        requests = self.plan(
+            tokens=tokens,
+            page_table=page_table,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            sampled=sampling_params is not None,
+        )
+        prepared: list[PreparedPrefill] = []
+        for index, request in enumerate(requests):
+            raw: SamplingParams | None = None
+            sampling: PreparedSamplingParams | None = None
+            if sampling_params is not None:
+                raw = slice_sampling_params(sampling_params, request.source_rows)
+                sampling = self.prepare_request_sampling(
+                    request,
+                    raw,
+                    tokens,
+                    prompt_tokens=prompt_tokens,
+                    output_tokens=output_tokens,
+                    slot_remap=slot_remap if index == 0 else None,
+                )
+            prepared.append(self.identify(request, raw, sampling))
+        logger.debug("prepared %d prefill request(s)", len(prepared))
+        return tuple(prepared)
+
+    def plan(
+        self,
+        *,
+        tokens: torch.Tensor,
+        page_table: torch.Tensor,
+        prompt_lens: IntVector = None,
+        start_pos: IntVector = None,
+        empty_slots: IntVector = None,
+        sampled: bool = False,
+    ) -> tuple[PrefillRequest, ...]:
+        """The planner call `prepare` makes (warmup coverage derives identities from it).
+
+        `sampled` says whether sampling parameters come with the call: without batched
+        extraction they turn batching off.
+        """
         config = self._config
         layout = config.page_table_layout
         disable = (
             config.disable_batched_prefill
             or batched_prefill_disabled_by_env()
-            or (sampling_params is not None and not config.batched_prefill_batched_extract)
+            or (sampled and not config.batched_prefill_batched_extract)
         )
-        requests = plan_prefill_requests(
+        return plan_prefill_requests(
             tokens=tokens,
             page_table=page_table,
             block_size=layout.block_size,
@@ -216,22 +271,25 @@ class PrefillRuntime:
             canonical_page_table_width=layout.prefill_width,
             policy=config.policy,
         )
-        prepared: list[PreparedPrefill] = []
-        for index, request in enumerate(requests):
-            raw: SamplingParams | None = None
-            sampling: PreparedSamplingParams | None = None
-            if sampling_params is not None:
-                raw = slice_sampling_params(sampling_params, request.source_rows)
-                sampling = self._postprocessor.prepare_request_sampling(
-                    request,
-                    raw,
-                    prompt_tokens=self._prompt_history(request, tokens, prompt_tokens),
-                    output_tokens=self._history("output_tokens", request, tokens, output_tokens),
-                    slot_remap=slot_remap if index == 0 else None,
-                )
-            prepared.append(self._identify(request, raw, sampling))
-        logger.debug("prepared %d prefill request(s)", len(prepared))
-        return tuple(prepared)
+
+    def prepare_request_sampling(
+        self,
+        request: PrefillRequest,
+        raw: SamplingParams,
+        tokens: torch.Tensor,
+        *,
+        prompt_tokens: torch.Tensor | None = None,
+        output_tokens: torch.Tensor | None = None,
+        slot_remap: IntVector = None,
+    ) -> PreparedSamplingParams:
+        """The prepared sampling of one planned request (`raw` sliced to its rows)."""
+        return self._postprocessor.prepare_request_sampling(
+            request,
+            raw,
+            prompt_tokens=self._prompt_history(request, tokens, prompt_tokens),
+            output_tokens=self._history("output_tokens", request, tokens, output_tokens),
+            slot_remap=slot_remap,
+        )
 
     def _history(
         self,
@@ -263,13 +321,60 @@ class PrefillRuntime:
         history = default_prompt_history(rows, request.prompt_lengths)
         return pad_history_rows(history, self._postprocessor.sampling_batch_size(request))
 
-    def _identify(
+    def program_signatures(
+        self, request: PrefillRequest, sampling: PreparedSamplingParams | None
+    ) -> tuple[SamplingPath, tuple[PrefillProgramSignature, ...]]:
+        """The sampling path and program identities of a planned request (what `identify`
+        and derived warmup coverage both use)."""
+        path = classify_sampling_path(request, sampling)
+        return path, build_program_signatures(
+            request,
+            path,
+            static_q128_topk_supported=STATIC_Q128_TOPK_SUPPORTED,
+            penalties_enabled=sampling is not None and sampling.penalties_enabled,
+            logprobs_enabled=sampling is not None and sampling.log_probs_enabled,
+        )
+
+    def plan_single_rows(
+        self, prompt_lens: Sequence[int], cached_tokens: Sequence[int]
+    ) -> tuple[PrefillRequest, ...]:
+        """Plan each row alone, as the planner plans a lane row it does not batch.
+
+        One planner call for many rows (warmup coverage probes every prompt length): batching
+        is off and the slot range is the row count, since a single row's plan depends on
+        neither. A row the planner refuses makes the whole call raise `ValueError`.
+        """
+        config = self._config
+        layout = config.page_table_layout
+        rows = len(prompt_lens)
+        width = max(prompt_lens)
+        # Zero probes, never read: one zero row viewed as every row.
+        return plan_prefill_requests(
+            tokens=torch.zeros(1, width, dtype=torch.long).expand(rows, width),
+            page_table=torch.zeros(1, -(-width // layout.block_size), dtype=torch.int32).expand(
+                rows, -1
+            ),
+            block_size=layout.block_size,
+            max_batch_size=rows,
+            max_prefill_chunk_size=config.max_prefill_chunk_size,
+            prompt_lens=list(prompt_lens),
+            start_pos=list(cached_tokens),
+            supports_batched_prefill=config.supports_batched_prefill,
+            disable_batched_prefill=True,
+            max_prefill_batch_size=config.max_prefill_batch_size,
+            max_actual_page_table_width=layout.raw_capacity_width,
+            canonical_page_table_width=layout.prefill_width,
+            policy=config.policy,
+        )
+
+    def identify(
         self,
         request: PrefillRequest,
         raw: SamplingParams | None,
         sampling: PreparedSamplingParams | None,
     ) -> PreparedPrefill:
-        path = classify_sampling_path(request, sampling)
+        """A planned request with its sampling path and program and trace identities."""
+        path, program_signatures = self.program_signatures(request, sampling)
         penalties = sampling is not None and sampling.penalties_enabled
         logprobs = sampling is not None and sampling.log_probs_enabled
         length = request.first_chunk.chunk_size
@@ -283,13 +388,7 @@ class PrefillRuntime:
             request=request,
             sampling_params=raw,
             sampling_path=path,
-            program_signatures=build_program_signatures(
-                request,
-                path,
-                static_q128_topk_supported=STATIC_Q128_TOPK_SUPPORTED,
-                penalties_enabled=penalties,
-                logprobs_enabled=logprobs,
-            ),
+            program_signatures=program_signatures,
             trace_signature=build_trace_signature(
                 request,
                 trace_enabled=trace_enabled,
@@ -305,15 +404,19 @@ class PrefillRuntime:
     def invoke(self, prepared: PreparedPrefill, *, count_tokens: bool = True) -> InvocationResult:
         """Run every planned chunk of `prepared` eagerly; the result owns its transients.
 
-        `count_tokens` is accepted for the reference call shape; this runtime has no
-        sampling-state controller whose token counters it would drive.
+        `count_tokens=False` marks a compile run (the reference's call shape; this runtime has
+        no sampling-state controller whose token counters it would drive): compile runs of
+        programs that differ only in sampling path share one model forward.
         """
         if not isinstance(prepared, PreparedPrefill):
             raise TypeError(f"prepared must be a PreparedPrefill, got {type(prepared).__name__}")
         if not isinstance(count_tokens, bool):
             raise TypeError(f"count_tokens must be bool, got {type(count_tokens).__name__}")
         self._require_usable("invoke")
-        return self._runner.run(prepared)
+        if count_tokens:
+            self._shared_forward.clear()
+            return self._runner.run(prepared)
+        return self._runner.run(prepared, shared=self._shared_forward)
 
     def assemble(
         self,

@@ -17,6 +17,7 @@ from runtime.prefill.config import PrefillModel
 from runtime.prefill.inputs import PrefillDeviceInputs, PrefillInputStager, ReleaseTransient
 from runtime.prefill.postprocess import PrefillPostprocessor
 from runtime.prefill.result_collector import InvocationResult
+from runtime.prefill.shared_forward import SharedCompileForward
 from runtime.prefill.signatures import PreparedPrefill
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,24 @@ class PrefillSequenceRunner:
         """Follow a config swap (the model is borrowed and normally never changes)."""
         self._model = model
 
-    def run(self, prepared: PreparedPrefill) -> InvocationResult:
-        """Execute `prepared`; the result owns the staged inputs and the final output."""
+    def run(
+        self, prepared: PreparedPrefill, *, shared: SharedCompileForward | None = None
+    ) -> InvocationResult:
+        """Execute `prepared`; the result owns the staged inputs and the final output.
+
+        With `shared` (compile runs only), a sibling program's forward is reused.
+        """
         request = prepared.request
         owned: list[Any] = []
+        reused = None if shared is None else shared.lookup(request)
+        if reused is not None:
+            try:
+                return InvocationResult(
+                    self._postprocessor.finish(prepared, reused, owned), tuple(owned)
+                )
+            except BaseException as error:
+                attach_cleanup_failures(error, self._release(tuple(owned)))
+                raise
         try:
             final: Any = None
             for index, chunk in enumerate(request.chunks):
@@ -78,6 +93,8 @@ class PrefillSequenceRunner:
                     f"planned prefill sequence did not produce a final output for source rows "
                     f"{request.source_rows}"
                 )
+            if shared is not None:
+                shared.remember(request, final)
             value = self._postprocessor.finish(prepared, final, owned)
         except BaseException as error:
             attach_cleanup_failures(

@@ -9,6 +9,7 @@ post-processing workspace.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, TypeGuard, get_args
 
 import attrs
@@ -223,6 +224,32 @@ def prefill_variant(request: PrefillRequest) -> PrefillVariant:
     return "regular-batched" if request.kind == "batched" else "regular-single"
 
 
+@functools.lru_cache(maxsize=4096)
+def _program_signature(
+    variant: PrefillVariant,
+    padded_batch_size: int,
+    invocation_sequence_length: int,
+    page_table_width: int,
+    chunk_page_table_width: int | None,
+    sampling_path: SamplingPath,
+    penalties_enabled: bool,
+    logprobs_enabled: bool,
+    last_token_tile_start: int | None,
+) -> PrefillProgramSignature:
+    """A (frozen, hence shareable) signature; a lane's few geometries are built once."""
+    return PrefillProgramSignature(
+        operation_variant=variant,
+        padded_batch_size=padded_batch_size,
+        invocation_sequence_length=invocation_sequence_length,
+        page_table_width=page_table_width,
+        chunk_page_table_width=chunk_page_table_width,
+        sampling_path=sampling_path,
+        penalties_enabled=penalties_enabled,
+        logprobs_enabled=logprobs_enabled,
+        last_token_tile_start=last_token_tile_start,
+    )
+
+
 def build_program_signatures(
     request: PrefillRequest,
     sampling_path: SamplingPath,
@@ -246,17 +273,22 @@ def build_program_signatures(
         relative_last = request.last_token_indices[0] - request.cached_tokens[0]
         tile_start = relative_last // TILE_SIZE * TILE_SIZE
     signatures: list[PrefillProgramSignature] = []
+    geometries: set[tuple[int, int | None]] = set()
     for chunk in request.chunks:
-        signature = PrefillProgramSignature(
-            operation_variant=variant,
-            padded_batch_size=request.padded_batch_size,
-            invocation_sequence_length=chunk.chunk_size,
-            page_table_width=request.page_table_width,
-            chunk_page_table_width=chunk.chunk_page_table_width,
-            sampling_path=sampling_path,
-            penalties_enabled=penalties_enabled,
-            logprobs_enabled=logprobs_enabled,
-            last_token_tile_start=tile_start,
+        geometry = (chunk.chunk_size, chunk.chunk_page_table_width)
+        if geometry in geometries:
+            continue  # equal chunks share one program (a long request has many)
+        geometries.add(geometry)
+        signature = _program_signature(
+            variant,
+            request.padded_batch_size,
+            chunk.chunk_size,
+            request.page_table_width,
+            chunk.chunk_page_table_width,
+            sampling_path,
+            penalties_enabled,
+            logprobs_enabled,
+            tile_start,
         )
         if signature not in signatures:
             signatures.append(signature)

@@ -389,6 +389,33 @@ def test_sampling_is_slot_indexed_with_neutral_inactive_rows(setup: TinySetup) -
     assert lane_greedy.sampling_path == "argmax"
 
 
+def test_sampling_is_prepared_over_the_sampler_batch(setup: TinySetup) -> None:
+    # Reference 2.15: slot-indexed values may cover the sampler batch (8 rows, lane of 4);
+    # rows past the lane are inactive, so their stochastic values never change the path.
+    table = prefilled(setup)
+    setup.model.sampling = tiny_sampler(setup.model, max_batch_size=2 * LANE)
+    rt = runtime(setup, sampling=True)
+    assert rt.config.sampling_batch_size == 2 * LANE
+    params = SamplingParams(temperature=[0.0] * LANE + [0.9] * LANE, top_k=[1] * LANE + [5] * LANE)
+    prepared = rt.prepare(NEXT_TOKENS, START, table, sampling_params=params)
+    sampling = prepared.prepared_sampling
+    assert sampling is not None and sampling.batch_size == LANE
+    assert prepared.sampling_path == "argmax"
+    tokens = rt.consume(rt.invoke(prepared))
+    logits = rt.consume(rt.invoke(rt.prepare(NEXT_TOKENS, START, table)))
+    active = START >= 0
+    assert torch.equal(tokens[active], logits[:, 0].argmax(-1)[active])
+    history = torch.tensor([[5, 9, -1]] * LANE)
+    with_history = rt.prepare(
+        NEXT_TOKENS, START, table, sampling_params=params, prompt_tokens=history
+    )
+    assert with_history.prepared_sampling is not None
+    assert with_history.prepared_sampling.prompt_tokens is not None
+    assert tuple(with_history.prepared_sampling.prompt_tokens.shape) == (LANE, 3)
+    with pytest.raises(ValueError, match="sampling batch has 8 rows"):
+        rt.prepare(NEXT_TOKENS, START, table, sampling_params=SamplingParams(temperature=[0.0] * 9))
+
+
 def test_signatures_use_lane_capacity_and_decode_width(setup: TinySetup) -> None:
     rt = runtime(setup, sampling=True)
     table = block_page_table(LANE, 2)

@@ -138,3 +138,25 @@ def test_output_spec_from_value() -> None:
         OutputSpec.from_value(())
     with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
         OutputSpec.from_value("text")
+
+
+def test_equal_digest_with_different_material_is_a_key_collision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reference 2.16: a digest collision is an error, never the already-compiled program.
+    from runtime import program_compiler as module
+    from runtime.identity import ProgramKey
+
+    compiler, _ = make()
+    monkeypatch.setattr(
+        module.ProgramKey, "from_signature", classmethod(lambda cls, sig: ProgramKey("0" * 64))
+    )
+    calls: list[int] = []
+    first = compiler.compile(Sig("decode", 1), lambda ctx: torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"Program key collision for 0{64}"):
+        compiler.compile(Sig("decode", 2), lambda ctx: calls.append(1) or torch.zeros(1))
+    assert calls == []  # refused before running anything
+    with pytest.raises(RuntimeError, match="Program key collision"):
+        compiler.is_compiled(Sig("decode", 2))
+    assert compiler.is_compiled(Sig("decode", 1))
+    assert compiler.compiled_programs == (first,)
