@@ -87,6 +87,7 @@ class LaneGroupConfig:
     device_sampling_enabled: bool
     max_seq_len: int | None
     trace_mode: str
+    max_prefill_chunk_size: int | None
 
 
 class LaneGroupExecutor(LifecycleHost):
@@ -172,7 +173,13 @@ class LaneGroupExecutor(LifecycleHost):
             device_sampling_enabled=first.device_sampling_enabled,
             max_seq_len=first.max_seq_len,
             trace_mode=first.trace_mode,
+            max_prefill_chunk_size=first.max_prefill_chunk_size,
         )
+
+    @property
+    def coverage_manifest(self) -> Any:
+        """Lane 0's coverage manifest (every lane warms the same declared coverage)."""
+        return self.lanes[0].facts.coverage_manifest
 
     @property
     def mesh_devices(self) -> tuple[str, ...]:

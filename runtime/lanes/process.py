@@ -131,7 +131,7 @@ def _worker_main(
     parent = os.getppid()
     try:
         state = _WorkerState(index, factory())
-        conn.send(("ready", describe(state.target, with_tokenizer=True)))
+        conn.send(("ready", describe(state.target, with_tokenizer=True), []))
     except BaseException as error:
         conn.send(("error", _remote(index, error), []))
         return
@@ -296,6 +296,7 @@ class ProcessLane:
                 if self._conn.poll(_POLL_S):
                     return self._conn.recv()
             except (EOFError, OSError) as error:
+                self.process.join(1.0)  # a killed worker closes its pipe before it is reaped
                 self._broken = self._death_text(what) or f"its pipe broke during {what}()"
                 raise LaneFailure(self.index, self._broken) from error
             death = self._death_text(what)
@@ -340,6 +341,8 @@ class ProcessLane:
             except LaneFailure as error:
                 failure = error
         self._stop_process(JOIN_TIMEOUT_S if answered else 0.5)
+        if not answered:
+            self.final_live_allocations = 0  # the worker's device memory ended with it
         self._closed = True
         if failure is not None:
             raise failure

@@ -96,6 +96,8 @@ class LaneFacts:
     device_name: str = "?"
     tokenizer: Any = None
     prefill_warmed: bool = False
+    max_prefill_chunk_size: int | None = None
+    coverage_manifest: Any = None
 
 
 def _readiness(target: Any) -> str:
@@ -142,6 +144,8 @@ def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
         device_name=str(getattr(device, "name", "?")),
         tokenizer=getattr(target, "tokenizer", None) if with_tokenizer else None,
         prefill_warmed=bool(complete("prefill")) if callable(complete) else False,
+        max_prefill_chunk_size=getattr(config, "max_prefill_chunk_size", None),
+        coverage_manifest=getattr(target, "coverage_manifest", None),
     )
 
 
