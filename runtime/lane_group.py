@@ -130,6 +130,7 @@ class LaneGroupExecutor(LifecycleHost):
         )
         self._in_flight: list[Future[Any]] = []
         self._cleaned = [False] * len(lanes)
+        self._reset_owed = [False] * len(lanes)
         self._kv_handles: list[Any] | None = None
         self.requires_prefill_trace_warmup = True
         self.step_host_seconds = 0.0
@@ -306,7 +307,14 @@ class LaneGroupExecutor(LifecycleHost):
             _raise_with_lane_failures(failures)
         return results
 
-    def _concurrently(self, method: str, kwargs_for: Callable[[int], dict[str, Any]]) -> list[Any]:
+    def _concurrently(
+        self,
+        method: str,
+        kwargs_for: Callable[[int], dict[str, Any]],
+        *,
+        skip: Sequence[int] = (),
+        skipped: Any = None,
+    ) -> list[Any]:
         """Run one call per lane on the output pool (reads overlap across lanes)."""
         pool = self._pool
         if pool is None:
@@ -316,11 +324,16 @@ class LaneGroupExecutor(LifecycleHost):
             call = self.lanes[index].submit(method, **kwargs_for(index))
             return self._wait(index, call, method)
 
-        futures = [pool.submit(one, index) for index in range(len(self.lanes))]
-        self._in_flight = futures
+        futures = [
+            None if index in skip else pool.submit(one, index) for index in range(len(self.lanes))
+        ]
+        self._in_flight = [f for f in futures if f is not None]
         results: list[Any] = []
         failures: list[BaseException] = []
         for index, future in enumerate(futures):
+            if future is None:
+                results.append(skipped)
+                continue
             try:
                 results.append(future.result())
             except LaneFailure as failure:
@@ -845,13 +858,20 @@ class LaneGroupExecutor(LifecycleHost):
         clock = time.perf_counter()
         split = self._split_decode(request)
         read = bool(read_from_device)
+        active = self._active_lanes(split)
+
+        def kwargs_for(index: int) -> dict[str, Any]:
+            lane_request = {**split[index], "read_from_device": read}
+            if self._reset_owed[index]:
+                lane_request["reset_batch"] = True
+                self._reset_owed[index] = False
+            return lane_request
 
         def work() -> Any:
             lane_clock = time.perf_counter()
-            outputs = self._fan_out(
-                "decode_forward", lambda i: {**split[i], "read_from_device": read}
-            )
+            ran = self._fan_out_methods(dict.fromkeys(active, "decode_forward"), kwargs_for)
             lane_seconds = time.perf_counter() - lane_clock
+            outputs = [ran.get(i) for i in range(len(self.lanes))]
             result = concat_decode(outputs) if read else outputs
             total = time.perf_counter() - clock
             self.decode_steps += 1
@@ -860,6 +880,23 @@ class LaneGroupExecutor(LifecycleHost):
             return result
 
         return self._guard("decode_forward", work)
+
+    def _active_lanes(self, split: Sequence[dict[str, Any]]) -> list[int]:
+        """Lanes with an active row; a sampled lane with none is skipped (its rows read 0).
+
+        A lane's sampler refuses a batch without an active row, and nothing of an inactive
+        row is read, so the group skips it; a `reset_batch` it missed is owed to its next call.
+        """
+        lanes = list(range(len(self.lanes)))
+        if split[0].get("sampling_params") is None:
+            return lanes
+        active = [i for i in lanes if bool((split[i]["start_pos"] >= 0).any())]
+        if not active:
+            return lanes  # let the lanes explain the empty batch
+        for index in set(lanes) - set(active):
+            if split[index].get("reset_batch"):
+                self._reset_owed[index] = True
+        return active
 
     def _per_lane_values(self, name: str, values: Any) -> list[Any]:
         if not isinstance(values, list | tuple) or len(values) != len(self.lanes):
@@ -877,7 +914,10 @@ class LaneGroupExecutor(LifecycleHost):
 
         def work() -> Any:
             outputs = self._concurrently(
-                "read_decode_output", lambda i: {"raw": raws[i], "async_read": async_read}
+                "read_decode_output",
+                lambda i: {"raw": raws[i], "async_read": async_read},
+                skip=[i for i, raw in enumerate(raws) if raw is None],
+                skipped=(None, []) if async_read else None,
             )
             if not async_read:
                 return outputs
@@ -904,6 +944,7 @@ class LaneGroupExecutor(LifecycleHost):
             outputs = self._concurrently(
                 "process_decode_output_host",
                 lambda i: {"host_value": hosts[i], "is_tokens": is_tokens},
+                skip=[i for i, host in enumerate(hosts) if host is None],
             )
             return concat_decode(outputs, force_int64=is_tokens)
 

@@ -177,7 +177,12 @@ def scatter_prefill(outputs: Sequence[tuple[LaneRows, Any]], batch: int) -> Any:
 
 
 def concat_decode(outputs: Sequence[Any], *, force_int64: bool = False) -> Any:
-    """Lane outputs of one decode step, concatenated in lane order."""
+    """Lane outputs of one decode step, concatenated in lane order (None: a skipped lane)."""
+    present = [out for out in outputs if out is not None]
+    if not present:
+        raise ValueError("no DP lane produced a decode output")
+    template, _, _ = _split_logprobs(present[0])
+    outputs = [out if out is not None else torch.zeros_like(template) for out in outputs]
     parts = [_split_logprobs(out) for out in outputs]
     values = [v for v, _, _ in parts]
     if not all(isinstance(v, torch.Tensor) for v in values):
