@@ -72,11 +72,15 @@ class FakeLane:
         self.can_trace = can_trace
         self.logprobs = logprobs
         self.closed = 0
+        self.fail_next_call = False
         self.num_blocks = 8
         self.block_size = 4
 
     def _record(self, name: str, kwargs: dict[str, Any]) -> None:
         self.calls.append((name, kwargs))
+        if self.fail_next_call and name != "close":
+            self.fail_next_call = False
+            raise RuntimeError(f"injected lane fault in {name}")
         error = self.fail.pop(name, None)
         if error is not None:
             raise error

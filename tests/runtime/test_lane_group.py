@@ -345,7 +345,7 @@ def test_a_lane_failure_cleans_every_lane_and_names_the_lane() -> None:
     group, fakes = serving_group(3)
     fakes[1].fail["decode_forward"] = RuntimeError("device lost")
     with pytest.raises(
-        LaneFailure, match="DP lane 1: decode_forward.. failed: RuntimeError: device lost"
+        LaneFailure, match=r"DP lane 1: decode_forward\(\) failed: RuntimeError: device lost"
     ) as caught:
         group.decode_forward(**_decode_inputs(group))
     assert caught.value.lane == 1
@@ -436,7 +436,7 @@ def test_eager_group_cannot_capture() -> None:
 
 def test_illegal_phase_call_is_refused_before_any_lane() -> None:
     group, fakes = fake_group(2)
-    with pytest.raises(PhaseError, match="decode_forward.. is not legal in CONSTRUCTED"):
+    with pytest.raises(PhaseError, match=r"decode_forward\(\) is not legal in CONSTRUCTED"):
         group.decode_forward(**_decode_inputs(group))
     assert all(not f.calls for f in fakes)
     group.close()
