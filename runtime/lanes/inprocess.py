@@ -60,7 +60,11 @@ class InProcessLane:
             return CompletedCall(invoke(target, "decode_forward", kwargs))
         raw = target.decode_forward(**{**kwargs, "read_from_device": False})
         host, _events = target.read_decode_output(raw, async_read=True)
-        return CompletedCall(finish=lambda: target.process_decode_output_host(host))
+        # A traced output has no lease to remember its kind: sampling params mean tokens.
+        tokens = kwargs.get("sampling_params") is not None and self._facts.device_sampling_enabled
+        return CompletedCall(
+            finish=lambda: target.process_decode_output_host(host, is_tokens=tokens)
+        )
 
     def drain_journal(self) -> list[dict[str, Any]]:
         rows, self._journal_seen = journal_rows(
