@@ -200,3 +200,18 @@ def serving_group(count: int = 2, **lane_options: Any) -> tuple[LaneGroupExecuto
     for fake in fakes:
         fake.calls.clear()
     return group, fakes
+
+
+class StuckLane(FakeLane):
+    """A lane whose decode never answers in time (for the process transport's bound)."""
+
+    def decode_forward(self, **kwargs: Any) -> Any:
+        import time
+
+        time.sleep(60)
+        return super().decode_forward(**kwargs)
+
+
+def stuck_lane() -> StuckLane:
+    """A picklable factory for a process lane."""
+    return StuckLane(0)

@@ -61,9 +61,7 @@ def decode_request(prefill: dict[str, Any], decode_width: int, step: int) -> dic
 def same(want: Any, have: Any) -> bool:
     """Equal tensors (bit for bit), or equal tuples of tensors / None."""
     if isinstance(want, tuple):
-        return isinstance(have, tuple) and all(
-            same(a, b) for a, b in zip(want, have, strict=True)
-        )
+        return isinstance(have, tuple) and all(same(a, b) for a, b in zip(want, have, strict=True))
     if want is None:
         return have is None
     return bool(want.shape == have.shape and torch.equal(want, have))
