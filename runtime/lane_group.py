@@ -280,32 +280,10 @@ class LaneGroupExecutor(LifecycleHost):
     ) -> list[Any]:
         """Issue `method` to every chosen lane, then wait on each; first failure wins."""
         chosen = list(range(len(self.lanes))) if lanes is None else list(lanes)
-        calls: list[tuple[int, LaneCall | None, BaseException | None]] = []
-        for index in chosen:
-            kwargs = kwargs_for(index) if kwargs_for is not None else {}
-            try:
-                calls.append((index, self.lanes[index].submit(method, **kwargs), None))
-            except BaseException as submit_error:
-                calls.append((index, None, submit_error))
-        results: list[Any] = []
-        failures: list[BaseException] = []
-        for index, call, issued in calls:
-            if issued is not None:
-                failures.append(
-                    issued
-                    if isinstance(issued, LaneFailure)
-                    else LaneFailure(index, f"{method}() could not be issued: {issued}")
-                )
-                continue
-            assert call is not None
-            try:
-                results.append(self._wait(index, call, method))
-            except BaseException as failure:
-                failures.append(failure)
-        self._drain_journals()
-        if failures:
-            _raise_with_lane_failures(failures)
-        return results
+        results = self._fan_out_methods(
+            dict.fromkeys(chosen, method), kwargs_for or (lambda index: {})
+        )
+        return [results[index] for index in chosen]
 
     def _concurrently(
         self,
@@ -493,7 +471,7 @@ class LaneGroupExecutor(LifecycleHost):
     @guarded(*_SETUP)
     def compile_prefill(self, **request: Any) -> None:
         """Compile one slot-routed prefill on the lanes it reaches (returns None)."""
-        routed = self._route_prefill(request)
+        routed, _ = self._route_prefill(request)
         self._guard(
             "compile_prefill",
             lambda: self._fan_out(
@@ -637,7 +615,9 @@ class LaneGroupExecutor(LifecycleHost):
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def _route_prefill(self, request: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    def _route_prefill(
+        self, request: dict[str, Any]
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, LaneRows]]:
         """Validate and split one global prefill into per-lane requests (no lane work)."""
         request = dict(request)
         tokens = request.pop("tokens")
@@ -648,14 +628,12 @@ class LaneGroupExecutor(LifecycleHost):
         )
         caches = self._per_lane_cache(request.pop("kv_cache", None))
         executions = per_lane_argument("execution", request.pop("execution", None), len(self.lanes))
-        self._last_routes = routes
-        self._last_executions = executions
         per_lane: dict[int, dict[str, Any]] = {}
         for lane_rows in routes:
             per_lane[lane_rows.lane] = self._lane_prefill(
                 lane_rows, tokens, request, caches[lane_rows.lane], executions[lane_rows.lane]
             )
-        return per_lane
+        return per_lane, {r.lane: r for r in routes}
 
     def _lane_prefill(
         self,
@@ -724,8 +702,9 @@ class LaneGroupExecutor(LifecycleHost):
     @guarded(P.SERVING)
     def prefill_forward(self, *, tokens: Any, page_table: Any, **request: Any) -> Any:
         """Prefill global rows: route by slot, preflight traced lanes, run, restore order."""
-        routed = self._route_prefill({"tokens": tokens, "page_table": page_table, **request})
-        routes = {r.lane: r for r in self._last_routes}
+        routed, routes = self._route_prefill(
+            {"tokens": tokens, "page_table": page_table, **request}
+        )
         batch = int(tokens.shape[0])
 
         def work() -> Any:
