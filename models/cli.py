@@ -616,6 +616,9 @@ def _bench(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
         repeats=args.repeats,
+        lanes=args.lanes,
+        lane_transport=args.lane_transport,
+        threads_per_lane=args.threads_per_lane,
     )
 
     def log(message: str) -> None:

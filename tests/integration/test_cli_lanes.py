@@ -81,3 +81,35 @@ def test_bad_lane_arguments_are_usage_errors(
 def test_zero_lanes_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = run(capsys, "generate", *SMALL, "--lanes", "0")
     assert status == 2 and "--lanes" in err
+
+
+def test_bench_lanes_reports_both_rates_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(
+        capsys,
+        "bench",
+        *SMALL,
+        "--batch-sizes",
+        "2",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--lanes",
+        "2",
+        "--lane-transport",
+        "inprocess",
+        "--json",
+    )
+    assert status == 0, err
+    row = json.loads(out)["results"][0]
+    assert row["lane_group"]["lanes"] == 2
+    assert row["runtime"]["torch_threads"] == 2
+    assert row["lanes_ratio"] > 0 and row["lanes_end_to_end_ratio"] > 0
+    assert len(row["lane_group"]["host_overhead_us_per_decode_step"]) == 1
+
+
+def test_bench_batch_must_split_over_the_lanes(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(capsys, "bench", *SMALL, "--batch-sizes", "3", "--lanes", "2")
+    assert status == 2 and "--lanes 2" in err
