@@ -134,6 +134,8 @@ def _runtime_executor(config: BenchConfig, batch: int, *, lanes: int = 1) -> Any
             max_batch_size=batch,
             max_prefill_chunk_size=config.prefill_chunk,
             max_seq_len=per_request * block,
+            # Per lane; warmup prefills a whole chunk (plus one block) into one row.
+            num_blocks=max(-(-config.prefill_chunk // block) + 1, batch // lanes * per_request),
             **(
                 {
                     "lanes": lanes,
@@ -148,7 +150,7 @@ def _runtime_executor(config: BenchConfig, batch: int, *, lanes: int = 1) -> Any
         )
     except ModelNotAvailableError as error:
         raise BenchUsageError(str(error)) from error
-    executor.resolve_capacity(batch // lanes * per_request)  # KV blocks per lane
+    executor.resolve_capacity()  # num_blocks above: KV blocks per lane
     executor.start()
     return executor
 

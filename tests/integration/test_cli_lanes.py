@@ -87,7 +87,10 @@ def test_bench_lanes_reports_both_rates_side_by_side(capsys: pytest.CaptureFixtu
     status, out, err = run(
         capsys,
         "bench",
-        *SMALL,
+        "--model",
+        "tiny-random",
+        "--prefill-chunk",
+        "32",
         "--batch-sizes",
         "2",
         "--prompt-len",
