@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class LaneFacts:
     prefill_warmed: bool = False
     max_prefill_chunk_size: int | None = None
     coverage_manifest: Any = None
+    torch_threads: int = 0
 
 
 def _readiness(target: Any) -> str:
@@ -146,6 +148,7 @@ def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
         prefill_warmed=bool(complete("prefill")) if callable(complete) else False,
         max_prefill_chunk_size=getattr(config, "max_prefill_chunk_size", None),
         coverage_manifest=getattr(target, "coverage_manifest", None),
+        torch_threads=torch.get_num_threads(),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -439,4 +440,37 @@ def test_illegal_phase_call_is_refused_before_any_lane() -> None:
     with pytest.raises(PhaseError, match=r"decode_forward\(\) is not legal in CONSTRUCTED"):
         group.decode_forward(**_decode_inputs(group))
     assert all(not f.calls for f in fakes)
+    group.close()
+
+
+class OrderedLane(InProcessLane):
+    """Records when the group issues a call and when it waits on it."""
+
+    log: ClassVar[list[str]] = []
+
+    def submit(self, method: str, /, **kwargs: object) -> object:  # type: ignore[override]
+        call = super().submit(method, **kwargs)
+        lane, log = self.index, self.log
+
+        class Recorded:
+            def wait(self, timeout_s: float | None = None) -> object:
+                log.append(f"wait {method} {lane}")
+                return call.wait(timeout_s)
+
+        log.append(f"issue {method} {lane}")
+        return Recorded()
+
+
+def test_every_lane_is_issued_before_any_is_waited() -> None:
+    fakes = [FakeLane(i) for i in range(2)]
+    group = LaneGroupExecutor([OrderedLane(f, index=i) for i, f in enumerate(fakes)])
+    group.start()
+    OrderedLane.log.clear()
+    group.decode_forward(**_decode_inputs(group))
+    assert OrderedLane.log == [
+        "issue decode_forward 0",
+        "issue decode_forward 1",
+        "wait decode_forward 0",
+        "wait decode_forward 1",
+    ]
     group.close()

@@ -63,6 +63,22 @@ def test_process_lanes_equal_one_lane(
     assert process_group.phase is Phase.SERVING
 
 
+def test_workers_use_their_own_threads_and_send_tensors_through_shared_memory(
+    process_group: LaneGroupExecutor,
+) -> None:
+    assert [lane.facts.torch_threads for lane in process_group.lanes] == [1, 1]
+    lane = process_group.lanes[0]
+    width = process_group.page_table_layout.decode_width
+    logits = lane.submit(
+        "decode_forward",
+        tokens=torch.tensor([3, 4]),
+        start_pos=torch.tensor([-1, -1]),
+        page_table=torch.zeros((2, width), dtype=torch.int32),
+        execution="eager",
+    ).wait(60.0)
+    assert isinstance(logits, torch.Tensor) and logits.is_shared()
+
+
 def test_process_lanes_generate_the_same_greedy_text(
     one_lane: Any, process_group: LaneGroupExecutor
 ) -> None:
