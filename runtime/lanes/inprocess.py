@@ -11,7 +11,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from runtime.lanes.protocol import CompletedCall, LaneFacts, describe, invoke, journal_rows
+from runtime.lanes.protocol import (
+    CompletedCall,
+    LaneFacts,
+    describe,
+    invoke,
+    journal_rows,
+    keep_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class InProcessLane:
                 return self._launch_decode(kwargs)
             value = invoke(self.executor, method, kwargs)
             if method == "describe":
+                value = keep_tokenizer(value, self._facts)
                 self._facts = value
             return CompletedCall(value)
         except BaseException as error:

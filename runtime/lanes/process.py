@@ -30,6 +30,7 @@ from runtime.lanes.protocol import (
     describe,
     invoke,
     journal_rows,
+    keep_tokenizer,
 )
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,7 @@ class ProcessLane:
         if kind == "error":
             raise payload
         if method == "describe":
+            payload = keep_tokenizer(payload, self._facts)
             self._facts = payload
         return payload
 

@@ -152,6 +152,13 @@ def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
     )
 
 
+def keep_tokenizer(fresh: LaneFacts, previous: LaneFacts | None) -> LaneFacts:
+    """Refreshed facts keep the tokenizer sent once at start-up (it never changes)."""
+    if fresh.tokenizer is None and previous is not None and previous.tokenizer is not None:
+        return attrs.evolve(fresh, tokenizer=previous.tokenizer)
+    return fresh
+
+
 def invoke(target: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
     """Run one lane call on the executing side (the same for every transport)."""
     if method not in LANE_CALLS:

@@ -474,3 +474,14 @@ def test_every_lane_is_issued_before_any_is_waited() -> None:
         "wait decode_forward 1",
     ]
     group.close()
+
+
+def test_the_tokenizer_survives_fact_refreshes() -> None:
+    fakes = [FakeLane(i) for i in range(2)]
+    marker = object()
+    for fake in fakes:
+        fake.tokenizer = marker  # type: ignore[attr-defined]
+    group = LaneGroupExecutor([InProcessLane(f, index=i) for i, f in enumerate(fakes)])
+    group.start()  # every phase refreshes the lanes' facts
+    assert group.tokenizer is marker
+    group.close()
