@@ -326,21 +326,20 @@ def bench_lanes(config: BenchConfig, batch: int, log: Log) -> dict[str, Any]:
         _runtime_run(many, prompts, 2)
         ours: list[RunTimes] = []
         lanes: list[RunTimes] = []
-        overhead: list[float] = []
+        overhead: list[dict[str, Any]] = []
         for repeat in range(config.repeats):
             log(f"batch {batch}: repeat {repeat + 1}/{config.repeats}")
             ours.append(_runtime_run(one, prompts, config.new_tokens))
-            group.step_host_seconds = group.step_lane_seconds = 0.0
-            group.decode_steps = 0
+            group.reset_step_counters()
             lanes.append(_runtime_run(many, prompts, config.new_tokens))
-            overhead.append(group.runtime_summary()["host_overhead_us_per_step"])
+            overhead.append(group.runtime_summary())
         mine = {**_rates(ours, batch, config.new_tokens), "torch_threads": threads}
         theirs = {
             **_rates(lanes, batch, config.new_tokens),
             "lanes": config.lanes,
             "lane_transport": config.lane_transport,
             "threads_per_lane": config.threads_per_lane or 1,
-            "host_overhead_us_per_decode_step": overhead,
+            "per_decode_step": overhead,
         }
         return {
             "batch_size": batch,
@@ -433,10 +432,12 @@ def format_row(row: dict[str, Any]) -> str:
                 f"lanes {group[key]:8.1f} tok/s  ratio {lanes_ratio:.2f}x"
             )
     if "lane_group" in row:
-        steps = ", ".join(
-            f"{us:.0f}" for us in row["lane_group"]["host_overhead_us_per_decode_step"]
-        )
-        text += f"\n  group host overhead per decode step: {steps} us (per repeat)"
+        for step in row["lane_group"]["per_decode_step"]:
+            text += (
+                f"\n  per decode step: group bookkeeping {step['host_overhead_us_per_step']:.0f} us"
+                f", transport {step['transport_us_per_step']:.0f} us, slowest lane "
+                f"{step['slowest_lane_us_per_step']:.0f} us"
+            )
     return text
 
 

@@ -135,6 +135,7 @@ class LaneGroupExecutor(LifecycleHost):
         self.requires_prefill_trace_warmup = True
         self.step_host_seconds = 0.0
         self.step_lane_seconds = 0.0
+        self.step_transport_seconds = 0.0
         self.decode_steps = 0
         self._drain_journals()
 
@@ -850,11 +851,13 @@ class LaneGroupExecutor(LifecycleHost):
             lane_clock = time.perf_counter()
             ran = self._fan_out_methods(dict.fromkeys(active, "decode_forward"), kwargs_for)
             lane_seconds = time.perf_counter() - lane_clock
+            slowest = max(self.lanes[i].last_call_seconds for i in active)
             outputs = [ran.get(i) for i in range(len(self.lanes))]
             result = concat_decode(outputs) if read else outputs
             total = time.perf_counter() - clock
             self.decode_steps += 1
-            self.step_lane_seconds += lane_seconds
+            self.step_lane_seconds += slowest
+            self.step_transport_seconds += max(0.0, lane_seconds - slowest)
             self.step_host_seconds += total - lane_seconds
             return result
 
@@ -936,8 +939,14 @@ class LaneGroupExecutor(LifecycleHost):
             "lanes": len(self.lanes),
             "decode_steps": self.decode_steps,
             "host_overhead_us_per_step": 1e6 * self.step_host_seconds / steps,
-            "lane_wait_us_per_step": 1e6 * self.step_lane_seconds / steps,
+            "transport_us_per_step": 1e6 * self.step_transport_seconds / steps,
+            "slowest_lane_us_per_step": 1e6 * self.step_lane_seconds / steps,
         }
+
+    def reset_step_counters(self) -> None:
+        """Start a new measurement of the per-step counters."""
+        self.decode_steps = 0
+        self.step_host_seconds = self.step_transport_seconds = self.step_lane_seconds = 0.0
 
     # -- cleanup --------------------------------------------------------------------------------
 

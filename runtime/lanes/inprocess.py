@@ -9,6 +9,7 @@ work. A blocking decode is split into launch, asynchronous read and completion, 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from runtime.lanes.protocol import (
@@ -31,6 +32,7 @@ class InProcessLane:
         self.executor = executor
         self._closed = False
         self._journal_seen = 0
+        self._last: CompletedCall | None = None
         self._facts = describe(executor, with_tokenizer=True)
 
     def __repr__(self) -> str:
@@ -49,17 +51,26 @@ class InProcessLane:
         device = getattr(self.executor, "device", None)
         return int(getattr(device, "live_allocations", 0))
 
+    @property
+    def last_call_seconds(self) -> float:
+        return self._last.seconds if self._last is not None else 0.0
+
     def submit(self, method: str, /, **kwargs: Any) -> CompletedCall:
+        clock = time.perf_counter()
         try:
             if method == "decode_forward" and kwargs.get("read_from_device", True):
-                return self._launch_decode(kwargs)
-            value = invoke(self.executor, method, kwargs)
-            if method == "describe":
-                value = keep_tokenizer(value, self._facts)
-                self._facts = value
-            return CompletedCall(value)
+                call = self._launch_decode(kwargs)
+            else:
+                value = invoke(self.executor, method, kwargs)
+                if method == "describe":
+                    value = keep_tokenizer(value, self._facts)
+                    self._facts = value
+                call = CompletedCall(value)
         except BaseException as error:
-            return CompletedCall(error=error)
+            call = CompletedCall(error=error)
+        call.seconds = time.perf_counter() - clock
+        self._last = call
+        return call
 
     def _launch_decode(self, kwargs: dict[str, Any]) -> CompletedCall:
         """Launch and start the read now; `wait` completes it (on the lane's events)."""

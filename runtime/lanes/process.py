@@ -156,11 +156,13 @@ def _worker_main(
                 live = int(getattr(getattr(state.target, "device", None), "live_allocations", 0))
                 conn.send(("closed", live, rows))
                 return
+            clock = time.perf_counter()
             value = state.run(method, kwargs)
+            seconds = time.perf_counter() - clock
             rows, state.journal_seen = journal_rows(
                 getattr(state.target, "journal", None), state.journal_seen
             )
-            conn.send(("ok", value, rows))
+            conn.send(("ok", value, rows, seconds))
         except BaseException as error:
             rows, state.journal_seen = journal_rows(
                 getattr(state.target, "journal", None), state.journal_seen
@@ -221,6 +223,7 @@ class ProcessLane:
         self._closed = False
         self._journal: list[dict[str, Any]] = []
         self.final_live_allocations: int | None = None
+        self.last_call_seconds = 0.0
 
     def __repr__(self) -> str:
         return f"ProcessLane({self.index}, pid={self.process.pid})"
@@ -280,9 +283,10 @@ class ProcessLane:
         if self._outstanding != method:
             raise RuntimeError(f"DP lane {self.index}: no {method}() call is outstanding")
         try:
-            kind, payload, rows = self._receive(method, timeout_s or self.call_timeout_s)
+            kind, payload, rows, *timing = self._receive(method, timeout_s or self.call_timeout_s)
         finally:
             self._outstanding = None
+        self.last_call_seconds = float(timing[0]) if timing else 0.0
         self._journal.extend(rows)
         if kind == "error":
             raise payload

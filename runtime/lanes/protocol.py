@@ -9,6 +9,7 @@ right away (in-process lanes: device launches are asynchronous) or in another pr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -199,6 +200,11 @@ class Lane(Protocol):
         """Journal entries the lane recorded since the last drain (for the group's journal)."""
         ...
 
+    @property
+    def last_call_seconds(self) -> float:
+        """Seconds the lane itself spent on its last finished call (not the transport)."""
+        ...
+
     def close(self) -> None:
         """Release everything the lane owns; retryable when it raised, a no-op once done."""
         ...
@@ -211,13 +217,16 @@ class CompletedCall:
     value: Any = None
     error: BaseException | None = None
     finish: Callable[[], Any] | None = None
+    seconds: float = 0.0
 
     def wait(self, timeout_s: float | None = None) -> Any:
         if self.error is not None:
             raise self.error
         if self.finish is not None:
             finish, self.finish = self.finish, None
+            clock = time.perf_counter()
             self.value = finish()
+            self.seconds += time.perf_counter() - clock
         return self.value
 
 

@@ -110,7 +110,9 @@ def test_bench_lanes_reports_both_rates_side_by_side(capsys: pytest.CaptureFixtu
     assert row["lane_group"]["lanes"] == 2
     assert row["runtime"]["torch_threads"] == 2
     assert row["lanes_ratio"] > 0 and row["lanes_end_to_end_ratio"] > 0
-    assert len(row["lane_group"]["host_overhead_us_per_decode_step"]) == 1
+    (step,) = row["lane_group"]["per_decode_step"]
+    assert step["decode_steps"] == 2
+    assert step["slowest_lane_us_per_step"] > 0 and step["transport_us_per_step"] >= 0
 
 
 def test_bench_batch_must_split_over_the_lanes(capsys: pytest.CaptureFixture[str]) -> None:
