@@ -13,6 +13,7 @@ import functools
 import logging
 from typing import Any
 
+from lifecycle.errors import attach_cleanup_failures
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
 
@@ -87,9 +88,14 @@ def load_lane_group(
                     **kwargs,
                 )
                 built.append(InProcessLane(executor, index=index))
-        except BaseException:
+        except BaseException as error:
+            failures: list[BaseException] = []
             for lane in built:
-                lane.close()
+                try:
+                    lane.close()
+                except BaseException as failure:
+                    failures.append(failure)
+            attach_cleanup_failures(error, failures, note="closing the lanes already built")
             raise
         return LaneGroupExecutor(built, call_timeout_s=call_timeout_s)
     kwargs.pop("progress", None)  # a callback of this process cannot run in a worker
