@@ -19,6 +19,11 @@ Method (the same for both engines, in one process, same weights, same thread cou
 * ours runs on an executor whose lane has exactly `batch` slots (what one would deploy for
   that batch), warmed up on the same prompts first; transformers pads on the left with an
   attention mask and is warmed up the same way;
+* with `--lanes N` (N > 1) a data-parallel lane group of N lanes x batch/N slots
+  (`--lane-transport`, `--threads-per-lane T`, default 1) runs against the anchor, one lane
+  of the same total batch with N*T torch threads, in the same run and alternating; the
+  group's host overhead per decode step (routing, splitting, joining, transport waits not
+  spent in a lane) comes from its own step counters;
 * the engines alternate within every repeat (`--repeats`, default 2) and the best rate of each
   (per metric) is reported, so a burst of background load does not decide the ratio.
 """
@@ -67,6 +72,9 @@ class BenchConfig:
     prefill_chunk: int = 256
     seed: int = 0
     repeats: int = 2
+    lanes: int = 1
+    lane_transport: str = "process"
+    threads_per_lane: int | None = None
 
     def check(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
@@ -81,6 +89,14 @@ class BenchConfig:
             )
         if self.repeats < 1:
             raise BenchUsageError(f"repeats={self.repeats} is invalid: allowed is >= 1")
+        if self.lanes < 1:
+            raise BenchUsageError(f"lanes={self.lanes} is invalid: allowed is >= 1")
+        for batch in self.batch_sizes:
+            if batch % self.lanes:
+                raise BenchUsageError(
+                    f"--batch-sizes {batch} does not split over --lanes {self.lanes}: every "
+                    "batch size must be a multiple of the lane count"
+                )
         if self.compare not in (None, "transformers"):
             raise BenchUsageError(f"compare={self.compare!r} is invalid: allowed is transformers")
 
@@ -101,8 +117,8 @@ def make_prompts(config: BenchConfig, batch: int, vocab_size: int) -> list[list[
 # --------------------------------------------------------------------------------------------
 
 
-def _runtime_executor(config: BenchConfig, batch: int) -> Any:
-    from models.llama.executor import load_executor
+def _runtime_executor(config: BenchConfig, batch: int, *, lanes: int = 1) -> Any:
+    from models import load_executor
     from models.llama.sources import ModelNotAvailableError
 
     longest = config.prompt_len[1] + config.new_tokens
@@ -118,10 +134,23 @@ def _runtime_executor(config: BenchConfig, batch: int) -> Any:
             max_batch_size=batch,
             max_prefill_chunk_size=config.prefill_chunk,
             max_seq_len=per_request * block,
+            # Per lane; warmup prefills a whole chunk (plus one block) into one row.
+            num_blocks=max(-(-config.prefill_chunk // block) + 1, batch // lanes * per_request),
+            **(
+                {
+                    "lanes": lanes,
+                    "lane_transport": config.lane_transport,
+                    "threads_per_lane": config.threads_per_lane
+                    if config.lane_transport == "process"
+                    else None,
+                }
+                if lanes > 1
+                else {}
+            ),
         )
     except ModelNotAvailableError as error:
         raise BenchUsageError(str(error)) from error
-    executor.resolve_capacity(batch * per_request)
+    executor.resolve_capacity()  # num_blocks above: KV blocks per lane
     executor.start()
     return executor
 
@@ -239,6 +268,8 @@ def _hf_run(hf: Any, prompts: list[list[int]], new_tokens: int, *, pad: int) -> 
 
 def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str, Any]:
     """One batch size: our lane of `batch` slots and (optionally) transformers, alternating."""
+    if config.lanes > 1:
+        return bench_lanes(config, batch, log)
     executor = _runtime_executor(config, batch)
     try:
         prompts = make_prompts(config, batch, int(executor.model.vocab_size))
@@ -276,6 +307,57 @@ def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str,
         return row
     finally:
         executor.close()
+
+
+def bench_lanes(config: BenchConfig, batch: int, log: Log) -> dict[str, Any]:
+    """One batch size: N lanes of batch/N slots against one lane of `batch` slots."""
+    threads = config.lanes * (config.threads_per_lane or 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the anchor lane gets every thread the lanes get together
+    anchor = _runtime_executor(config, batch)
+    group: Any = None
+    try:
+        group = _runtime_executor(config, batch, lanes=config.lanes)
+        prompts = make_prompts(config, batch, int(anchor.model.vocab_size))
+        lengths = [len(p) for p in prompts]
+        one = Generator(anchor, enable_prefix_cache=False)
+        many = Generator(group, enable_prefix_cache=False)
+        _runtime_run(one, prompts, 2)
+        _runtime_run(many, prompts, 2)
+        ours: list[RunTimes] = []
+        lanes: list[RunTimes] = []
+        overhead: list[dict[str, Any]] = []
+        for repeat in range(config.repeats):
+            log(f"batch {batch}: repeat {repeat + 1}/{config.repeats}")
+            ours.append(_runtime_run(one, prompts, config.new_tokens))
+            group.reset_step_counters()
+            lanes.append(_runtime_run(many, prompts, config.new_tokens))
+            overhead.append(group.runtime_summary())
+        mine = {**_rates(ours, batch, config.new_tokens), "torch_threads": threads}
+        theirs = {
+            **_rates(lanes, batch, config.new_tokens),
+            "lanes": config.lanes,
+            "lane_transport": config.lane_transport,
+            "threads_per_lane": config.threads_per_lane or 1,
+            "per_decode_step": overhead,
+        }
+        return {
+            "batch_size": batch,
+            "prompt_len_min": min(lengths),
+            "prompt_len_max": max(lengths),
+            "prompt_len_mean": sum(lengths) / len(lengths),
+            "new_tokens": config.new_tokens,
+            "runtime": mine,
+            "lane_group": theirs,
+            "lanes_ratio": theirs["decode_tokens_per_second"] / mine["decode_tokens_per_second"],
+            "lanes_end_to_end_ratio": theirs["end_to_end_tokens_per_second"]
+            / mine["end_to_end_tokens_per_second"],
+        }
+    finally:
+        if group is not None:
+            group.close()
+        anchor.close()
+        torch.set_num_threads(previous)
 
 
 def _rates(runs: list[RunTimes], batch: int, new_tokens: int) -> dict[str, Any]:
@@ -342,6 +424,20 @@ def format_row(row: dict[str, Any]) -> str:
         if "transformers" in row:
             theirs = row["transformers"][key]
             text += f"  transformers {theirs:8.1f} tok/s  ratio {row[ratio]:.2f}x"
+        if "lane_group" in row:
+            group = row["lane_group"]
+            lanes_ratio = row["lanes_ratio" if ratio == "ratio" else "lanes_end_to_end_ratio"]
+            text += (
+                f" ({ours['torch_threads']} threads)  {group['lanes']} {group['lane_transport']} "
+                f"lanes {group[key]:8.1f} tok/s  ratio {lanes_ratio:.2f}x"
+            )
+    if "lane_group" in row:
+        for step in row["lane_group"]["per_decode_step"]:
+            text += (
+                f"\n  per decode step: group bookkeeping {step['host_overhead_us_per_step']:.0f} us"
+                f", transport {step['transport_us_per_step']:.0f} us, slowest lane "
+                f"{step['slowest_lane_us_per_step']:.0f} us"
+            )
     return text
 
 

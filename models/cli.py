@@ -140,11 +140,28 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, trace_default: str)
     parser.add_argument("--trace", choices=("none", "decode_only", "all"), default=trace_default)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    # Data-parallel lanes (models.lane_loading): --max-batch stays the global slot count.
+    parser.add_argument(
+        "--lanes", type=_positive_int, default=1, help="data-parallel lanes (default: 1)"
+    )
+    parser.add_argument(
+        "--lane-transport",
+        choices=("process", "inprocess"),
+        default="process",
+        help="process: one worker process per lane (parallel on CPU); inprocess: one device "
+        "per lane in this process (default: process)",
+    )
+    parser.add_argument(
+        "--threads-per-lane",
+        type=_positive_int,
+        default=None,
+        help="torch threads of each process lane (default: 1)",
+    )
 
 
 def _load(model: str, **kwargs: Any) -> Any:
     """Build the executor (CONSTRUCTED); a missing model or bad geometry is a UsageError."""
-    from models.llama.executor import load_executor
+    from models import load_executor
     from models.llama.sources import ModelNotAvailableError
 
     try:
@@ -167,8 +184,19 @@ def _load_from_args(args: argparse.Namespace, **extra: Any) -> Any:
         max_batch_size=args.max_batch,
         max_prefill_chunk_size=args.prefill_chunk,
         warmup=_warmup_config(args),
+        **_lane_arguments(args),
         **extra,
     )
+
+
+def _lane_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    if args.lanes == 1 and args.threads_per_lane is None:
+        return {}
+    return {
+        "lanes": args.lanes,
+        "lane_transport": args.lane_transport,
+        "threads_per_lane": args.threads_per_lane,
+    }
 
 
 def _add_warmup_argument(parser: argparse.ArgumentParser, *, default: str) -> None:
@@ -231,9 +259,12 @@ def _capacity(generator: Any, prompt_ids: list[list[int]], max_new_tokens: int) 
     block = int(executor.block_size)
     longest = min(max(len(p) for p in prompt_ids) + max_new_tokens, generator.max_seq_len)
     per_request = -(-longest // block)
-    slots = min(int(executor.max_batch_size), len(prompt_ids))
+    lane_slots = int(getattr(executor, "per_lane_max_batch_size", executor.max_batch_size))
+    slots = min(lane_slots, len(prompt_ids))
     warmup = -(-int(executor.config.max_prefill_chunk_size) // block) + 1
-    ceiling = int(executor.kv_cache_manager.config.max_num_blocks)
+    kv_config = getattr(executor, "kv_cache_manager", None)
+    kv_config = kv_config.config if kv_config is not None else executor.paged_kv_cache_config[0]
+    ceiling = int(kv_config.max_num_blocks)
     return int(max(1, min(ceiling, max(warmup, slots * per_request))))
 
 
@@ -391,7 +422,9 @@ def _journal_detail(entries: Sequence[Any]) -> str:
 
 
 def _counts(executor: Any) -> tuple[int, int]:
-    """(programs compiled, traces captured) so far."""
+    """(programs compiled, traces captured) so far (a lane group reports per-lane journals)."""
+    if getattr(executor, "program_compiler", None) is None:
+        return 0, 0
     programs = len(executor.program_compiler.compiled_programs)
     tracer = executor.trace_compiler
     return programs, int(tracer.capture_count) if tracer is not None else 0
@@ -583,6 +616,9 @@ def _bench(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
         repeats=args.repeats,
+        lanes=args.lanes,
+        lane_transport=args.lane_transport,
+        threads_per_lane=args.threads_per_lane,
     )
 
     def log(message: str) -> None:

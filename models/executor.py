@@ -106,6 +106,16 @@ class ModelExecutorConfig:
         return tuple(lengths) or (self.policy.padded_prefill_length(1),)
 
 
+@attrs.frozen
+class PreflightedPrefill:
+    """A traced prefill whose traces are all captured; run by execute_preflighted_prefill."""
+
+    prepared: tuple[Any, ...]
+    batch_size: int
+    sampling_params: Any
+    lane: int
+
+
 class ModelExecutor(LifecycleHost):
     """One lane: composition, phase-guarded calls, and cleanup in the seed's order."""
 
@@ -662,6 +672,34 @@ class ModelExecutor(LifecycleHost):
     def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
         """Complete an asynchronous read and normalise it."""
         return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
+
+    @guarded(P.SERVING)
+    def preflight_prefill(self, *, tokens: torch.Tensor, lane: int = 0, **request: Any) -> Any:
+        """Prepare a traced prefill and check its traces; nothing runs (lane-group preflight)."""
+        self._validate_cache_argument(request.pop("kv_cache", None))
+        self._check_sampling(request.get("sampling_params"))
+        traced = self._target("prefill", "traced")
+        prepared = traced.preflight_prefill(
+            self.eager_executor.prepare_prefill(tokens=tokens, **request)
+        )
+        return PreflightedPrefill(
+            tuple(prepared), int(tokens.shape[0]), request.get("sampling_params"), lane
+        )
+
+    @guarded(P.SERVING)
+    def execute_preflighted_prefill(self, *, preflighted: Any) -> Any:
+        """Replay a request `preflight_prefill` accepted (rows in source order)."""
+        if not isinstance(preflighted, PreflightedPrefill):
+            raise TypeError(
+                f"preflighted must come from preflight_prefill(), got {type(preflighted).__name__}"
+            )
+        traced = self._target("prefill", "traced")
+        return traced.execute_prepared_prefill(
+            preflighted.prepared,
+            batch_size=preflighted.batch_size,
+            sampling_params=preflighted.sampling_params,
+            lane=preflighted.lane,
+        )
 
     def can_trace_prefill(self, **request: Any) -> bool:
         """Whether prefill of this geometry could replay a trace (a capability query)."""

@@ -350,7 +350,7 @@ class Generator:
         self.executor = executor
         self.enable_prefix_cache = enable_prefix_cache
         self._tokenizer = tokenizer
-        self._block_manager: BlockManager | None = None
+        self._block_managers: tuple[BlockManager, ...] | None = None
         self._active: GenerationStream | None = None
         self.last_stats = GenerationStats()
 
@@ -391,26 +391,37 @@ class Generator:
 
     @property
     def max_top_k(self) -> int:
+        if getattr(self.executor.model, "max_top_k", None):  # a lane group's model facts
+            return int(self.executor.model.max_top_k)
         sampler = getattr(self.executor.model, "sampling", None)
         sampler_config = getattr(sampler, "config", None)
         return int(getattr(sampler_config, "max_top_k", DEFAULT_TOP_K))
 
     @property
     def block_manager(self) -> BlockManager:
-        """The lane's block tables (created once the executor's KV capacity is known)."""
-        if self._block_manager is None:
+        """The (first) lane's block tables."""
+        return self.block_managers[0]
+
+    @property
+    def block_managers(self) -> tuple[BlockManager, ...]:
+        """One block manager and prefix cache per lane (a lane group's block ids are lane-local);
+        created once the executor's KV capacity is known."""
+        if self._block_managers is None:
             num_blocks = self.executor.num_blocks
             if num_blocks is None:
                 raise RuntimeError(
                     "the executor's KV capacity is not resolved yet; call executor.start() "
                     "before generating"
                 )
-            self._block_manager = BlockManager(
-                num_blocks=int(num_blocks),
-                block_size=int(self.executor.block_size),
-                enable_prefix_cache=self.enable_prefix_cache,
+            self._block_managers = tuple(
+                BlockManager(
+                    num_blocks=int(num_blocks),
+                    block_size=int(self.executor.block_size),
+                    enable_prefix_cache=self.enable_prefix_cache,
+                )
+                for _ in range(int(getattr(self.executor, "tt_data_parallel", 1)))
             )
-        return self._block_manager
+        return self._block_managers
 
     def _check_serving(self) -> None:
         phase = getattr(self.executor, "phase", None)
@@ -422,7 +433,7 @@ class Generator:
 
     def _reset_after_failure(self) -> None:
         """Drop block tables whose KV contents are unknown after a failed device call."""
-        self._block_manager = None
+        self._block_managers = None
 
     # -- request validation ------------------------------------------------------------------------
 
@@ -789,7 +800,7 @@ class GenerationStream:
 
     def _run(self) -> PyGenerator[StreamEvent, None, None]:
         generator = self.generator
-        scheduler = Scheduler(generator.block_manager, self._lane)
+        scheduler = Scheduler(generator.block_managers, self._lane)
         scheduler.extend(r.sequence for r in self.requests)
         clean = False
         try:

@@ -78,12 +78,29 @@ class Admission:
 
 
 class Scheduler:
-    """Admission, decode reservation, preemption and release over one lane's slots."""
+    """Admission, decode reservation, preemption and release over a lane's (or lanes') slots.
 
-    def __init__(self, block_manager: BlockManager, num_slots: int) -> None:
+    With several block managers (data-parallel lanes), slot `s` belongs to lane
+    `s // (num_slots // lanes)` and takes its blocks from that lane's manager; admission
+    fills the lane with the fewest running requests first.
+    """
+
+    def __init__(
+        self, block_manager: BlockManager | Sequence[BlockManager], num_slots: int
+    ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
-        self.block_manager = block_manager
+        managers = (
+            (block_manager,) if isinstance(block_manager, BlockManager) else tuple(block_manager)
+        )
+        if not managers or num_slots % len(managers):
+            raise ValueError(
+                f"num_slots ({num_slots}) must split evenly over {len(managers)} lane block "
+                "managers"
+            )
+        self.block_managers = managers
+        self.block_manager = managers[0]
+        self.slots_per_lane = num_slots // len(managers)
         self.num_slots = num_slots
         self.waiting: deque[SequenceState] = deque()
         self.running: dict[int, SequenceState] = {}
@@ -111,6 +128,20 @@ class Scheduler:
         """Lane slots with no running request, lowest first."""
         return [slot for slot in range(self.num_slots) if slot not in self.running]
 
+    def lane_of(self, slot: int) -> int:
+        """The lane (block manager) a slot belongs to."""
+        return slot // self.slots_per_lane
+
+    def _running_in(self, lane: int) -> list[SequenceState]:
+        return [s for slot, s in self.running.items() if self.lane_of(slot) == lane]
+
+    def _lane_slots(self) -> list[tuple[int, int]]:
+        """(lane, its lowest free slot), least busy lane first."""
+        best: dict[int, int] = {}
+        for slot in self.free_slots():
+            best.setdefault(self.lane_of(slot), slot)
+        return sorted(best.items(), key=lambda item: (len(self._running_in(item[0])), item[0]))
+
     # -- admission ------------------------------------------------------------------------------
 
     def _needs_block(self, sequence: SequenceState) -> bool:
@@ -118,9 +149,20 @@ class Scheduler:
         bs = self.block_manager.block_size
         return sequence.num_tokens > len(sequence.table.block_ids) * bs
 
-    def _growth_reserve(self) -> int:
-        """Blocks the running requests need for their next decode step."""
-        return sum(1 for s in self.running.values() if self._needs_block(s))
+    def _growth_reserve(self, lane: int = 0) -> int:
+        """Blocks the lane's running requests need for their next decode step."""
+        return sum(1 for s in self._running_in(lane) if self._needs_block(s))
+
+    def _fits(self, lane: int, tokens: Sequence[int]) -> bool:
+        manager = self.block_managers[lane]
+        if not manager.can_allocate(tokens):
+            return False
+        if self._running_in(lane):
+            upper_bound = manager.blocks_needed(len(tokens))
+            new_grows = 1 if len(tokens) % manager.block_size == 0 else 0
+            if manager.free_blocks - upper_bound < self._growth_reserve(lane) + new_grows:
+                return False
+        return True
 
     def _prefix_hashes(self, tokens: Sequence[int]) -> list[bytes]:
         bs = self.block_manager.block_size
@@ -140,21 +182,17 @@ class Scheduler:
         fresh admission is not preempted right away.
         """
         admitted: list[Admission] = []
-        manager = self.block_manager
         fresh_hashes: set[bytes] = set()
         while self.waiting:
-            slots = self.free_slots()
-            if not slots:
-                break
             sequence = self.waiting[0]
             tokens = sequence.all_token_ids()
-            if not manager.can_allocate(tokens):
+            fitting = [
+                (lane, slot) for lane, slot in self._lane_slots() if self._fits(lane, tokens)
+            ]
+            if not fitting:
                 break
-            if self.running:
-                upper_bound = manager.blocks_needed(len(tokens))
-                new_grows = 1 if len(tokens) % manager.block_size == 0 else 0
-                if manager.free_blocks - upper_bound < self._growth_reserve() + new_grows:
-                    break
+            lane, slot = fitting[0]
+            manager = self.block_managers[lane]
             if fresh_hashes and any(h in fresh_hashes for h in self._prefix_hashes(tokens)):
                 break  # its prefix is being written by this round's prefill; next round
             self.waiting.popleft()
@@ -163,7 +201,6 @@ class Scheduler:
             fresh_hashes.update(
                 h for h in table.hashes[cached // manager.block_size :] if h is not None
             )
-            slot = slots[0]
             sequence.slot = slot
             sequence.table = table
             sequence.admitted_order = self._admissions
@@ -187,14 +224,15 @@ class Scheduler:
         Needs are counted first and victims chosen before any block is appended, so a
         preempted request never leaves a published block whose KV was not written.
         """
-        manager = self.block_manager
         preempted: list[SequenceState] = []
-        while self.running and self._growth_reserve() > manager.free_blocks:
-            victim = self.running_in_admission_order()[-1]
-            self._preempt(victim)
-            preempted.append(victim)
+        for lane, manager in enumerate(self.block_managers):
+            while self._running_in(lane) and self._growth_reserve(lane) > manager.free_blocks:
+                victim = max(self._running_in(lane), key=lambda s: s.admitted_order)
+                self._preempt(victim)
+                preempted.append(victim)
         for sequence in self.running_in_admission_order():
-            assert sequence.table is not None
+            assert sequence.table is not None and sequence.slot is not None
+            manager = self.block_managers[self.lane_of(sequence.slot)]
             if not manager.append_slot(sequence.table, sequence.all_token_ids()):
                 raise RuntimeError(
                     f"request {sequence.index}: no KV block for position "
@@ -204,7 +242,8 @@ class Scheduler:
 
     def _release(self, sequence: SequenceState) -> None:
         if sequence.table is not None:
-            self.block_manager.free(sequence.table)
+            assert sequence.slot is not None
+            self.block_managers[self.lane_of(sequence.slot)].free(sequence.table)
             sequence.table = None
         if sequence.slot is not None:
             del self.running[sequence.slot]

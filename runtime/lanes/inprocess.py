@@ -1,0 +1,99 @@
+"""In-process lanes: one lane executor per device in this process.
+
+`submit` runs the call at once: on CUDA the launches and replays it makes are asynchronous,
+so the group issuing a call to every lane before waiting on any overlaps the lanes' device
+work. A blocking decode is split into launch, asynchronous read and completion, so only
+`wait` synchronizes with the lane's device (its events).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from runtime.lanes.protocol import (
+    CompletedCall,
+    LaneFacts,
+    describe,
+    invoke,
+    journal_rows,
+    keep_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class InProcessLane:
+    """A lane executor living in this process (it owns its device, KV cache and traces)."""
+
+    def __init__(self, executor: Any, *, index: int) -> None:
+        self.index = index
+        self.executor = executor
+        self._closed = False
+        self._journal_seen = 0
+        self._last: CompletedCall | None = None
+        self._facts = describe(executor, with_tokenizer=True)
+
+    def __repr__(self) -> str:
+        return f"InProcessLane({self.index}, {self._facts.device_name})"
+
+    @property
+    def facts(self) -> LaneFacts:
+        return self._facts
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def live_allocations(self) -> int:
+        device = getattr(self.executor, "device", None)
+        return int(getattr(device, "live_allocations", 0))
+
+    @property
+    def last_call_seconds(self) -> float:
+        return self._last.seconds if self._last is not None else 0.0
+
+    def submit(self, method: str, /, **kwargs: Any) -> CompletedCall:
+        clock = time.perf_counter()
+        try:
+            if method == "decode_forward" and kwargs.get("read_from_device", True):
+                call = self._launch_decode(kwargs)
+            else:
+                value = invoke(self.executor, method, kwargs)
+                if method == "describe":
+                    value = keep_tokenizer(value, self._facts)
+                    self._facts = value
+                call = CompletedCall(value)
+        except BaseException as error:
+            call = CompletedCall(error=error)
+        call.seconds = time.perf_counter() - clock
+        self._last = call
+        return call
+
+    def _launch_decode(self, kwargs: dict[str, Any]) -> CompletedCall:
+        """Launch and start the read now; `wait` completes it (on the lane's events)."""
+        target = self.executor
+        if not callable(getattr(target, "read_decode_output", None)):
+            return CompletedCall(invoke(target, "decode_forward", kwargs))
+        raw = target.decode_forward(**{**kwargs, "read_from_device": False})
+        host, _events = target.read_decode_output(raw, async_read=True)
+        # A traced output has no lease to remember its kind: sampling params mean tokens.
+        tokens = kwargs.get("sampling_params") is not None and self._facts.device_sampling_enabled
+        return CompletedCall(
+            finish=lambda: target.process_decode_output_host(host, is_tokens=tokens)
+        )
+
+    def drain_journal(self) -> list[dict[str, Any]]:
+        rows, self._journal_seen = journal_rows(
+            getattr(self.executor, "journal", None), self._journal_seen
+        )
+        return rows
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        close = getattr(self.executor, "close", None) or self.executor.cleanup
+        close()
+        self._closed = True

@@ -1,0 +1,392 @@
+"""Process lanes: one spawned worker process per lane, calls and results over a pipe.
+
+Each worker builds its own lane executor from a picklable factory, sets its own torch thread
+count (and optionally environment such as `CUDA_VISIBLE_DEVICES`) first, then answers calls
+one at a time. Tensors travel through shared memory (torch.multiprocessing's reductions on
+the pipe), never as pickled copies of large buffers; objects whose identity matters inside
+the lane (raw decode outputs, pending reads, preflighted requests, the KV handle) stay in the
+worker and cross as `RemoteRef` tokens. Every wait is bounded, and a worker that died or did
+not answer in time is a `LaneFailure` naming the lane.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import torch
+import torch.multiprocessing as torch_mp
+
+from runtime.lanes.protocol import (
+    LaneFacts,
+    LaneFailure,
+    RemoteLaneError,
+    describe,
+    invoke,
+    journal_rows,
+    keep_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_CALL_TIMEOUT_S = 600.0
+DEFAULT_CLOSE_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 10.0
+_POLL_S = 0.05
+_CLOSE = "__close__"
+
+
+@attrs.frozen
+class RemoteRef:
+    """An object that stays inside lane `lane`'s worker (consumed by the next call using it)."""
+
+    lane: int
+    key: int
+
+
+@attrs.frozen
+class RemoteKVCache:
+    """The KV handle of a process lane: the worker's executor uses its own bound cache."""
+
+    lane: int
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    return isinstance(value, LaneFacts) or attrs.has(type(value))
+
+
+def _export(value: Any) -> Any:
+    """Clone tensors so the parent never shares a buffer the lane keeps writing."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_export(v) for v in value)
+    if isinstance(value, list):
+        return [_export(v) for v in value]
+    return value
+
+
+class _WorkerState:
+    def __init__(self, index: int, target: Any) -> None:
+        self.index = index
+        self.target = target
+        self.store: dict[int, Any] = {}
+        self.next_key = 1
+        self.journal_seen = 0
+
+    def keep(self, value: Any) -> RemoteRef:
+        key = self.next_key
+        self.next_key += 1
+        self.store[key] = value
+        return RemoteRef(self.index, key)
+
+    def resolve(self, value: Any) -> Any:
+        if isinstance(value, RemoteRef):
+            if value.lane != self.index or value.key not in self.store:
+                raise ValueError(f"{value} does not belong to lane {self.index} (or was consumed)")
+            return self.store.pop(value.key)
+        if isinstance(value, RemoteKVCache):
+            if value.lane != self.index:
+                raise ValueError(f"KV handle of lane {value.lane} given to lane {self.index}")
+            return None
+        if isinstance(value, list):
+            return [self.resolve(v) for v in value]
+        return value
+
+    def run(self, method: str, kwargs: dict[str, Any]) -> Any:
+        kwargs = {name: self.resolve(value) for name, value in kwargs.items()}
+        value = invoke(self.target, method, kwargs)
+        if method == "allocate_kv_cache":
+            return RemoteKVCache(self.index)
+        if method == "read_decode_output" and kwargs.get("async_read"):
+            host, _events = value
+            return (self.keep(host), [])
+        if _plain(value):
+            return _export(value)
+        return self.keep(value)
+
+
+def _worker_main(
+    index: int,
+    factory: Callable[[], Any],
+    threads: int,
+    env: dict[str, str],
+    conn: Connection,
+) -> None:
+    """The worker loop: build the lane, then answer calls until told to close."""
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    parent = os.getppid()
+    try:
+        state = _WorkerState(index, factory())
+        conn.send(("ready", describe(state.target, with_tokenizer=True), []))
+    except BaseException as error:
+        conn.send(("error", _remote(index, error), []))
+        return
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent:
+                return  # the group's process is gone: nobody will close us
+            continue
+        try:
+            method, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if method == _CLOSE:
+                state.store.clear()
+                close = getattr(state.target, "close", None) or state.target.cleanup
+                close()
+                rows, state.journal_seen = journal_rows(
+                    getattr(state.target, "journal", None), state.journal_seen
+                )
+                live = int(getattr(getattr(state.target, "device", None), "live_allocations", 0))
+                conn.send(("closed", live, rows))
+                return
+            clock = time.perf_counter()
+            value = state.run(method, kwargs)
+            seconds = time.perf_counter() - clock
+            rows, state.journal_seen = journal_rows(
+                getattr(state.target, "journal", None), state.journal_seen
+            )
+            conn.send(("ok", value, rows, seconds))
+        except BaseException as error:
+            rows, state.journal_seen = journal_rows(
+                getattr(state.target, "journal", None), state.journal_seen
+            )
+            conn.send(("error", _remote(index, error), rows))
+
+
+def _remote(index: int, error: BaseException) -> RemoteLaneError:
+    return RemoteLaneError(
+        index,
+        type(error).__name__,
+        str(error),
+        "".join(traceback.format_exception(error)),
+    )
+
+
+@attrs.define
+class _ProcessCall:
+    lane: ProcessLane
+    method: str
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        return self.lane._finish(self.method, timeout_s)
+
+
+class ProcessLane:
+    """A lane executor in its own spawned worker process."""
+
+    def __init__(
+        self,
+        index: int,
+        factory: Callable[[], Any],
+        *,
+        threads: int = 1,
+        env: dict[str, str] | None = None,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+    ) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        self.index = index
+        self.threads = threads
+        self.call_timeout_s = call_timeout_s
+        self.close_timeout_s = close_timeout_s
+        context = torch_mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_worker_main,
+            args=(index, factory, threads, dict(env or {}), child),
+            name=f"llm-runtime-lane{index}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self._facts: LaneFacts | None = None
+        self._outstanding: str | None = None
+        self._broken: str | None = None
+        self._closed = False
+        self._journal: list[dict[str, Any]] = []
+        self.final_live_allocations: int | None = None
+        self.last_call_seconds = 0.0
+
+    def __repr__(self) -> str:
+        return f"ProcessLane({self.index}, pid={self.process.pid})"
+
+    # -- startup --------------------------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> LaneFacts:
+        """Wait for the worker to build its lane (bounded)."""
+        if self._facts is None:
+            kind, payload, rows = self._receive("startup", timeout_s)
+            self._journal.extend(rows)
+            if kind != "ready":
+                self._broken = f"its lane could not be built: {payload}"
+                raise LaneFailure(self.index, self._broken) from payload
+            self._facts = payload
+        return self._facts
+
+    @property
+    def facts(self) -> LaneFacts:
+        if self._facts is None:
+            return self.wait_ready()
+        return self._facts
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def live_allocations(self) -> int:
+        if self.final_live_allocations is not None:
+            return self.final_live_allocations
+        return self.facts.live_allocations
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def submit(self, method: str, /, **kwargs: Any) -> _ProcessCall:
+        self._check_usable(method)
+        if self._outstanding is not None:
+            raise RuntimeError(
+                f"DP lane {self.index} is still running {self._outstanding}(); wait on it first"
+            )
+        try:
+            self._conn.send((method, kwargs))
+        except (OSError, ValueError) as error:
+            self._broken = f"its pipe failed while sending {method}(): {error}"
+            raise LaneFailure(self.index, self._broken) from error
+        self._outstanding = method
+        return _ProcessCall(self, method)
+
+    def _check_usable(self, method: str) -> None:
+        if self._closed:
+            raise LaneFailure(self.index, f"{method}() after the lane was closed")
+        if self._broken is not None:
+            raise LaneFailure(self.index, self._broken)
+
+    def _finish(self, method: str, timeout_s: float | None) -> Any:
+        if self._outstanding != method:
+            raise RuntimeError(f"DP lane {self.index}: no {method}() call is outstanding")
+        try:
+            kind, payload, rows, *timing = self._receive(method, timeout_s or self.call_timeout_s)
+        finally:
+            self._outstanding = None
+        self.last_call_seconds = float(timing[0]) if timing else 0.0
+        self._journal.extend(rows)
+        if kind == "error":
+            raise payload
+        if method == "describe":
+            payload = keep_tokenizer(payload, self._facts)
+            self._facts = payload
+        return payload
+
+    def _receive(self, what: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._conn.poll(_POLL_S):
+                    return self._conn.recv()
+            except (EOFError, OSError) as error:
+                self.process.join(1.0)  # a killed worker closes its pipe before it is reaped
+                self._broken = self._death_text(what) or f"its pipe broke during {what}()"
+                raise LaneFailure(self.index, self._broken) from error
+            death = self._death_text(what)
+            if death is not None:
+                self._broken = death
+                raise LaneFailure(self.index, death)
+            if time.monotonic() > deadline:
+                self._broken = (
+                    f"worker pid {self.process.pid} did not answer {what}() within "
+                    f"{timeout_s:g} s (raise call_timeout_s if the lane is just slow)"
+                )
+                raise LaneFailure(self.index, self._broken)
+
+    def _death_text(self, what: str) -> str | None:
+        if self.process.is_alive():
+            return None
+        code = self.process.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"worker pid {self.process.pid} died ({how}) during {what}()"
+
+    def drain_journal(self) -> list[dict[str, Any]]:
+        rows, self._journal = self._journal, []
+        return rows
+
+    # -- cleanup --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the worker's lane, then join it (killing it after a bound)."""
+        if self._closed:
+            return
+        failure: BaseException | None = None
+        answered = False
+        if self._broken is None and self.process.is_alive() and self._outstanding is None:
+            try:
+                self._conn.send((_CLOSE, {}))
+                kind, payload, rows = self._receive("close", self.close_timeout_s)
+                self._journal.extend(rows)
+                if kind == "error":
+                    raise payload  # the worker stays up, so close() again retries
+                self.final_live_allocations = int(payload)
+                answered = True
+            except LaneFailure as error:
+                failure = error
+        self._stop_process(JOIN_TIMEOUT_S if answered else 0.5)
+        if not answered:
+            self.final_live_allocations = 0  # the worker's device memory ended with it
+        self._closed = True
+        if failure is not None:
+            raise failure
+
+    def _stop_process(self, join_s: float) -> None:
+        self.process.join(join_s)
+        if self.process.is_alive():
+            logger.warning(
+                "DP lane %d: worker pid %s did not exit; killing it", self.index, self.process.pid
+            )
+            self.process.kill()
+            self.process.join(JOIN_TIMEOUT_S)
+        self._conn.close()
+
+
+def spawn_process_lanes(
+    factories: Sequence[Callable[[], Any]],
+    *,
+    threads: int = 1,
+    envs: Sequence[dict[str, str]] | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+) -> list[ProcessLane]:
+    """Start every worker first, then wait for all (startup overlaps); all or nothing."""
+    lanes: list[ProcessLane] = []
+    try:
+        for index, factory in enumerate(factories):
+            env = envs[index] if envs is not None else None
+            lanes.append(
+                ProcessLane(index, factory, threads=threads, env=env, call_timeout_s=call_timeout_s)
+            )
+        for lane in lanes:
+            lane.wait_ready(startup_timeout_s)
+    except BaseException as error:
+        for lane in lanes:
+            try:
+                lane.close()
+            except BaseException as failure:  # already reported through `error`
+                logger.warning("DP lane %d: cleanup after a failed start: %s", lane.index, failure)
+        raise error
+    return lanes

@@ -1,0 +1,252 @@
+"""The small `Lane` protocol a `LaneGroupExecutor` drives, and what both transports share.
+
+A lane is one execution target (a lane executor) behind a transport. The group only ever
+*submits* a named call and later *waits* on it with a bound, so a transport can run the call
+right away (in-process lanes: device launches are asynchronous) or in another process
+(process lanes). `invoke` is the one dispatcher both transports use on the executing side.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Readiness of a lane's trace-activation barrier (the group's capture barrier compares them).
+NO_BARRIER = "no-barrier"
+NOT_READY = "not-ready"
+PENDING = "pending"
+ACTIVATED = "activated"
+
+LANE_CALLS = frozenset(
+    {
+        "describe",
+        "configure_paged_kv_cache",
+        "resolve_capacity",
+        "seal",
+        "allocate",
+        "allocate_kv_cache",
+        "compile",
+        "compile_prefill",
+        "compile_decode",
+        "warmup_prefill",
+        "warmup_decode",
+        "capture",
+        "serve",
+        "prefill_forward",
+        "preflight_prefill",
+        "execute_preflighted_prefill",
+        "can_trace_prefill",
+        "decode_forward",
+        "read_decode_output",
+        "process_decode_output_host",
+    }
+)
+
+
+class LaneFailure(RuntimeError):
+    """A lane's call failed, its worker died, or it did not answer within its bound."""
+
+    def __init__(self, lane: int, message: str) -> None:
+        super().__init__(f"DP lane {lane}: {message}")
+        self.lane = lane
+
+
+class RemoteLaneError(RuntimeError):
+    """An exception raised inside a lane worker, carried back as text (type, message, trace)."""
+
+    def __init__(self, lane: int, type_name: str, message: str, remote_traceback: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.lane = lane
+        self.type_name = type_name
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            RemoteLaneError,
+            (self.lane, self.type_name, self.remote_message, self.remote_traceback),
+        )
+
+
+@attrs.frozen
+class LaneFacts:
+    """What the group knows about a lane without reaching into it (refreshed by `describe`)."""
+
+    max_batch_size: int
+    phase: str
+    readiness: str
+    block_size: int | None = None
+    num_blocks: int | None = None
+    trace_mode: str = "none"
+    prefill_traced: bool = False
+    decode_traced: bool = False
+    device_sampling_enabled: bool = False
+    page_table_layout: Any = None
+    paged_kv_cache_config: Any = None
+    live_allocations: int = 0
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_top_k: int | None = None
+    device_name: str = "?"
+    tokenizer: Any = None
+    prefill_warmed: bool = False
+    max_prefill_chunk_size: int | None = None
+    coverage_manifest: Any = None
+    torch_threads: int = 0
+
+
+def _readiness(target: Any) -> str:
+    warmup = getattr(target, "warmup", None)
+    if warmup is None or not all(
+        hasattr(warmup, name) for name in ("defer_capture", "capture_pending", "trace_activated")
+    ):
+        return NO_BARRIER
+    if warmup.trace_activated:
+        return ACTIVATED
+    if warmup.capture_pending:
+        return PENDING
+    return NOT_READY
+
+
+def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
+    """The facts of a lane executor (duck-typed, so fake lanes may be small)."""
+    config = getattr(target, "config", None)
+    trace = getattr(config, "trace", None)
+    model = getattr(target, "model", None)
+    device = getattr(target, "device", None)
+    sampler_config = getattr(getattr(model, "sampling", None), "config", None)
+    warmup = getattr(target, "warmup", None)
+    complete = getattr(warmup, "operation_complete", None)
+    return LaneFacts(
+        max_batch_size=int(getattr(target, "max_batch_size", 0)),
+        phase=str(getattr(target, "phase", "SERVING")),
+        readiness=_readiness(target),
+        block_size=getattr(target, "block_size", None),
+        num_blocks=getattr(target, "num_blocks", None),
+        trace_mode=str(getattr(trace, "mode", "none")),
+        prefill_traced=bool(getattr(trace, "prefill_enabled", False)),
+        decode_traced=bool(getattr(trace, "decode_enabled", False)),
+        device_sampling_enabled=bool(getattr(config, "device_sampling_enabled", False)),
+        page_table_layout=getattr(target, "page_table_layout", None),
+        paged_kv_cache_config=getattr(getattr(target, "kv_cache_manager", None), "config", None),
+        live_allocations=int(getattr(device, "live_allocations", 0)),
+        vocab_size=getattr(model, "vocab_size", None),
+        max_seq_len=getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None),
+        eos_token_ids=tuple(
+            getattr(target, "eos_token_ids", None) or getattr(model, "eos_token_ids", None) or ()
+        ),
+        max_top_k=getattr(sampler_config, "max_top_k", None),
+        device_name=str(getattr(device, "name", "?")),
+        tokenizer=getattr(target, "tokenizer", None) if with_tokenizer else None,
+        prefill_warmed=bool(complete("prefill")) if callable(complete) else False,
+        max_prefill_chunk_size=getattr(config, "max_prefill_chunk_size", None),
+        coverage_manifest=getattr(target, "coverage_manifest", None),
+        torch_threads=torch.get_num_threads(),
+    )
+
+
+def keep_tokenizer(fresh: LaneFacts, previous: LaneFacts | None) -> LaneFacts:
+    """Refreshed facts keep the tokenizer sent once at start-up (it never changes)."""
+    if fresh.tokenizer is None and previous is not None and previous.tokenizer is not None:
+        return attrs.evolve(fresh, tokenizer=previous.tokenizer)
+    return fresh
+
+
+def invoke(target: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
+    """Run one lane call on the executing side (the same for every transport)."""
+    if method not in LANE_CALLS:
+        raise ValueError(f"{method!r} is not a lane call; lane calls are {sorted(LANE_CALLS)}")
+    if method == "describe":
+        return describe(target, **kwargs)
+    function: Callable[..., Any] = getattr(target, method)
+    return function(**kwargs)
+
+
+class LaneCall(Protocol):
+    """One submitted call: `wait` returns its value or raises, within `timeout_s`."""
+
+    def wait(self, timeout_s: float | None = None) -> Any: ...
+
+
+@runtime_checkable
+class Lane(Protocol):
+    """One execution lane behind a transport."""
+
+    index: int
+
+    @property
+    def facts(self) -> LaneFacts:
+        """The latest facts (refresh with `submit("describe")`)."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` succeeded (then it is a no-op)."""
+        ...
+
+    def submit(self, method: str, /, **kwargs: Any) -> LaneCall:
+        """Issue `method` to the lane; never blocks on the lane's result."""
+        ...
+
+    def drain_journal(self) -> list[dict[str, Any]]:
+        """Journal entries the lane recorded since the last drain (for the group's journal)."""
+        ...
+
+    @property
+    def last_call_seconds(self) -> float:
+        """Seconds the lane itself spent on its last finished call (not the transport)."""
+        ...
+
+    def close(self) -> None:
+        """Release everything the lane owns; retryable when it raised, a no-op once done."""
+        ...
+
+
+@attrs.define
+class CompletedCall:
+    """A call that already ran (value or error): what an in-process lane returns."""
+
+    value: Any = None
+    error: BaseException | None = None
+    finish: Callable[[], Any] | None = None
+    seconds: float = 0.0
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            clock = time.perf_counter()
+            self.value = finish()
+            self.seconds += time.perf_counter() - clock
+        return self.value
+
+
+def journal_rows(journal: Any, seen: int) -> tuple[list[dict[str, Any]], int]:
+    """Entries of `journal` after the first `seen`, as plain dicts (picklable)."""
+    if journal is None:
+        return [], seen
+    entries = journal.entries
+    rows = [
+        {
+            "machine": e.machine,
+            "trigger": e.trigger,
+            "source": e.source,
+            "dest": e.dest,
+            "wall_time": e.wall_time,
+            "duration_s": e.duration_s,
+            "outcome": str(e.outcome.value if hasattr(e.outcome, "value") else e.outcome),
+            "error": e.error,
+            "detail": e.detail,
+        }
+        for e in entries[seen:]
+    ]
+    return rows, len(entries)
