@@ -100,8 +100,7 @@ def load_executor(
         require_positive_int("max_seq_len", max_seq_len)
     target = make_device(device, faults=faults)
     loaded = load_model(model, dtype=DTYPES[dtype], device=target.torch_device, seed=seed)
-    args = loaded.args
-    seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
+    seq_len = min(max_seq_len or loaded.args.max_seq_len, loaded.args.max_seq_len)
     if max_prefill_chunk_size % block_size:
         raise ValueError(
             f"max_prefill_chunk_size ({max_prefill_chunk_size}) must be a multiple of "
@@ -111,16 +110,58 @@ def load_executor(
     max_blocks = max_batch_size * blocks_per_seq
     if num_blocks is not None and num_blocks > max_blocks:
         max_blocks = num_blocks
-    kv_dtype = DTYPES[dtype]
-    loaded.model.configure_paged_attention(block_size=block_size, max_num_blocks=max_blocks)
+    return build_executor(
+        loaded,
+        device=target,
+        trace=trace,
+        block_size=block_size,
+        max_num_blocks=max_blocks,
+        num_blocks=num_blocks,
+        max_batch_size=max_batch_size,
+        max_prefill_chunk_size=max_prefill_chunk_size,
+        max_seq_len=seq_len,
+        device_sampling=device_sampling,
+        warmup=warmup,
+        progress=progress,
+    )
+
+
+def build_executor(
+    loaded: LoadedModel,
+    *,
+    device: Device,
+    trace: TraceConfig,
+    block_size: int,
+    max_num_blocks: int,
+    num_blocks: int | None,
+    max_batch_size: int,
+    max_prefill_chunk_size: int,
+    max_seq_len: int,
+    device_sampling: bool,
+    warmup: WarmupConfig | None = None,
+    progress: Progress | None = None,
+    journal: Journal | None = None,
+) -> LlamaExecutor:
+    """An executor in CONSTRUCTED over an already loaded model, with this KV geometry.
+
+    The model's paged attention is (re)configured to the geometry and, with device sampling,
+    a sampler for the lane is attached unless one of the right size is already there.
+    """
+    args = loaded.args
+    model = loaded.model
+    model.configure_paged_attention(block_size=block_size, max_num_blocks=max_num_blocks)
     if device_sampling:
-        loaded.model.sampling = LlamaSampler(
-            SamplerConfig(
-                max_batch_size=max_batch_size,
-                max_top_k=DEFAULT_MAX_TOP_K,
-                vocab_size=args.vocab_size,
+        current = getattr(model, "sampling", None)
+        if not (
+            isinstance(current, LlamaSampler) and current.config.max_batch_size == max_batch_size
+        ):
+            model.sampling = LlamaSampler(
+                SamplerConfig(
+                    max_batch_size=max_batch_size,
+                    max_top_k=DEFAULT_MAX_TOP_K,
+                    vocab_size=args.vocab_size,
+                )
             )
-        )
     policy = RuntimePolicy.torch_default(
         chunk_size_multiple=block_size, decode_lane_capacity_limit=max(256, max_batch_size)
     )
@@ -129,14 +170,14 @@ def load_executor(
         warmup=warmup or WarmupConfig(),
         paged_kv_cache=PagedKVCacheConfig(
             block_size=block_size,
-            max_num_blocks=max_blocks,
-            dtype=kv_dtype,
+            max_num_blocks=max_num_blocks,
+            dtype=model.dtype,
             num_blocks=num_blocks,
         ),
         device_sampling_enabled=device_sampling,
         max_batch_size=max_batch_size,
-        max_prefill_chunk_size=min(max_prefill_chunk_size, seq_len),
-        max_seq_len=seq_len,
+        max_prefill_chunk_size=min(max_prefill_chunk_size, max_seq_len),
+        max_seq_len=max_seq_len,
         policy=policy,
     )
-    return LlamaExecutor(loaded, config, device=target, progress=progress)
+    return LlamaExecutor(loaded, config, device=device, progress=progress, journal=journal)

@@ -1,0 +1,688 @@
+"""`LlamaVLLMModel`: the llama family's facade for a vLLM-style serving engine.
+
+The engine (vLLM with the Tenstorrent model-runner contract) drives a model class through
+`initialize_vllm_model`, `allocate_kv_cache`, a two-phase warmup and then `prefill_forward` /
+`decode_forward` / `read_decode_output` / `process_decode_output_host`, and drops the object at
+the end. Every call goes through `runtime.vllm_adapter.VLLMAdapter` (argument forms, the
+compatibility keywords, `enable_trace` against the static trace policy, the engine's KV spec)
+and then through the execution target's phase-guarded calls, so the lifecycle maps onto the
+engine's steps:
+
+    allocate_kv_cache            -> ALLOCATED
+    warmup phase 1 (no trace)    -> COMPILED
+    warmup phase 2 (trace)       -> CAPTURED   (trace modes decode_only / all)
+    first prefill/decode forward -> SERVING
+
+The target is anything with the single-lane execution-target API (`phase`,
+`allocate_kv_cache`, `warmup_model_prefill`, `warmup_model_decode`, `capture`, `serve`,
+`prefill_forward`, `decode_forward`, `read_decode_output`, `process_decode_output_host`,
+`close`): one `ModelExecutor` lane today, a lane group over global slots later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from lifecycle import Phase
+from lifecycle.errors import PhaseError
+from models.llama.executor import LlamaExecutor, build_executor
+from models.llama.sources import SMOLLM2_NAME, LoadedModel, load_model
+from runtime.backends import make_device
+from runtime.backends.base import Device
+from runtime.config import PagedKVCacheConfig, TraceConfig, WarmupConfig, require_positive_int
+from runtime.vllm_adapter import VLLMAdapter, VLLMAdapterConfig
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZATIONS: dict[str | None, torch.dtype] = {
+    None: torch.float32,
+    "accuracy": torch.float32,
+    "performance": torch.bfloat16,
+}
+"""The engine's `optimizations` setting -> the weight and KV cache dtype."""
+
+HUB_ALIASES: dict[str, str] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2_NAME,
+    "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF": SMOLLM2_NAME,
+}
+"""Hub ids the engine may report whose weights this project ships locally."""
+
+_HF_FIELDS: tuple[tuple[str, str], ...] = (
+    ("num_hidden_layers", "n_layers"),
+    ("num_attention_heads", "n_heads"),
+    ("num_key_value_heads", "n_kv_heads"),
+    ("hidden_size", "dim"),
+    ("vocab_size", "vocab_size"),
+)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+@attrs.frozen
+class VLLMFacadeOptions:
+    """Runtime settings the engine does not pass (give them as `initialize_vllm_model` keywords).
+
+    `trace_mode` must agree with the engine's trace mode; `block_size` only shapes the
+    placeholder geometry before the engine's `allocate_kv_cache` fixes the real one.
+    """
+
+    model: str | None = None
+    trace_mode: str = "decode_only"
+    block_size: int = 32
+    max_prefill_chunk_size: int = 256
+    device_sampling: bool = True
+    warmup: WarmupConfig | None = None
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise TypeError(f"model must be a non-empty model name or path, got {self.model!r}")
+        TraceConfig(mode=self.trace_mode)  # type: ignore[arg-type]
+        require_positive_int("block_size", self.block_size)
+        require_positive_int("max_prefill_chunk_size", self.max_prefill_chunk_size)
+        if self.max_prefill_chunk_size % self.block_size:
+            raise ValueError(
+                f"max_prefill_chunk_size ({self.max_prefill_chunk_size}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
+        _check_bool("device_sampling", self.device_sampling)
+        if self.warmup is not None and not isinstance(self.warmup, WarmupConfig):
+            raise TypeError(f"warmup must be a WarmupConfig or None, got {self.warmup!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+@attrs.define(eq=False)
+class DecodeOutput:
+    """A decode step's raw output, not yet read (`decode_forward(read_from_device=False)`).
+
+    It is deliberately not a tensor: an engine hands it back to `read_decode_output` or
+    `process_decode_output_host`, which release the step's device resources.
+    """
+
+    raw: Any
+    is_tokens: bool
+    read: bool = False
+
+
+@attrs.define(eq=False)
+class HostDecodeOutput:
+    """A decode step's host copy; valid once the events `read_decode_output` returned completed."""
+
+    host: Any
+    is_tokens: bool
+    processed: bool = False
+
+
+@attrs.define(eq=False)
+class _TargetHolder:
+    """Owns the execution target; the facade's finalizer closes it without the facade."""
+
+    target: Any
+
+    def close(self) -> None:
+        self.target.close()
+
+    @staticmethod
+    def close_quietly(holder: _TargetHolder) -> None:
+        """Close from a finalizer (garbage collection or interpreter exit); never raises."""
+        try:
+            holder.target.close()
+        except BaseException as error:  # a finalizer must not raise
+            logger.warning("dropped vLLM facade: cleanup failed: %s", error)
+
+
+def _hf_value(hf_config: Any, name: str) -> Any:
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(name)
+    return getattr(hf_config, name, None)
+
+
+def _model_name(hf_config: Any, override: str | None) -> str:
+    if override is not None:
+        return override
+    for field in ("name_or_path", "_name_or_path"):
+        value = _hf_value(hf_config, field)
+        if isinstance(value, str | Path) and str(value):
+            return HUB_ALIASES.get(str(value), str(value))
+    raise ValueError(
+        "hf_config names no model (name_or_path is empty); pass model=<name or path> to "
+        "initialize_vllm_model"
+    )
+
+
+def _check_hf_config(hf_config: Any, loaded: LoadedModel) -> None:
+    """The engine's view of the architecture must be the one the weights were loaded for."""
+    for hf_name, arg_name in _HF_FIELDS:
+        value = _hf_value(hf_config, hf_name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            expected = getattr(loaded.args, arg_name)
+            if int(value) != expected:
+                raise ValueError(
+                    f"hf_config.{hf_name}={value} disagrees with the loaded model "
+                    f"{loaded.source.name!r} ({arg_name}={expected})"
+                )
+
+
+def _device(mesh_device: Any) -> Device:
+    if mesh_device is None:
+        return make_device("cpu")
+    if isinstance(mesh_device, Device):
+        return mesh_device
+    if isinstance(mesh_device, str | torch.device):
+        return make_device(str(mesh_device))
+    raise TypeError(
+        "mesh_device must be None (cpu), a device spec such as 'cpu' or 'cuda:0', a "
+        f"torch.device or a runtime Device, got {type(mesh_device).__name__}"
+    )
+
+
+class LlamaVLLMModel:
+    """The model object a vLLM engine drives; one per engine, over one execution target."""
+
+    model_capabilities: ClassVar[dict[str, bool]] = {
+        "supports_prefix_caching": True,
+        "supports_sample_on_device": True,
+        "supports_async_decode": True,
+    }
+
+    def __init__(
+        self,
+        *,
+        loaded: LoadedModel,
+        device: Device,
+        options: VLLMFacadeOptions,
+        max_batch_size: int,
+        max_seq_len: int,
+    ) -> None:
+        self.loaded = loaded
+        self.device = device
+        self.options = options
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.trace = TraceConfig(mode=options.trace_mode)  # type: ignore[arg-type]
+        blocks_per_seq = -(-max_seq_len // options.block_size)
+        target = self._build_target(
+            block_size=options.block_size,
+            max_num_blocks=max_batch_size * blocks_per_seq,
+            num_blocks=None,
+        )
+        self._traced_warmups: set[str] = set()
+        self._holder = _TargetHolder(target)
+        self._finalizer = weakref.finalize(self, _TargetHolder.close_quietly, self._holder)
+        args = loaded.args
+        self.adapter = VLLMAdapter(
+            VLLMAdapterConfig.resolve(
+                trace=self.trace,
+                paged_kv_cache=target.config.paged_kv_cache,
+                expected_num_layers=args.n_layers,
+                expected_kv_heads_per_device=args.n_kv_heads,
+                expected_head_dim=args.head_dim,
+                model_kv_cache_dtype=loaded.model.dtype,
+            )
+        )
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def initialize_vllm_model(
+        cls,
+        hf_config: Any,
+        mesh_device: Any,
+        max_batch_size: int,
+        max_seq_len: int | None = None,
+        tt_data_parallel: int = 1,
+        optimizations: str | None = None,
+        **options: Any,
+    ) -> LlamaVLLMModel:
+        """Load the weights `hf_config` names and build the facade in CONSTRUCTED.
+
+        `max_batch_size` is the global slot count (lanes x per lane). Extra keywords are
+        `VLLMFacadeOptions` (trace_mode, block_size, max_prefill_chunk_size, device_sampling,
+        warmup, seed, model). Every argument is checked before any weights load.
+        """
+        require_positive_int("max_batch_size", max_batch_size)
+        require_positive_int("tt_data_parallel", tt_data_parallel)
+        if max_seq_len is not None:
+            require_positive_int("max_seq_len", max_seq_len)
+        if optimizations not in OPTIMIZATIONS:
+            raise ValueError(
+                f"optimizations must be one of {list(OPTIMIZATIONS)}, got {optimizations!r}"
+            )
+        if tt_data_parallel != 1:
+            raise ValueError(
+                f"tt_data_parallel={tt_data_parallel} needs a lane group "
+                "(runtime.lane_group.LaneGroupExecutor), which this facade does not build yet; "
+                "start the engine with data parallel size 1"
+            )
+        try:
+            facade_options = VLLMFacadeOptions(**options)
+        except TypeError as error:
+            if "unexpected keyword" in str(error):
+                allowed = [field.name for field in attrs.fields(VLLMFacadeOptions)]
+                raise TypeError(
+                    f"initialize_vllm_model got unknown option(s) {sorted(options)}; "
+                    f"allowed options: {allowed}"
+                ) from error
+            raise
+        name = _model_name(hf_config, facade_options.model)
+        device = _device(mesh_device)
+        loaded = load_model(
+            name,
+            dtype=OPTIMIZATIONS[optimizations],
+            device=device.torch_device,
+            seed=facade_options.seed,
+        )
+        _check_hf_config(hf_config, loaded)
+        model_max = loaded.args.max_seq_len
+        seq_len = model_max if max_seq_len is None else max_seq_len
+        if seq_len > model_max:
+            raise ValueError(
+                f"max_seq_len={seq_len} exceeds the model's maximum sequence length {model_max}; "
+                f"start the engine with max_model_len <= {model_max}"
+            )
+        return cls(
+            loaded=loaded,
+            device=device,
+            options=facade_options,
+            max_batch_size=max_batch_size,
+            max_seq_len=seq_len,
+        )
+
+    def _build_target(
+        self, *, block_size: int, max_num_blocks: int, num_blocks: int | None
+    ) -> LlamaExecutor:
+        options = self.options
+        return build_executor(
+            self.loaded,
+            device=self.device,
+            trace=self.trace,
+            block_size=block_size,
+            max_num_blocks=max_num_blocks,
+            num_blocks=num_blocks,
+            max_batch_size=self.max_batch_size,
+            max_prefill_chunk_size=options.max_prefill_chunk_size,
+            max_seq_len=self.max_seq_len,
+            device_sampling=options.device_sampling,
+            warmup=options.warmup,
+        )
+
+    # -- capacity (classmethods the engine may ask before loading) -------------------------------
+
+    @classmethod
+    def get_max_tokens_all_users(
+        cls,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        model_name: str | None = None,
+        num_devices: int = 1,
+        tt_data_parallel: int = 1,
+    ) -> int:
+        """KV tokens one lane needs so every one of its slots can reach `max_model_len`.
+
+        `max_num_seqs` is the per-lane slot count; the engine adds one block per slot.
+        """
+        require_positive_int("max_model_len", max_model_len)
+        require_positive_int("max_num_seqs", max_num_seqs)
+        require_positive_int("num_devices", num_devices)
+        require_positive_int("tt_data_parallel", tt_data_parallel)
+        return max_model_len * max_num_seqs
+
+    @classmethod
+    def get_kv_cache_spec(cls, vllm_config: Any) -> None:
+        """None: every layer is full attention with one geometry, the engine's default spec."""
+        return None
+
+    # -- the execution target --------------------------------------------------------------------
+
+    @property
+    def executor(self) -> Any:
+        """The execution target the facade drives (a lane executor)."""
+        return self._holder.target
+
+    @property
+    def phase(self) -> Phase:
+        """The target's lifecycle phase."""
+        phase = self.executor.phase
+        assert isinstance(phase, Phase)
+        return phase
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The torch dtype the engine must allocate the KV cache with."""
+        return self.adapter.config.kv_cache_torch_dtype
+
+    # -- allocate ---------------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, kv_cache_shape: Any, dtype: Any, num_layers: Any) -> Any:
+        """Adopt the engine's KV spec and allocate it: CONSTRUCTED -> ALLOCATED.
+
+        The engine fixes block size and capacity; a target built for another geometry is
+        rebuilt first (it holds no device memory before allocation).
+        """
+        target = self.executor
+        if target.phase is not Phase.CONSTRUCTED:
+            return target.allocate_kv_cache(kv_cache_shape, dtype, num_layers)  # PhaseError
+        kv_config = self.adapter.resolve_legacy_kv_cache_config(kv_cache_shape, dtype, num_layers)
+        target = self._adopt_geometry(target, kv_config)
+        handle = target.allocate_kv_cache(tuple(kv_cache_shape), dtype, num_layers)
+        self.adapter = VLLMAdapter(attrs.evolve(self.adapter.config, paged_kv_cache=kv_config))
+        return handle
+
+    def _adopt_geometry(self, target: Any, kv_config: PagedKVCacheConfig) -> Any:
+        current = target.config.paged_kv_cache
+        assert kv_config.num_blocks is not None
+        if (
+            kv_config.block_size == current.block_size
+            and kv_config.num_blocks <= current.max_num_blocks
+        ):
+            return target
+        logger.info(
+            "adopting the engine's KV geometry: %d blocks of %d tokens (was a ceiling of %d "
+            "blocks of %d)",
+            kv_config.num_blocks,
+            kv_config.block_size,
+            current.max_num_blocks,
+            current.block_size,
+        )
+        try:
+            replacement = self._build_target(
+                block_size=kv_config.block_size,
+                max_num_blocks=kv_config.max_num_blocks,
+                num_blocks=kv_config.num_blocks,
+            )
+        except BaseException:
+            self.loaded.model.configure_paged_attention(
+                block_size=current.block_size, max_num_blocks=current.max_num_blocks
+            )
+            raise
+        self._holder.target = replacement
+        target.close()  # the placeholder held no device memory
+        return replacement
+
+    # -- warmup -----------------------------------------------------------------------------------
+
+    def warmup_model_prefill(
+        self, *, kv_cache: Any, enable_trace: bool, can_sample_on_device: bool
+    ) -> None:
+        """Phase 1 (enable_trace=False) compiles prefill; phase 2 registers its traces."""
+        self.adapter.check_enable_trace("warmup_model_prefill", enable_trace)
+        self._warm(
+            "prefill",
+            enable_trace,
+            kv_cache=kv_cache,
+            can_sample_on_device=can_sample_on_device,
+            enable_trace=enable_trace,
+        )
+
+    def warmup_model_decode(
+        self,
+        *,
+        kv_cache: Any,
+        enable_trace: bool,
+        max_batch_size: int,
+        num_blocks: int,
+        can_sample_on_device: bool,
+    ) -> None:
+        """Phase 1 compiles decode (-> COMPILED with prefill); phase 2 captures (-> CAPTURED)."""
+        self.adapter.check_enable_trace("warmup_model_decode", enable_trace)
+        if max_batch_size != self.max_batch_size:
+            raise ValueError(
+                f"warmup_model_decode max_batch_size={max_batch_size!r} differs from the "
+                f"{self.max_batch_size} global slots the facade was initialized with"
+            )
+        self._warm(
+            "decode",
+            enable_trace,
+            kv_cache=kv_cache,
+            max_batch_size=max_batch_size,
+            num_blocks=num_blocks,
+            can_sample_on_device=can_sample_on_device,
+            enable_trace=enable_trace,
+        )
+
+    def _warm(self, kind: str, traced: bool, **engine_arguments: Any) -> None:
+        """Forward one warmup with the engine's arguments; capture once all traced ones ran.
+
+        While another statically traced operation still awaits its traced warmup, the
+        target's capture barrier is deferred: phase 1 left that operation's latest hint
+        eager, and the barrier would otherwise stage a capture without it.
+        """
+        target = self.executor
+        waiting = self._traced_operations() - self._traced_warmups - {kind}
+        deferral = _defer_capture(target) if traced and waiting else contextlib.nullcontext()
+        with deferral:
+            getattr(target, f"warmup_model_{kind}")(**engine_arguments)
+        if traced:
+            self._traced_warmups.add(kind)
+        if (
+            target.phase is Phase.COMPILED
+            and self._traced_warmups >= self._traced_operations()
+            and _capture_pending(target)
+        ):
+            target.capture()
+
+    def _traced_operations(self) -> set[str]:
+        operations = set()
+        if self.trace.prefill_enabled:
+            operations.add("prefill")
+        if self.trace.decode_enabled:
+            operations.add("decode")
+        return operations
+
+    # -- serving ----------------------------------------------------------------------------------
+
+    def _require_servable(self, operation: str) -> None:
+        """Refuse a forward before warmup finished, naming the engine's next calls."""
+        target = self.executor
+        phase = target.phase
+        if phase in (Phase.SERVING, Phase.CAPTURED):
+            return
+        if phase is Phase.COMPILED:
+            if self.trace.mode == "none":
+                return
+            raise PhaseError(
+                owner=type(self).__name__,
+                operation=operation,
+                phase=phase.value,
+                legal_phases=(Phase.SERVING.value,),
+                next_calls=("warmup_model_decode",),
+                reason=(
+                    f"the facade traces (trace mode {self.trace.mode!r}) but the engine ran no "
+                    "traced warmup; run phase 2 (warmup_model_decode(enable_trace=True)) by "
+                    "giving the engine the same trace mode, or build the facade with "
+                    "trace_mode='none'"
+                ),
+            )
+        next_calls = {
+            Phase.CONSTRUCTED: ("allocate_kv_cache",),
+            Phase.ALLOCATED: ("warmup_model_prefill", "warmup_model_decode"),
+        }.get(phase)
+        if next_calls is None:
+            return  # CLOSING, FAULTED, TERMINAL: the target's guard raises its own error
+        raise PhaseError(
+            owner=type(self).__name__,
+            operation=operation,
+            phase=phase.value,
+            legal_phases=(Phase.SERVING.value,),
+            next_calls=next_calls,
+        )
+
+    def _serve_if_needed(self) -> None:
+        target = self.executor
+        if target.phase in (Phase.COMPILED, Phase.CAPTURED):
+            target.serve()
+
+    def prefill_forward(
+        self,
+        *,
+        tokens: Any,
+        page_table: Any,
+        kv_cache: Any = None,
+        enable_trace: bool,
+        prompt_lens: Any = None,
+        start_pos: Any = None,
+        sampling_params: Any = None,
+        empty_slots: Any = None,
+        **compatibility: Any,
+    ) -> Any:
+        """Prefill whole prompts from position 0; `start_pos > 0` skips a cached prefix.
+
+        Returns sampled tokens `[B]` with sampling params, else logits, rows in source order.
+        """
+        self._require_servable("prefill_forward")
+        normalized, trace = self.adapter.normalize_prefill(
+            tokens,
+            page_table,
+            enable_trace=enable_trace,
+            prompt_lens=prompt_lens,
+            start_pos=start_pos,
+            empty_slots=empty_slots,
+            kv_cache=kv_cache,
+            sampling_params=sampling_params,
+            compatibility_kwargs=compatibility,
+        )
+        self._serve_if_needed()
+        return self.executor.prefill_forward(**normalized, execution="traced" if trace else "eager")
+
+    def decode_forward(
+        self,
+        *,
+        tokens: Any,
+        page_table: Any,
+        kv_cache: Any = None,
+        start_pos: Any,
+        sampling_params: Any = None,
+        reset_batch: bool = False,
+        enable_trace: bool,
+        read_from_device: bool = True,
+        **compatibility: Any,
+    ) -> Any:
+        """One decode step over every slot (`start_pos` -1 marks a padding row).
+
+        `read_from_device=True` returns host tokens `[B]` / logits `[B, 1, V]`; False returns
+        a `DecodeOutput` for `read_decode_output` or `process_decode_output_host`.
+        """
+        _check_bool("read_from_device", read_from_device)
+        self._require_servable("decode_forward")
+        normalized, trace = self.adapter.normalize_decode(
+            tokens,
+            start_pos,
+            page_table,
+            enable_trace=enable_trace,
+            kv_cache=kv_cache,
+            sampling_params=sampling_params,
+            reset_batch=reset_batch,
+            compatibility_kwargs=compatibility,
+        )
+        self._serve_if_needed()
+        out = self.executor.decode_forward(
+            **normalized,
+            read_from_device=read_from_device,
+            execution="traced" if trace else "eager",
+        )
+        if read_from_device:
+            return out
+        return DecodeOutput(raw=out, is_tokens=normalized["sampling_params"] is not None)
+
+    def read_decode_output(self, out: Any, async_read: bool = False) -> Any:
+        """Start reading a `DecodeOutput`: async -> `(HostDecodeOutput, events)`.
+
+        The engine waits for the events, then calls `process_decode_output_host`.
+        """
+        _check_bool("async_read", async_read)
+        if not isinstance(out, DecodeOutput):
+            raise TypeError(
+                "read_decode_output expects the DecodeOutput that decode_forward("
+                f"read_from_device=False) returned, got {type(out).__name__}"
+            )
+        if out.read:
+            raise RuntimeError(
+                "this decode output was already read; pass its HostDecodeOutput to "
+                "process_decode_output_host()"
+            )
+        if async_read:
+            host, events = self.executor.read_decode_output(out.raw, async_read=True)
+            out.read = True
+            return HostDecodeOutput(host=host, is_tokens=out.is_tokens), list(events)
+        host = self.executor.read_decode_output(out.raw, async_read=False)
+        out.read = True
+        return HostDecodeOutput(host=host, is_tokens=out.is_tokens)
+
+    def process_decode_output_host(self, out: Any, is_tokens: bool = False) -> Any:
+        """Finish a decode read: tokens int64 `[B]` (sampled) or logits float32 `[B, 1, V]`.
+
+        Accepts a `HostDecodeOutput` (after the read's events) or an unread `DecodeOutput`
+        (read here, blocking).
+        """
+        _check_bool("is_tokens", is_tokens)
+        if isinstance(out, DecodeOutput):
+            if out.read:
+                raise RuntimeError(
+                    "this decode output was read asynchronously; pass the HostDecodeOutput "
+                    "that read_decode_output returned"
+                )
+            self._check_kind(out.is_tokens, is_tokens)
+            host = self.executor.read_decode_output(out.raw, async_read=False)
+            out.read = True
+            return self.executor.process_decode_output_host(host, is_tokens=out.is_tokens)
+        if not isinstance(out, HostDecodeOutput):
+            raise TypeError(
+                "process_decode_output_host expects a HostDecodeOutput from read_decode_output "
+                f"or a DecodeOutput from decode_forward, got {type(out).__name__}"
+            )
+        if out.processed:
+            raise RuntimeError("this decode output was already processed")
+        self._check_kind(out.is_tokens, is_tokens)
+        result = self.executor.process_decode_output_host(out.host, is_tokens=out.is_tokens)
+        out.processed = True
+        return result
+
+    @staticmethod
+    def _check_kind(sampled: bool, is_tokens: bool) -> None:
+        if is_tokens and not sampled:
+            raise ValueError(
+                "is_tokens=True but this decode step ran without sampling_params and returned "
+                "logits; pass is_tokens=False"
+            )
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything the facade owns; idempotent (also runs when it is collected)."""
+        self._holder.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the target reached TERMINAL."""
+        return bool(self.executor.is_terminal)
+
+
+def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:
+    """The target's capture deferral (a lane group defers every lane), if it has one."""
+    defer = getattr(getattr(target, "warmup", None), "defer_capture", None)
+    if defer is None:
+        defer = getattr(target, "defer_capture", None)
+    return defer() if callable(defer) else contextlib.nullcontext()
+
+
+def _capture_pending(target: Any) -> bool:
+    """Whether the target's warmup staged a capture (every traced operation registered)."""
+    pending = getattr(target, "capture_pending", None)
+    if pending is None:
+        pending = getattr(getattr(target, "warmup", None), "capture_pending", False)
+    return bool(pending)
