@@ -44,9 +44,23 @@ def register_platform() -> str | None:
     return "models.vllm_plugin.platform.LLMRuntimeCpuPlatform"
 
 
+def _share_vllm_log_handlers() -> None:
+    """Show this plugin's and the runtime's log records the way vLLM shows its own."""
+    source = logging.getLogger("vllm")
+    for name in ("models", "runtime", "lifecycle"):
+        target = logging.getLogger(name)
+        if not target.handlers and source.handlers:
+            for handler in source.handlers:
+                target.addHandler(handler)
+            target.setLevel(source.level or logging.INFO)
+            target.propagate = False
+
+
 def register() -> None:
-    """General plugin hook: warn once when vLLM is a version this plugin was not tested on."""
+    """General plugin hook (every vLLM process): logging, and a warning on untested vLLM."""
     import vllm
+
+    _share_vllm_log_handlers()
 
     version = str(getattr(vllm, "__version__", "unknown"))
     if not version.startswith(TESTED_VLLM):

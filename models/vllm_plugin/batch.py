@@ -50,7 +50,7 @@ class PrefillBatch:
 
     req_ids: tuple[str, ...]
     tokens: torch.Tensor  # int32 [B, max_end], zero padded
-    page_table: torch.Tensor  # int32 [B, W], zero padded
+    page_table: torch.Tensor  # int32 [B, W]: W blocks reach max_model_len, zero padded
     prompt_lens: np.ndarray  # int64 [B]: where each row's chunk ends
     start_pos: np.ndarray  # int32 [B]: block-aligned first position to compute
     empty_slots: tuple[int, ...]
@@ -207,7 +207,7 @@ class RequestTable:
         ends = [s.num_computed + num_scheduled[s.req_id] for s in rows]
         tables = [self._blocks_for(s, end) for s, end in zip(rows, ends, strict=True)]
         tokens = torch.zeros((len(rows), max(ends)), dtype=torch.int32)
-        page_table = torch.zeros((len(rows), max(len(t) for t in tables)), dtype=torch.int32)
+        page_table = torch.zeros((len(rows), self.decode_width), dtype=torch.int32)
         for row, (state, end, table) in enumerate(zip(rows, ends, tables, strict=True)):
             tokens[row, :end] = torch.tensor(state.token_ids(end), dtype=torch.int32)
             page_table[row, : len(table)] = torch.tensor(table, dtype=torch.int32)

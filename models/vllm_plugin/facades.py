@@ -6,7 +6,7 @@ import importlib
 from typing import Any
 
 FACADES: dict[str, str] = {
-    "LlamaForCausalLM": "models.vllm_plugin.interim_facade:LlamaVLLMFacade",
+    "LlamaForCausalLM": "models.llama.vllm:LlamaVLLMModel",
 }
 
 

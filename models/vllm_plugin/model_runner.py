@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+OPTIMIZATIONS: dict[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "performance"}
+"""vLLM's model dtype -> the facade's `optimizations` (which sets weight and KV dtype)."""
+
 
 def layer_names(num_layers: int) -> list[str]:
     """vLLM's attention layer names for a decoder of `num_layers` layers."""
@@ -87,11 +90,11 @@ class LLMRuntimeModelRunner:
         clock = time.perf_counter()
         self.model = self.facade_cls.initialize_vllm_model(
             self.vllm_config.model_config.hf_config,
-            self.device,
+            str(self.device),
             self.max_num_seqs,
             max_seq_len=self.max_model_len,
             tt_data_parallel=1,
-            optimizations=None,
+            optimizations=self._optimizations(),
             **self._facade_options(),
         )
         logger.info(
@@ -100,13 +103,22 @@ class LLMRuntimeModelRunner:
             time.perf_counter() - clock,
         )
 
+    def _optimizations(self) -> str | None:
+        """The facade's `optimizations` for vLLM's `--dtype` (it picks weight and KV dtype)."""
+        if self.dtype not in OPTIMIZATIONS:
+            raise ValueError(
+                f"--dtype {self.dtype} is not supported by the llm-runtime worker; allowed are "
+                f"{[str(d).removeprefix('torch.') for d in OPTIMIZATIONS]}"
+            )
+        return OPTIMIZATIONS[self.dtype]
+
     def _facade_options(self) -> dict[str, Any]:
         """The runtime settings the facade takes beyond the table's arguments."""
         options: dict[str, Any] = {
+            "model": str(self.vllm_config.model_config.model),
             "block_size": self.block_size,
-            "dtype": self.dtype,
             "trace_mode": self.settings.trace_mode,
-            "model_path": self.vllm_config.model_config.model,
+            "device_sampling": False,  # vLLM's sampler runs on the host logits
         }
         if self.settings.max_prefill_chunk_size is not None:
             options["max_prefill_chunk_size"] = self.settings.max_prefill_chunk_size
@@ -122,8 +134,14 @@ class LLMRuntimeModelRunner:
         return dict.fromkeys(layer_names(self.num_layers), spec)
 
     def num_kv_blocks(self) -> int:
-        """The block count the runtime's own capacity resolution gives this geometry."""
-        return int(self.model.kv_cache_num_blocks())
+        """The runtime's capacity: every slot can reach max_model_len, plus a block per slot.
+
+        The extra block per slot covers vLLM's null block and each request's partial block.
+        """
+        tokens = self.facade_cls.get_max_tokens_all_users(
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs
+        )
+        return int(tokens) // self.block_size + self.max_num_seqs
 
     def kv_cache_bytes(self) -> int:
         """What vLLM's block arithmetic turns back into `num_kv_blocks()` blocks."""
@@ -138,7 +156,6 @@ class LLMRuntimeModelRunner:
 
     def warm_up(self) -> None:
         """The two-phase warmup: compile every shape, then capture traces where the mode says."""
-        num_blocks = int(self.vllm_config.cache_config.num_gpu_blocks or 0)
         for enable_trace in (False, True):
             trace_prefill = self.settings.trace_mode == "all"
             trace_decode = self.settings.trace_mode != "none"
@@ -151,7 +168,7 @@ class LLMRuntimeModelRunner:
                     enable_trace=enable_trace,
                     kv_cache=self.kv_cache,
                     max_batch_size=self.max_num_seqs,
-                    num_blocks=num_blocks,
+                    num_blocks=self.decode_width,  # blocks per request: the page-table width
                     can_sample_on_device=False,
                 )
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+VLLM_CPU_KV_BYTES = 1 << 30
 METRICS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value is not None:
             options[key] = value
+    if args.platform == "vllm":  # vLLM's CPU worker sizes its KV cache from this budget
+        options["kv_cache_memory_bytes"] = VLLM_CPU_KV_BYTES
     if args.platform == "llm-runtime" and args.trace_mode:
         options["additional_config"] = {"llm_runtime": {"trace_mode": args.trace_mode}}
     clock = time.perf_counter()

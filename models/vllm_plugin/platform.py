@@ -48,6 +48,11 @@ def adapt_config(vllm_config: VllmConfig, parent_check: Any) -> None:
         vllm_config.model_config.enforce_eager = True
     if vllm_config.speculative_config is not None:
         raise ValueError("speculative decoding is not supported by the llm-runtime worker")
+    logger.info(
+        "llm-runtime platform: worker %s, KV blocks of %d tokens",
+        parallel.worker_cls,
+        cache.block_size,
+    )
 
 
 def validate_sampling(params: Any) -> None:

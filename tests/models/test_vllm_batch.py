@@ -23,7 +23,7 @@ def test_new_prefill_rows_are_whole_prompts_from_zero_with_engine_blocks() -> No
     assert batch.req_ids == ("a", "b")
     assert batch.tokens.dtype == torch.int32
     assert batch.tokens.tolist() == [[5, 6, 7, 8, 9, 10], [1, 2, 3, 0, 0, 0]]
-    assert batch.page_table.tolist() == [[3, 7], [4, 0]]
+    assert batch.page_table.tolist() == [[3, 7, 0, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0, 0, 0]]
     assert batch.prompt_lens.dtype == np.int64 and batch.prompt_lens.tolist() == [6, 3]
     assert batch.start_pos.dtype == np.int32 and batch.start_pos.tolist() == [0, 0]
     assert batch.sample == (True, True)
@@ -40,7 +40,7 @@ def test_chunks_start_at_the_block_boundary_and_sample_only_at_the_end() -> None
     assert second is not None
     assert second.start_pos.tolist() == [4]  # 5 rounded down to the block start
     assert second.prompt_lens.tolist() == [10] and second.sample == (True,)
-    assert second.page_table.tolist() == [[1, 2, 3]]
+    assert second.page_table[0, :4].tolist() == [1, 2, 3, 0]
 
 
 def test_prefix_hit_starts_at_the_cached_offset() -> None:
@@ -82,7 +82,7 @@ def test_resumed_request_replaces_its_blocks_and_recomputes_prompt_and_output() 
     t.update("a", num_computed=0, new_block_ids=[8], resumed=True, num_output_tokens=1)
     batch = t.plan({"a": 4}).prefill
     assert batch is not None
-    assert batch.tokens.tolist() == [[1, 2, 3, 40]] and batch.page_table.tolist() == [[8]]
+    assert batch.tokens.tolist() == [[1, 2, 3, 40]] and batch.page_table[0, :2].tolist() == [8, 0]
     assert batch.sample == (True,)
 
 
