@@ -268,16 +268,14 @@ class LlamaVLLMModel:
                 "(runtime.lane_group.LaneGroupExecutor), which this facade does not build yet; "
                 "start the engine with data parallel size 1"
             )
-        try:
-            facade_options = VLLMFacadeOptions(**options)
-        except TypeError as error:
-            if "unexpected keyword" in str(error):
-                allowed = [field.name for field in attrs.fields(VLLMFacadeOptions)]
-                raise TypeError(
-                    f"initialize_vllm_model got unknown option(s) {sorted(options)}; "
-                    f"allowed options: {allowed}"
-                ) from error
-            raise
+        allowed = [field.name for field in attrs.fields(VLLMFacadeOptions)]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise TypeError(
+                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: "
+                f"{allowed}"
+            )
+        facade_options = VLLMFacadeOptions(**options)
         name = _model_name(hf_config, facade_options.model)
         device = _device(mesh_device)
         loaded = load_model(
@@ -378,6 +376,13 @@ class LlamaVLLMModel:
         if target.phase is not Phase.CONSTRUCTED:
             return target.allocate_kv_cache(kv_cache_shape, dtype, num_layers)  # PhaseError
         kv_config = self.adapter.resolve_legacy_kv_cache_config(kv_cache_shape, dtype, num_layers)
+        chunk = self.options.max_prefill_chunk_size
+        if chunk % kv_config.block_size:
+            raise ValueError(
+                f"the engine's block_size {kv_config.block_size} does not divide the facade's "
+                f"max_prefill_chunk_size {chunk}; start the engine with a block size that "
+                "divides it, or initialize the facade with a matching max_prefill_chunk_size"
+            )
         target = self._adopt_geometry(target, kv_config)
         handle = target.allocate_kv_cache(tuple(kv_cache_shape), dtype, num_layers)
         self.adapter = VLLMAdapter(attrs.evolve(self.adapter.config, paged_kv_cache=kv_config))

@@ -120,7 +120,8 @@ class BlockPool:
         return block
 
     def allocate_prompt(self, request: EngineRequest, total_tokens: int) -> None:
-        """Blocks for `total_tokens`; cached full prompt blocks are shared (last token recomputed)."""
+        """Blocks for `total_tokens`; cached full prompt blocks are shared (the last token is
+        always computed)."""
         hashes = self._hashes(request.prompt)
         shared: list[int] = []
         for digest in hashes:
