@@ -63,6 +63,7 @@ def test_tiny_random_equals_generate_with_chunks_preemption_and_prefix_hits(
         "--max-num-seqs", "4",
         "--max-num-batched-tokens", "64",
         "--num-gpu-blocks", "26",
+        "--max-model-len", "256",
         "--repeat", "2",
     )  # fmt: skip
     assert_same_tokens(report, oracle)
@@ -80,8 +81,9 @@ def test_block_count_comes_from_the_runtime(tmp_path: Path, tiny_folder: Path) -
         tmp_path, tiny_folder, requests_from(oracle, 8, [2]), "--max-num-seqs", "3"
     )
     assert_same_tokens(report, oracle)
-    # The runtime's capacity: every slot can reach max_model_len (512) in blocks of 32.
-    assert report["num_gpu_blocks"] == 3 * 512 // 32
+    # The runtime's capacity: every slot can reach max_model_len (512) in blocks of 32, plus
+    # one block per slot (vLLM's null block and each request's partial block).
+    assert report["num_gpu_blocks"] == 3 * 512 // 32 + 3
 
 
 def test_smollm2_equals_generate(tmp_path: Path, smollm2_folder: Path) -> None:
@@ -107,6 +109,7 @@ def test_smollm2_equals_generate(tmp_path: Path, smollm2_folder: Path) -> None:
         "--max-num-seqs", "3",
         "--max-num-batched-tokens", "32",
         "--num-gpu-blocks", "8",
+        "--max-model-len", "128",
     )  # fmt: skip
     assert_same_tokens(report, oracle)
     stats = report["runtime_stats"]

@@ -63,3 +63,21 @@ def write_hf_folder(
         clean = {k: v for k, v in tok_config.items() if v is not None}
         (root / "tokenizer_config.json").write_text(json.dumps(clean, indent=2))
     return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m models.vllm_plugin.hf_folder MODEL DEST [--dtype bfloat16]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a model as a Hugging Face folder.")
+    parser.add_argument("model", help="smollm2-135m, tiny-random[-preset] or a .gguf file")
+    parser.add_argument("destination", type=Path)
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES.values()), default="float32")
+    args = parser.parse_args(argv)
+    dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[args.dtype]
+    print(write_hf_folder(args.model, args.destination, dtype=dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -310,7 +310,7 @@ class LLMRuntimeModelRunner:
             )
             host, events = model.read_decode_output(raw, async_read=True)
             for event in events or ():
-                _synchronize(event)
+                _synchronize(model, event)
             output = model.process_decode_output_host(host, is_tokens=False)
         else:
             output = model.decode_forward(
@@ -349,7 +349,13 @@ def _rows(output: Any, count: int) -> torch.Tensor:
     return tensor
 
 
-def _synchronize(event: Any) -> None:
+def _synchronize(model: Any, event: Any) -> None:
+    """Wait for one read event with the facade's device (or the event's own wait)."""
+    device = getattr(model, "device", None)
+    wait = getattr(device, "event_synchronize", None)
+    if callable(wait):
+        wait(event)
+        return
     synchronize = getattr(event, "synchronize", None)
     if callable(synchronize):
         synchronize()

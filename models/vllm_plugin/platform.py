@@ -46,6 +46,13 @@ def adapt_config(vllm_config: VllmConfig, parent_check: Any) -> None:
     compilation.cudagraph_capture_sizes = []
     if vllm_config.model_config is not None:
         vllm_config.model_config.enforce_eager = True
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')} {size} is not supported by the llm-runtime worker "
+                "(one device per engine); scale out with vLLM's --data-parallel-size instead"
+            )
     if vllm_config.speculative_config is not None:
         raise ValueError("speculative decoding is not supported by the llm-runtime worker")
     logger.info(
