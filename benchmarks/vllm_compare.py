@@ -39,7 +39,6 @@ if __name__ == "__main__":  # direct runs: make the checkout importable
     sys.path.insert(0, str(ROOT))
 
 MODEL = "smollm2-135m"
-MAX_MODEL_LEN = 512
 MAX_NUM_BATCHED_TOKENS = 2048
 VLLM_CPU_KV_BYTES = 1 << 30
 ENGINES = ("vllm-cpu", "vllm+llm-runtime", "llm-runtime")
@@ -56,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -93,7 +93,7 @@ def vllm_worker(args: argparse.Namespace) -> int:
         "dtype": "float32",
         "enforce_eager": True,
         "max_num_seqs": len(prompts),
-        "max_model_len": MAX_MODEL_LEN,
+        "max_model_len": args.max_model_len,
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "enable_prefix_caching": False,
         "skip_tokenizer_init": True,
@@ -124,6 +124,7 @@ def run_vllm_engine(engine: str, folder: Path, prompts: list[list[int]], args: A
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", engine]
         command += ["--folder", str(folder), "--prompts", str(prompt_file), "--out", str(out)]
         command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+        command += ["--max-model-len", str(args.max_model_len)]
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode != 0:
@@ -215,12 +216,17 @@ def main(argv: list[str] | None = None) -> int:
         prompt_len=(int(low), int(high or low)),
         new_tokens=args.new_tokens,
     )
+    # The context the runtime-alone lane is built for (bench_generate's rule), for all three.
+    args.max_model_len = -(-(config.prompt_len[1] + args.new_tokens) // config.block_size) * (
+        config.block_size
+    )
     report: dict[str, Any] = {
         "model": MODEL,
         "dtype": "float32",
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
         "repeats": args.repeats,
+        "max_model_len": args.max_model_len,
         "cpu_count": os.cpu_count(),
         "rows": [],
     }
