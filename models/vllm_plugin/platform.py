@@ -55,11 +55,27 @@ def adapt_config(vllm_config: VllmConfig, parent_check: Any) -> None:
             )
     if vllm_config.speculative_config is not None:
         raise ValueError("speculative decoding is not supported by the llm-runtime worker")
+    check_settings(vllm_config)
     logger.info(
         "llm-runtime platform: worker %s, KV blocks of %d tokens",
         parallel.worker_cls,
         cache.block_size,
     )
+
+
+def check_settings(vllm_config: VllmConfig) -> None:
+    """Refuse a bad `additional_config` or dtype here, before any process or weight load."""
+    import torch
+
+    from models.vllm_plugin.settings import PluginSettings
+
+    PluginSettings.from_additional_config(vllm_config.additional_config)
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"--dtype {str(model_config.dtype).removeprefix('torch.')} is not supported by the "
+            "llm-runtime worker; allowed are float32 and bfloat16"
+        )
 
 
 def validate_sampling(params: Any) -> None:
