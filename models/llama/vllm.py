@@ -227,7 +227,7 @@ class LlamaVLLMModel:
         self.adapter = VLLMAdapter(
             VLLMAdapterConfig.resolve(
                 trace=self.trace,
-                paged_kv_cache=target.config.paged_kv_cache,
+                paged_kv_cache=_kv_config(target),
                 expected_num_layers=args.n_layers,
                 expected_kv_heads_per_device=args.n_kv_heads,
                 expected_head_dim=args.head_dim,
@@ -272,8 +272,7 @@ class LlamaVLLMModel:
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise TypeError(
-                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: "
-                f"{allowed}"
+                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: {allowed}"
             )
         facade_options = VLLMFacadeOptions(**options)
         name = _model_name(hf_config, facade_options.model)
@@ -389,7 +388,7 @@ class LlamaVLLMModel:
         return handle
 
     def _adopt_geometry(self, target: Any, kv_config: PagedKVCacheConfig) -> Any:
-        current = target.config.paged_kv_cache
+        current = _kv_config(target)
         assert kv_config.num_blocks is not None
         if (
             kv_config.block_size == current.block_size
@@ -500,17 +499,22 @@ class LlamaVLLMModel:
         if phase is Phase.COMPILED:
             if self.trace.mode == "none":
                 return
+            missing = [
+                f"warmup_model_{kind}"
+                for kind in ("prefill", "decode")
+                if kind in self._traced_operations() - self._traced_warmups
+            ]
+            phase_two = ", ".join(f"{call}(enable_trace=True)" for call in missing)
             raise PhaseError(
                 owner=type(self).__name__,
                 operation=operation,
                 phase=phase.value,
                 legal_phases=(Phase.SERVING.value,),
-                next_calls=("warmup_model_decode",),
+                next_calls=tuple(missing),
                 reason=(
-                    f"the facade traces (trace mode {self.trace.mode!r}) but the engine ran no "
-                    "traced warmup; run phase 2 (warmup_model_decode(enable_trace=True)) by "
-                    "giving the engine the same trace mode, or build the facade with "
-                    "trace_mode='none'"
+                    f"the facade traces (trace mode {self.trace.mode!r}) but the engine has not "
+                    f"run the traced warmup {phase_two}; give the engine the same trace mode, "
+                    "or build the facade with trace_mode='none'"
                 ),
             )
         next_calls = {
@@ -675,6 +679,15 @@ class LlamaVLLMModel:
     def closed(self) -> bool:
         """Whether the target reached TERMINAL."""
         return bool(self.executor.is_terminal)
+
+
+def _kv_config(target: Any) -> PagedKVCacheConfig:
+    """The target's paged KV config (a lane group keeps one per lane, all alike)."""
+    config = getattr(getattr(target, "config", None), "paged_kv_cache", None)
+    if config is None:
+        config = target.paged_kv_cache_config[0]
+    assert isinstance(config, PagedKVCacheConfig)
+    return config
 
 
 def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:

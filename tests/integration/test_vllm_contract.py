@@ -132,20 +132,28 @@ def drop_and_collect(driver: EngineDriver) -> int:
 
 
 @pytest.mark.parametrize(
-    ("trace_mode", "sample_on_device", "async_decode"),
+    ("trace_mode", "sample_on_device", "async_decode", "compatibility_keywords"),
     [
-        ("decode_only", True, True),
-        ("none", True, True),
-        ("none", True, False),
-        ("decode_only", False, False),
-        ("all", True, True),
+        ("decode_only", True, True, False),
+        ("decode_only", True, True, True),
+        ("none", True, True, False),
+        ("none", True, False, False),
+        ("decode_only", False, False, False),
+        ("all", True, True, False),
     ],
 )
 def test_engine_run_equals_generator(
-    expected: list[list[int]], trace_mode: str, sample_on_device: bool, async_decode: bool
+    expected: list[list[int]],
+    trace_mode: str,
+    sample_on_device: bool,
+    async_decode: bool,
+    compatibility_keywords: bool,
 ) -> None:
     driver = tiny_driver(
-        trace_mode=trace_mode, sample_on_device=sample_on_device, async_decode=async_decode
+        trace_mode=trace_mode,
+        sample_on_device=sample_on_device,
+        async_decode=async_decode,
+        compatibility_keywords=compatibility_keywords,
     )
     driver.start()
     model = driver.model
@@ -205,7 +213,8 @@ def test_out_of_order_calls_teach_and_change_nothing() -> None:
     model.warmup_model_decode(enable_trace=False, max_batch_size=SLOTS, num_blocks=16, **common)
     assert model.phase is Phase.COMPILED
     # The facade traces decode, but the engine skipped phase 2 (it was told trace mode none).
-    with pytest.raises(PhaseError, match=r"ran no traced warmup.*warmup_model_decode"):
+    message = r"has not run the traced warmup warmup_model_decode\(enable_trace=True\)"
+    with pytest.raises(PhaseError, match=message):
         model.decode_forward(kv_cache=kv, **decode)
     assert model.phase is Phase.COMPILED
     with pytest.raises(ValueError, match=r"max_batch_size=8 differs from the 4 global slots"):
@@ -331,3 +340,43 @@ def test_smollm2_engine_run_equals_generator() -> None:
     assert outputs == expected_tokens
     assert driver.stats.max_start_pos == 16
     assert drop_and_collect(driver) == 0
+
+
+def test_trace_mode_all_captures_only_after_both_traced_warmups() -> None:
+    """Either phase-2 order works; a missing one is named, and nothing is captured early."""
+    model = LlamaVLLMModel.initialize_vllm_model(
+        hf_config(LlamaArgs.tiny_random(), "tiny-random"),
+        "cpu",
+        SLOTS,
+        max_seq_len=MAX_LEN,
+        trace_mode="all",
+        **FACADE_OPTIONS,
+    )
+    kv = model.allocate_kv_cache((80, 2, BLOCK, 16), torch.float32, 2)
+    common = {"kv_cache": kv, "can_sample_on_device": True}
+    decode = {"max_batch_size": SLOTS, "num_blocks": 16, **common}
+    model.warmup_model_prefill(enable_trace=False, **common)
+    model.warmup_model_decode(enable_trace=False, **decode)
+    model.warmup_model_decode(enable_trace=True, **decode)  # decode first this time
+    assert model.phase is Phase.COMPILED
+    assert model.device.live_traces == 0  # nothing captured without prefill's traces
+    prefill = {
+        "tokens": torch.tensor([[5, 6, 7]], dtype=torch.int32),
+        "page_table": torch.tensor([[0, 0]], dtype=torch.int32),
+        "kv_cache": kv,
+        "enable_trace": True,
+        "prompt_lens": np.array([3], dtype=np.int64),
+        "start_pos": np.array([0], dtype=np.int32),
+        "empty_slots": [0],
+    }
+    message = r"not run the traced warmup warmup_model_prefill\(enable_trace=True\)"
+    with pytest.raises(PhaseError, match=message):
+        model.prefill_forward(**prefill)
+    model.warmup_model_prefill(enable_trace=True, **common)
+    assert model.phase is Phase.CAPTURED
+    assert model.device.live_traces > 0
+    logits = model.prefill_forward(**prefill)
+    assert model.phase is Phase.SERVING
+    assert logits.shape[0] == 1
+    model.close()
+    assert model.device.live_allocations == 0 and model.device.live_traces == 0

@@ -172,6 +172,7 @@ class EngineDriver:
         async_decode: bool,
         dtype: torch.dtype = torch.float32,
         facade_options: dict[str, Any] | None = None,
+        compatibility_keywords: bool = False,
     ) -> None:
         self.facade_class = facade_class
         self.hf_config = hf_config
@@ -183,6 +184,7 @@ class EngineDriver:
         self.async_decode = async_decode
         self.dtype = dtype
         self.facade_options = dict(facade_options or {})
+        self.compatibility_keywords = compatibility_keywords
         self.stats = EngineStats()
         self.model: Any = None
         self.kv_cache: Any = None
@@ -283,6 +285,8 @@ class EngineDriver:
         }
         if self.sample_on_device:
             kwargs["sampling_params"] = EngineSamplingParams.greedy(rows)
+        if self.compatibility_keywords:  # what hybrid-attention / mrope deployments add
+            kwargs["page_tables_per_layer"] = [page_table] * int(self._hf("num_hidden_layers"))
         out = self.model.prefill_forward(**kwargs)
         if isinstance(out, tuple):
             out, _log_probs = out
@@ -320,6 +324,9 @@ class EngineDriver:
         if self.sample_on_device:
             kwargs["sampling_params"] = EngineSamplingParams.greedy(slots)
             kwargs["reset_batch"] = reset_batch
+        if self.compatibility_keywords:
+            kwargs["page_tables_per_layer"] = [page_table] * int(self._hf("num_hidden_layers"))
+            kwargs["rope_deltas_all_users"] = None
         out = self.model.decode_forward(
             **kwargs,
             enable_trace=self.trace_mode in ("all", "decode_only"),
