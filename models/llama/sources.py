@@ -101,15 +101,24 @@ class LoadedModel:
     source: ModelSource
 
 
-def load_model(
+@attrs.frozen
+class LoadedWeights:
+    """A model's arguments, canonical HF-layout tensors and tokenizer, before assembly."""
+
+    args: LlamaArgs
+    state: dict[str, torch.Tensor]
+    tokenizer: LlamaTokenizer | None
+    source: ModelSource
+
+
+def load_weights(
     name: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
     seed: int = 0,
     with_tokenizer: bool = True,
-) -> LoadedModel:
-    """Resolve `name` and build the model (and tokenizer, when the source has one)."""
+) -> LoadedWeights:
+    """Resolve `name` and read its tensors (and tokenizer, when the source has one)."""
     source = resolve_source(name)
     tokenizer: LlamaTokenizer | None = None
     if source.kind == "tiny_random":
@@ -134,6 +143,22 @@ def load_model(
         state = load_safetensors(source.path, args, dtype=dtype)
     if tokenizer is not None and tokenizer.eos_token_ids and not args.eos_token_ids:
         args = attrs.evolve(args, eos_token_ids=tokenizer.eos_token_ids)
-    model = LlamaModel.from_state_dict(args, state, dtype=dtype, device=device, consume=True)
+    return LoadedWeights(args=args, state=state, tokenizer=tokenizer, source=source)
+
+
+def load_model(
+    name: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Resolve `name` and build the model (and tokenizer, when the source has one)."""
+    weights = load_weights(name, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
+    args, source = weights.args, weights.source
+    model = LlamaModel.from_state_dict(
+        args, weights.state, dtype=dtype, device=device, consume=True
+    )
     logger.info("loaded %s (%s) as %s on %s", source.name, source.kind, dtype, device)
-    return LoadedModel(model=model, args=args, tokenizer=tokenizer, source=source)
+    return LoadedModel(model=model, args=args, tokenizer=weights.tokenizer, source=source)

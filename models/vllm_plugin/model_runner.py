@@ -1,0 +1,361 @@
+"""The model runner: vLLM's worker steps mapped onto a model family's vLLM facade.
+
+vLLM's scheduler decides everything about batching; this runner keeps the request table
+(`batch.RequestTable`), turns each `SchedulerOutput` into one `prefill_forward` and one
+`decode_forward` on the facade (the engine's block tables as page tables), and samples the
+rows that finished a prompt or decoded a token with vLLM's own sampler on the host logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+
+from models.vllm_plugin.batch import DecodeBatch, PrefillBatch, RequestTable
+from models.vllm_plugin.facades import facade_class
+from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
+from models.vllm_plugin.settings import PluginSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZATIONS: dict[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "performance"}
+"""vLLM's model dtype -> the facade's `optimizations` (which sets weight and KV dtype)."""
+
+
+def layer_names(num_layers: int) -> list[str]:
+    """vLLM's attention layer names for a decoder of `num_layers` layers."""
+    return [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+
+
+class LLMRuntimeModelRunner:
+    """One facade instance serving vLLM's scheduler steps."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.device = device
+        model_config = vllm_config.model_config
+        self.hf_config = model_config.hf_text_config
+        self.dtype: torch.dtype = model_config.dtype
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.max_model_len = int(model_config.max_model_len)
+        self.settings = PluginSettings.from_additional_config(vllm_config.additional_config)
+        self.facade_cls = facade_class(model_config.hf_config)
+        capabilities = getattr(self.facade_cls, "model_capabilities", None) or {}
+        self.supports_async_decode = bool(capabilities.get("supports_async_decode", False))
+        self.vocab_size = int(model_config.get_vocab_size())
+        config = self.hf_config
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", config.num_attention_heads))
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.decode_width = -(-self.max_model_len // self.block_size)
+        self.requests = RequestTable(
+            max_slots=self.max_num_seqs, block_size=self.block_size, decode_width=self.decode_width
+        )
+        self.sampler = Sampler()
+        self.model: Any = None
+        self.kv_cache: Any = None
+        self.stats: dict[str, float] = dict.fromkeys(
+            (
+                "prefill_calls",
+                "prefill_rows",
+                "cached_prefill_rows",
+                "partial_prefill_rows",
+                "resumed_requests",
+                "prefix_hit_requests",
+                "decode_calls",
+                "decode_rows",
+                "prefill_seconds",
+                "decode_seconds",
+            ),
+            0,
+        )
+
+    # -- load, capacity, allocation, warmup -------------------------------------------------------
+
+    def load_model(self) -> None:
+        """`initialize_vllm_model` with vLLM's slot count and context length."""
+        clock = time.perf_counter()
+        self.model = self.facade_cls.initialize_vllm_model(
+            self.vllm_config.model_config.hf_config,
+            str(self.device),
+            self.max_num_seqs,
+            max_seq_len=self.max_model_len,
+            tt_data_parallel=1,
+            optimizations=self._optimizations(),
+            **self._facade_options(),
+        )
+        logger.info(
+            "llm-runtime facade %s loaded in %.1f s",
+            self.facade_cls.__name__,
+            time.perf_counter() - clock,
+        )
+
+    def _optimizations(self) -> str | None:
+        """The facade's `optimizations` for vLLM's `--dtype` (it picks weight and KV dtype)."""
+        if self.dtype not in OPTIMIZATIONS:
+            raise ValueError(
+                f"--dtype {self.dtype} is not supported by the llm-runtime worker; allowed are "
+                f"{[str(d).removeprefix('torch.') for d in OPTIMIZATIONS]}"
+            )
+        return OPTIMIZATIONS[self.dtype]
+
+    def _facade_options(self) -> dict[str, Any]:
+        """The runtime settings the facade takes beyond the table's arguments."""
+        options: dict[str, Any] = {
+            "model": str(self.vllm_config.model_config.model),
+            "block_size": self.block_size,
+            "trace_mode": self.settings.trace_mode,
+            "device_sampling": False,  # vLLM's sampler runs on the host logits
+        }
+        if self.settings.max_prefill_chunk_size is not None:
+            options["max_prefill_chunk_size"] = self.settings.max_prefill_chunk_size
+        return options
+
+    def kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            dtype=self.dtype,
+        )
+        return dict.fromkeys(layer_names(self.num_layers), spec)
+
+    def num_kv_blocks(self) -> int:
+        """The runtime's capacity: every slot can reach max_model_len, plus a block per slot.
+
+        The extra block per slot covers vLLM's null block and each request's partial block.
+        """
+        tokens = self.facade_cls.get_max_tokens_all_users(
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs
+        )
+        return int(tokens) // self.block_size + self.max_num_seqs
+
+    def kv_cache_bytes(self) -> int:
+        """What vLLM's block arithmetic turns back into `num_kv_blocks()` blocks."""
+        per_block = sum(spec.page_size_bytes for spec in self.kv_cache_spec().values())
+        return self.num_kv_blocks() * per_block
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """`allocate_kv_cache` with the engine's block count (vLLM's block 0 is its null block)."""
+        shape = (kv_cache_config.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.kv_cache = self.model.allocate_kv_cache(shape, self.dtype, self.num_layers)
+        logger.info("llm-runtime KV cache: %s x %d layers, %s", shape, self.num_layers, self.dtype)
+
+    def warm_up(self) -> None:
+        """The two-phase warmup: compile every shape, then capture traces where the mode says."""
+        for enable_trace in (False, True):
+            trace_prefill = self.settings.trace_mode == "all"
+            trace_decode = self.settings.trace_mode != "none"
+            if not enable_trace or trace_prefill:
+                self.model.warmup_model_prefill(
+                    enable_trace=enable_trace, kv_cache=self.kv_cache, can_sample_on_device=False
+                )
+            if not enable_trace or trace_decode:
+                self.model.warmup_model_decode(
+                    enable_trace=enable_trace,
+                    kv_cache=self.kv_cache,
+                    max_batch_size=self.max_num_seqs,
+                    num_blocks=self.decode_width,  # blocks per request: the page-table width
+                    can_sample_on_device=False,
+                )
+
+    # -- one scheduler step ---------------------------------------------------------------------
+
+    def _update_requests(self, out: SchedulerOutput) -> None:
+        table = self.requests
+        for req_id in out.finished_req_ids:
+            table.finish(req_id)
+        for req_id in out.preempted_req_ids or ():
+            table.release_slot(req_id)
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            if params is None or new.prompt_token_ids is None:
+                raise ValueError(
+                    f"request {new.req_id!r}: this worker serves token prompts with sampling "
+                    "params (no pooling, no prompt embeddings)"
+                )
+            if new.num_computed_tokens > 0:
+                self.stats["prefix_hit_requests"] += 1
+            table.add(
+                new.req_id,
+                new.prompt_token_ids,
+                new.block_ids[0],
+                new.num_computed_tokens,
+                payload=(params, sampling_generator(params, self.device)),
+            )
+        cached = out.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                self.stats["resumed_requests"] += 1
+            table.update(
+                req_id,
+                num_computed=cached.num_computed_tokens[index],
+                new_block_ids=None if new_blocks is None else new_blocks[0],
+                resumed=req_id in cached.resumed_req_ids,
+                num_output_tokens=cached.num_output_tokens[index],
+            )
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_requests(out)
+        if not out.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        plan = self.requests.plan(out.num_scheduled_tokens)
+        sampled_ids: list[str] = []
+        logits: list[torch.Tensor] = []
+        if plan.prefill is not None:
+            rows = self._prefill(plan.prefill)
+            for row, (req_id, sample) in enumerate(
+                zip(plan.prefill.req_ids, plan.prefill.sample, strict=True)
+            ):
+                if sample:
+                    sampled_ids.append(req_id)
+                    logits.append(rows[row])
+        if plan.decode is not None:
+            rows = self._decode(plan.decode)
+            for req_id, slot in zip(plan.decode.req_ids, plan.decode.slots, strict=True):
+                sampled_ids.append(req_id)
+                logits.append(rows[slot])
+        req_ids = list(out.num_scheduled_tokens)
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        tokens: list[list[int]] = [[] for _ in req_ids]
+        logprobs = None
+        if sampled_ids:
+            states = [self.requests[r] for r in sampled_ids]
+            metadata = build_sampling_metadata(
+                [s.payload[0] for s in states],
+                [s.payload[1] for s in states],
+                [s.prompt for s in states],
+                [s.output for s in states],
+                vocab_size=self.vocab_size,
+                device=self.device,
+            )
+            stacked = torch.stack([row[: self.vocab_size] for row in logits]).float()
+            result = self.sampler(stacked, metadata)
+            chosen = result.sampled_token_ids[:, 0].tolist()
+            for req_id, token in zip(sampled_ids, chosen, strict=True):
+                tokens[index[req_id]] = [int(token)]
+                self.requests.append_token(req_id, int(token))
+            if result.logprobs_tensors is not None:
+                logprobs = self._logprobs_in_request_order(result, sampled_ids, req_ids)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+        )
+
+    def _logprobs_in_request_order(
+        self, result: Any, sampled_ids: list[str], req_ids: list[str]
+    ) -> Any:
+        """vLLM expects one logprobs row per scheduled request; unsampled rows are empty."""
+        tensors = result.logprobs_tensors
+        order = {r: i for i, r in enumerate(sampled_ids)}
+        width = tensors.logprob_token_ids.shape[1]
+        ids = torch.zeros((len(req_ids), width), dtype=tensors.logprob_token_ids.dtype)
+        values = torch.full((len(req_ids), width), float("-inf"))
+        ranks = torch.zeros(len(req_ids), dtype=tensors.selected_token_ranks.dtype)
+        for row, req_id in enumerate(req_ids):
+            source = order.get(req_id)
+            if source is not None:
+                ids[row] = tensors.logprob_token_ids[source]
+                values[row] = tensors.logprobs[source]
+                ranks[row] = tensors.selected_token_ranks[source]
+        return type(tensors)(ids, values, ranks).tolists()
+
+    def _prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        clock = time.perf_counter()
+        output = self.model.prefill_forward(
+            tokens=batch.tokens,
+            page_table=batch.page_table,
+            kv_cache=self.kv_cache,
+            enable_trace=self.settings.trace_mode == "all",
+            prompt_lens=batch.prompt_lens,
+            start_pos=batch.start_pos,
+            empty_slots=list(batch.empty_slots),
+        )
+        stats = self.stats
+        stats["prefill_calls"] += 1
+        stats["prefill_rows"] += len(batch.req_ids)
+        stats["cached_prefill_rows"] += int((batch.start_pos > 0).sum())
+        stats["partial_prefill_rows"] += batch.sample.count(False)
+        stats["prefill_seconds"] += time.perf_counter() - clock
+        return _rows(output, len(batch.req_ids))
+
+    def _decode(self, batch: DecodeBatch) -> torch.Tensor:
+        clock = time.perf_counter()
+        enable_trace = self.settings.trace_mode != "none"
+        model = self.model
+        if self.supports_async_decode:
+            raw = model.decode_forward(
+                tokens=batch.tokens,
+                page_table=batch.page_table,
+                kv_cache=self.kv_cache,
+                start_pos=batch.start_pos,
+                enable_trace=enable_trace,
+                read_from_device=False,
+            )
+            host, events = model.read_decode_output(raw, async_read=True)
+            for event in events or ():
+                _synchronize(model, event)
+            output = model.process_decode_output_host(host, is_tokens=False)
+        else:
+            output = model.decode_forward(
+                tokens=batch.tokens,
+                page_table=batch.page_table,
+                kv_cache=self.kv_cache,
+                start_pos=batch.start_pos,
+                enable_trace=enable_trace,
+                read_from_device=True,
+            )
+        self.stats["decode_calls"] += 1
+        self.stats["decode_rows"] += len(batch.req_ids)
+        self.stats["decode_seconds"] += time.perf_counter() - clock
+        return _rows(output, batch.tokens.shape[0])
+
+    def close(self) -> None:
+        """Release the facade's device state now (the engine only drops the object)."""
+        model, self.model, self.kv_cache = self.model, None, None
+        close = getattr(model, "close", None) or getattr(model, "cleanup", None)
+        if callable(close):
+            close()
+
+
+def _rows(output: Any, count: int) -> torch.Tensor:
+    """Host logits as `[rows, vocab]` (the facade may return `[B, 1, V]` or a tuple)."""
+    if isinstance(output, tuple):
+        output = output[0]
+    tensor = torch.as_tensor(output)
+    if tensor.dim() == 3:
+        tensor = tensor[:, -1, :]
+    if tensor.dim() != 2 or tensor.shape[0] < count:
+        raise RuntimeError(
+            f"the facade returned output of shape {tuple(tensor.shape)}; expected logits "
+            f"[>= {count}, vocab] (is device sampling on? this worker samples on the host)"
+        )
+    return tensor
+
+
+def _synchronize(model: Any, event: Any) -> None:
+    """Wait for one read event with the facade's device (or the event's own wait)."""
+    device = getattr(model, "device", None)
+    wait = getattr(device, "event_synchronize", None)
+    if callable(wait):
+        wait(event)
+        return
+    synchronize = getattr(event, "synchronize", None)
+    if callable(synchronize):
+        synchronize()

@@ -1,0 +1,131 @@
+"""Run token prompts through `vllm.LLM` and write the generated token ids as JSON.
+
+`python -m models.vllm_plugin.offline --model DIR --requests IN.json --out OUT.json [...]`
+
+The end-to-end test and `benchmarks/vllm_compare.py` both drive vLLM through this script, in
+a fresh process each time (vLLM spawns its engine core, hence the `__main__` guard). With
+`--platform vllm` it runs vLLM's own CPU model runner on the same folder, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VLLM_CPU_KV_BYTES = 1 << 30
+METRICS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face folder")
+    parser.add_argument("--requests", required=True, type=Path, help="JSON list of requests")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--platform", choices=("llm-runtime", "vllm"), default="llm-runtime")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="num_gpu_blocks_override")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--trace-mode", default=None, help="additional_config llm_runtime")
+    parser.add_argument("--repeat", type=int, default=1, help="run the request list N times")
+    return parser.parse_args(argv)
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    found: dict[str, float] = {}
+    try:
+        for metric in llm.get_metrics():
+            if metric.name in METRICS:
+                found[metric.name] = float(getattr(metric, "value", 0.0))
+    except Exception as error:  # metrics are diagnostics, never a failure of the run
+        found["error"] = str(error)  # type: ignore[assignment]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.platform == "vllm":
+        os.environ["LLM_RUNTIME_VLLM_PLATFORM"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = json.loads(args.requests.read_text())
+    has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
+    options: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "enforce_eager": True,
+        "max_num_seqs": args.max_num_seqs,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "enable_chunked_prefill": True,
+        "skip_tokenizer_init": not has_tokenizer,
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    for key, value in (
+        ("block_size", args.block_size),
+        ("max_num_batched_tokens", args.max_num_batched_tokens),
+        ("max_model_len", args.max_model_len),
+        ("num_gpu_blocks_override", args.num_gpu_blocks),
+    ):
+        if value is not None:
+            options[key] = value
+    if args.platform == "vllm":  # vLLM's CPU worker sizes its KV cache from this budget
+        options["kv_cache_memory_bytes"] = VLLM_CPU_KV_BYTES
+    if args.platform == "llm-runtime" and args.trace_mode:
+        options["additional_config"] = {"llm_runtime": {"trace_mode": args.trace_mode}}
+    clock = time.perf_counter()
+    llm = LLM(**options)
+    startup = time.perf_counter() - clock
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=int(r["max_tokens"]),
+            ignore_eos=bool(r.get("ignore_eos", False)),
+            stop_token_ids=list(r.get("stop_token_ids") or []),
+            detokenize=has_tokenizer,
+        )
+        for r in requests
+    ]
+    runs: list[dict[str, Any]] = []
+    outputs: list[list[int]] = []
+    for _ in range(args.repeat):
+        clock = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - clock
+        outputs = [list(r.outputs[0].token_ids) for r in results]
+        runs.append(
+            {
+                "seconds": seconds,
+                "generated_tokens": sum(len(o) for o in outputs),
+                "outputs": outputs,
+            }
+        )
+    stats: Any = None
+    if args.platform == "llm-runtime":
+        stats = llm.collective_rpc("runtime_stats")[0]
+    report = {
+        "platform": args.platform,
+        "startup_seconds": startup,
+        "runs": runs,
+        "outputs": outputs,
+        "metrics": _metrics(llm),
+        "runtime_stats": stats,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+    }
+    args.out.write_text(json.dumps(report))
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""vLLM's own sampler over the host logits the facade returns.
+
+The facade's logits path hands back one row per request that finished its prompt (prefill)
+or decoded a token. This module builds vLLM's `SamplingMetadata` for exactly those rows and
+names the request options this worker does not implement, so a request that asks for one is
+refused when it arrives instead of being sampled differently from what it asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+
+_EPS = 1e-5
+
+
+def unsupported_options(params: SamplingParams) -> list[str]:
+    """The options of `params` this worker cannot honour (empty when it can)."""
+    found: list[str] = []
+    if params.prompt_logprobs is not None:
+        found.append(f"prompt_logprobs={params.prompt_logprobs}")
+    if params.min_tokens:
+        found.append(f"min_tokens={params.min_tokens}")
+    if params.min_p > _EPS:
+        found.append(f"min_p={params.min_p}")
+    if params.logit_bias:
+        found.append("logit_bias")
+    if params.allowed_token_ids:
+        found.append("allowed_token_ids")
+    if params.bad_words:
+        found.append("bad_words")
+    if params.structured_outputs is not None:
+        found.append("structured_outputs")
+    if params.logprob_token_ids:
+        found.append("logprob_token_ids")
+    if params.thinking_token_budget is not None:
+        found.append("thinking_token_budget")
+    return found
+
+
+def sampling_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A seeded generator for a request with a seed (vLLM's own rule), else None."""
+    if params.sampling_type != SamplingType.RANDOM_SEED:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(params.seed))  # type: ignore[arg-type]
+    return generator
+
+
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[list[int]],
+    *,
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Metadata for rows `0..len(params)-1`, in the order the logits are stacked."""
+    greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+    all_greedy, all_random = all(greedy), not any(greedy)
+    temperature = top_p = top_k = None
+    if not all_greedy:
+        temperature = torch.tensor(
+            [0.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)],
+            dtype=torch.float32,
+            device=device,
+        )
+        if any(p.top_p < 1.0 - _EPS for p in params):
+            top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
+        if any(0 < p.top_k < vocab_size for p in params):
+            top_k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                dtype=torch.int32,
+            )
+    no_penalties = all(
+        abs(p.presence_penalty) < _EPS
+        and abs(p.frequency_penalty) < _EPS
+        and abs(p.repetition_penalty - 1.0) < _EPS
+        for p in params
+    )
+    prompt_tensor: torch.Tensor | None = None
+    if not no_penalties:
+        width = max(len(p) for p in prompts)
+        prompt_tensor = torch.full((len(prompts), width), vocab_size, dtype=torch.int64)
+        for row, prompt in enumerate(prompts):
+            prompt_tensor[row, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.int64)
+
+    def column(name: str, default: float) -> torch.Tensor:
+        values = [float(getattr(p, name)) for p in params]
+        return torch.tensor(values or [default], dtype=torch.float32, device=device)
+
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=all_greedy,
+        all_random=all_random,
+        top_p=top_p,
+        top_k=top_k,
+        generators={row: g for row, g in enumerate(generators) if g is not None},
+        max_num_logprobs=max(logprobs) if logprobs else None,
+        no_penalties=no_penalties,
+        prompt_token_ids=prompt_tensor,
+        frequency_penalties=column("frequency_penalty", 0.0),
+        presence_penalties=column("presence_penalty", 0.0),
+        repetition_penalties=column("repetition_penalty", 1.0),
+        output_token_ids=list(outputs),
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )

@@ -1,0 +1,71 @@
+"""The plugin's platform: selected by vLLM, and refusing what the worker would not honour.
+
+These build vLLM's configuration in this process (no engine starts), so they are quick.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def engine_config(folder: Path, **options: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(folder), dtype=options.pop("dtype", "float32"), **options)
+    return args.create_engine_config()
+
+
+def test_vllm_selects_this_runtime_platform_and_worker(tiny_folder: Path) -> None:
+    from vllm.platforms import current_platform
+
+    from models.vllm_plugin.platform import LLMRuntimeCpuPlatform
+
+    assert os.environ.get("LLM_RUNTIME_VLLM_PLATFORM", "1") != "0"
+    assert isinstance(current_platform, LLMRuntimeCpuPlatform)
+    config = engine_config(tiny_folder, skip_tokenizer_init=True)
+    assert config.parallel_config.worker_cls == "models.vllm_plugin.worker.LLMRuntimeWorker"
+    assert config.cache_config.block_size == 32  # the runtime's default block size
+    assert config.scheduler_config.async_scheduling is False
+    assert config.model_config.enforce_eager is True
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"additional_config": {"llm_runtime": {"trace_mode": "sometimes"}}},
+            r"additional_config\['llm_runtime'\]\['trace_mode'\] must be one of",
+        ),
+        ({"dtype": "float16"}, r"--dtype float16 is not supported by the llm-runtime worker"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_engine_starts(
+    tiny_folder: Path, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine_config(tiny_folder, skip_tokenizer_init=True, **options)
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"min_tokens": 3}, "min_tokens=3"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs=1"),
+        ({"logit_bias": {5: 1.0}}, "logit_bias"),
+        ({"min_p": 0.1}, "min_p=0.1"),
+    ],
+)
+def test_requests_with_unimplemented_options_are_refused(
+    params: dict[str, Any], named: str
+) -> None:
+    from vllm import SamplingParams
+
+    from models.vllm_plugin.platform import LLMRuntimeCpuPlatform
+
+    LLMRuntimeCpuPlatform.validate_request(None, SamplingParams(temperature=0.7, top_k=5))
+    with pytest.raises(ValueError, match=rf"does not support {named}"):
+        LLMRuntimeCpuPlatform.validate_request(None, SamplingParams(**params))
