@@ -42,18 +42,23 @@ logger = logging.getLogger(__name__)
 P = Phase
 _SETUP = (P.ALLOCATED, P.COMPILED)
 
-EXECUTOR_TABLE = host_table(
-    name="model-executor",
-    next_calls={
-        P.CONSTRUCTED: ("configure_paged_kv_cache", "allocate_kv_cache"),
-        P.CAPACITY_RESOLVED: ("allocate_kv_cache",),
-        P.SEALED: ("allocate_kv_cache",),
-        P.ALLOCATED: ("warmup_prefill", "warmup_decode"),
-        P.COMPILED: ("capture", "serve"),
-        P.CAPTURED: ("serve",),
-        P.SERVING: ("prefill_forward", "decode_forward", "close"),
-    },
+_NEXT_CALLS = {
+    P.CONSTRUCTED: ("start", "configure_paged_kv_cache", "allocate_kv_cache"),
+    P.CAPACITY_RESOLVED: ("start", "allocate_kv_cache"),
+    P.SEALED: ("start", "allocate_kv_cache"),
+    P.ALLOCATED: ("start", "warmup_prefill", "warmup_decode"),
+    P.CAPTURED: ("start", "serve"),
+    P.SERVING: ("prefill_forward", "decode_forward", "close"),
+}
+# The onward calls from COMPILED depend on the trace mode: only one of capture()/serve() can
+# succeed there, and errors and `bringup` list exactly the calls that can.
+EAGER_EXECUTOR_TABLE = host_table(
+    name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "serve")}
 )
+TRACED_EXECUTOR_TABLE = host_table(
+    name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "capture")}
+)
+EXECUTOR_TABLE = EAGER_EXECUTOR_TABLE
 
 
 def _exact(name: str, value: object, kind: type) -> None:
@@ -129,7 +134,12 @@ class ModelExecutor(LifecycleHost):
             )
         if config.device_sampling_enabled and getattr(model, "sampling", None) is None:
             raise TypeError("device sampling requires model.sampling (a resolved sampler)")
-        super().__init__(owner_name=owner_name, journal=journal)
+        traced = config.trace.mode != "none"
+        super().__init__(
+            owner_name=owner_name,
+            journal=journal,
+            table=TRACED_EXECUTOR_TABLE if traced else EAGER_EXECUTOR_TABLE,
+        )
         self.model = model
         self.config = config
         self.device = device
@@ -390,14 +400,16 @@ class ModelExecutor(LifecycleHost):
         """Compile the programs of one prefill call (eager; traced lanes also register)."""
         self._validate_cache_argument(request.pop("kv_cache", None))
         target = self.traced_executor if self.config.trace.prefill_enabled else None
-        return (target or self.eager_executor).compile_prefill(**request)
+        with self._faulting("compile_prefill"):
+            return (target or self.eager_executor).compile_prefill(**request)
 
     @guarded(*_SETUP)
     def compile_decode(self, **request: Any) -> Any:
         """Compile the decode program of one call (traced lanes also register a plan)."""
         self._validate_cache_argument(request.pop("kv_cache", None))
         target = self.traced_executor if self.config.trace.decode_enabled else None
-        return (target or self.eager_executor).compile_decode(**request)
+        with self._faulting("compile_decode"):
+            return (target or self.eager_executor).compile_decode(**request)
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         self.warmup.warmup_prefill(
@@ -449,7 +461,8 @@ class ModelExecutor(LifecycleHost):
         enable_trace: bool | None = None,
     ) -> None:
         """Compile every declared prefill shape; with decode done, ALLOCATED -> COMPILED."""
-        self._prefill_warmup(kv_cache, can_sample_on_device, enable_trace)
+        with self._faulting("warmup_prefill"):
+            self._prefill_warmup(kv_cache, can_sample_on_device, enable_trace)
         self._after_warmup()
 
     @guarded(*_SETUP)
@@ -461,7 +474,8 @@ class ModelExecutor(LifecycleHost):
         enable_trace: bool | None = None,
     ) -> None:
         """Compile every declared decode shape; with prefill done, ALLOCATED -> COMPILED."""
-        self._decode_warmup(kv_cache, can_sample_on_device, enable_trace)
+        with self._faulting("warmup_decode"):
+            self._decode_warmup(kv_cache, can_sample_on_device, enable_trace)
         self._after_warmup()
 
     def warmup_model_prefill(self, **kwargs: Any) -> None:
@@ -550,17 +564,22 @@ class ModelExecutor(LifecycleHost):
         """Prefill a batch of prompts; rows come back in source order."""
         self._validate_cache_argument(kv_cache)
         self._check_sampling(sampling_params)
-        return self._target("prefill", execution).prefill_forward(
-            tokens=tokens,
-            page_table=page_table,
-            prompt_lens=prompt_lens,
-            start_pos=start_pos,
-            empty_slots=empty_slots,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-        )
+        target = self._target("prefill", execution)
+        try:
+            return target.prefill_forward(
+                tokens=tokens,
+                page_table=page_table,
+                prompt_lens=prompt_lens,
+                start_pos=start_pos,
+                empty_slots=empty_slots,
+                sampling_params=sampling_params,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                slot_remap=slot_remap,
+            )
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("prefill_forward", error)
+            raise
 
     @guarded(P.SERVING)
     def decode_forward(
@@ -581,27 +600,40 @@ class ModelExecutor(LifecycleHost):
         """One decode step over the whole lane (negative positions are inactive rows)."""
         self._validate_cache_argument(kv_cache)
         self._check_sampling(sampling_params)
-        return self._target("decode", execution).decode_forward(
-            tokens=tokens,
-            start_pos=start_pos,
-            page_table=page_table,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-            reset_batch=reset_batch,
-            read_from_device=read_from_device,
-        )
+        target = self._target("decode", execution)
+        try:
+            return target.decode_forward(
+                tokens=tokens,
+                start_pos=start_pos,
+                page_table=page_table,
+                sampling_params=sampling_params,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                slot_remap=slot_remap,
+                reset_batch=reset_batch,
+                read_from_device=read_from_device,
+            )
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("decode_forward", error)
+            raise
 
     @guarded(P.SERVING)
     def read_decode_output(self, raw: Any, *, async_read: bool = False) -> Any:
         """Read a raw decode output (async: `(host_value, events)` to complete later)."""
-        return self.decode_runtime.read_decode_output(raw, async_read=async_read)
+        try:
+            return self.decode_runtime.read_decode_output(raw, async_read=async_read)
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("read_decode_output", error)
+            raise
 
     @guarded(P.SERVING)
     def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
         """Complete an asynchronous read and normalise it."""
-        return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
+        try:
+            return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("process_decode_output_host", error)
+            raise
 
     def can_trace_prefill(self, **request: Any) -> bool:
         """Whether prefill of this geometry could replay a trace (a capability query)."""
@@ -615,6 +647,20 @@ class ModelExecutor(LifecycleHost):
         return target.runtime_summary()
 
     # -- cleanup ---------------------------------------------------------------------------------
+
+    def _held_resources(self) -> tuple[str, ...]:
+        """Components holding what a failed release left (each refuses work until cleaned)."""
+        counts = [
+            ("program compiler", self.program_compiler.compile_orphan_count),
+            ("prefill runtime", self.prefill_runtime.transient_orphan_count),
+            ("decode runtime", self.decode_runtime.transient_orphan_count),
+        ]
+        if self.trace_compiler is not None:
+            counts.append(("trace compiler", self.trace_compiler.rollback_orphan_count))
+        kv = self.kv_cache_manager
+        if kv.state.value != "bound":
+            counts.append(("paged KV cache", kv.owned_tensor_count))
+        return tuple(f"{count} unreleased {name} resource(s)" for name, count in counts if count)
 
     def _do_close(self) -> Sequence[BaseException]:
         steps: list[tuple[str, Callable[[], Any]]] = [

@@ -295,7 +295,8 @@ class PagedKVCacheManager:
         if failures:
             error = RuntimeError(
                 f"Failed to deallocate {len(failures)} paged KV cache tensor(s) left by an "
-                "earlier failed allocation; call release() to retry"
+                "earlier failed allocation; release() retries them (the owning executor's "
+                "close() calls it)"
             )
             attach_cleanup_failures(error, failures)
             raise error
