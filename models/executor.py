@@ -18,7 +18,9 @@ import torch
 
 from lifecycle import LifecycleHost, Phase, guarded, host_table
 from lifecycle.journal import Journal
+from models.progress import ProgressSink, as_progress
 from runtime.backends.base import Device
+from runtime.backends.memory import available_memory_bytes, format_bytes
 from runtime.config import (
     PagedKVCacheConfig,
     PageTableLayout,
@@ -35,7 +37,7 @@ from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.runtime import PrefillRuntime
 from runtime.program_compiler import ProgramCompiler
 from runtime.trace_compiler import TraceCompiler
-from runtime.warmup import CoverageManifest, Progress, WarmupCoordinator, WarmupCoordinatorConfig
+from runtime.warmup import CoverageManifest, WarmupCoordinator, WarmupCoordinatorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,10 @@ TRACED_EXECUTOR_TABLE = host_table(
     name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "capture")}
 )
 EXECUTOR_TABLE = EAGER_EXECUTOR_TABLE
+
+
+class KVCapacityError(ValueError):
+    """The paged KV cache asked for does not fit in the memory the device has left."""
 
 
 def _exact(name: str, value: object, kind: type) -> None:
@@ -124,7 +130,7 @@ class ModelExecutor(LifecycleHost):
         device: Device,
         owner_name: str = "ModelExecutor",
         journal: Journal | None = None,
-        progress: Progress | None = None,
+        progress: ProgressSink | Callable[[str, int, int], None] | None = None,
     ) -> None:
         _exact("config", config, ModelExecutorConfig)
         if not callable(getattr(model, "iter_executor_named_modules", None)):
@@ -143,6 +149,7 @@ class ModelExecutor(LifecycleHost):
         self.model = model
         self.config = config
         self.device = device
+        self.progress: ProgressSink = as_progress(progress)
         kv = config.paged_kv_cache
         self.kv_cache_manager = PagedKVCacheManager(
             model, kv, device=device, journal=self.journal, owner_name=f"{owner_name}.kv-cache"
@@ -214,7 +221,7 @@ class ModelExecutor(LifecycleHost):
             execution=self.traced_executor or self.eager_executor,
             ensure_sampling_buffers=self.ensure_sampling_buffers,
             validate_bound_cache=self._validate_cache_argument,
-            progress=progress,
+            progress=self.progress,
             auto_capture=False,
         )
         self._kv_handle: list[list[Any]] | None = None
@@ -292,12 +299,30 @@ class ModelExecutor(LifecycleHost):
                 f"paged KV capacity is already resolved to {self.kv_cache_manager.config}; "
                 f"cannot replace it with {config}"
             )
+        self.check_kv_memory(config.num_blocks)
         # Nothing below can fail: the configs were validated above.
         self.page_table_layout = layout
         self.prefill_runtime.configure_page_table_layout(layout)
         self.decode_runtime.configure_page_table_layout(layout)
         self.warmup.config = warmup_config
         return f"{config.num_blocks} blocks of {config.block_size} tokens"
+
+    def kv_cache_bytes(self, num_blocks: int) -> int:
+        """Bytes a paged KV cache of `num_blocks` blocks takes (every layer's K and V)."""
+        return self.kv_cache_manager.bytes_per_block * num_blocks
+
+    def check_kv_memory(self, num_blocks: int) -> None:
+        """Refuse, before allocating, a KV cache larger than the memory the device has left."""
+        needed = self.kv_cache_bytes(num_blocks)
+        available = available_memory_bytes(self.device.torch_device)
+        if available is not None and needed > available:
+            per_block = needed // max(1, num_blocks)
+            raise KVCapacityError(
+                f"a paged KV cache of {num_blocks} blocks needs {format_bytes(needed)} "
+                f"({format_bytes(per_block)} per block of {self.block_size} tokens) but "
+                f"only {format_bytes(available)} is available on {self.device.name}; at most "
+                f"{available // max(1, per_block)} blocks fit"
+            )
 
     def _do_resolve_capacity(self, num_blocks: int | None) -> str:
         current = self.kv_cache_manager.config
@@ -314,8 +339,13 @@ class ModelExecutor(LifecycleHost):
         )
 
     def _do_allocate(self) -> str:
-        self._kv_handle = self.kv_cache_manager.allocate()
+        num_blocks = self.kv_cache_manager.config.num_blocks
+        assert num_blocks is not None
+        self.check_kv_memory(num_blocks)
         manager = self.kv_cache_manager
+        with self.progress.step("allocate KV cache") as step:
+            self._kv_handle = manager.allocate()
+            step.advance(0, f"{format_bytes(manager.nbytes)} in {num_blocks} blocks")
         return (
             f"KV {manager.nbytes} bytes in {manager.config.num_blocks} blocks x "
             f"{2 * manager.num_layers} tensors"
@@ -506,7 +536,8 @@ class ModelExecutor(LifecycleHost):
         return self.config.trace.mode != "none"
 
     def _do_capture(self) -> str:
-        manifest = self.warmup.capture_pending_traces()
+        with self.progress.step("capture traces"):
+            manifest = self.warmup.capture_pending_traces()
         assert self.trace_compiler is not None
         return (
             f"{self.trace_compiler.capture_count} traces captured for "

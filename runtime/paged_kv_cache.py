@@ -138,6 +138,14 @@ class PagedKVCacheManager:
         )
 
     @property
+    def bytes_per_block(self) -> int:
+        """Bytes one KV block takes across every layer's K and V (known before resolving)."""
+        block = self._config.block_size
+        return sum(
+            2 * g.local_kv_heads * block * g.head_dim * _itemsize(g.dtype) for g in self._layers
+        )
+
+    @property
     def owned_tensor_count(self) -> int:
         """K/V tensors still owned (including leftovers of a failed attempt)."""
         return len(self._owned)
