@@ -383,6 +383,18 @@ def _run_generation(
                 f"{limit} tokens; a prompt may have at most {limit - 1} so one token can be "
                 "generated"
             )
+    if args.num_blocks:
+        block = int(executor.block_size)
+        for index, ids in enumerate(prompt_ids):
+            tokens = min(len(ids) + args.max_new_tokens, limit) - 1
+            wanted = -(-tokens // block)
+            if wanted > args.num_blocks:
+                raise UsageError(
+                    f"--num-blocks {args.num_blocks} is too small: request {index} (a "
+                    f"{len(ids)}-token prompt + --max-new-tokens {args.max_new_tokens}) needs "
+                    f"{wanted} KV blocks of {block} tokens; allowed is >= {wanted}, or omit "
+                    "--num-blocks to size the cache to the prompts"
+                )
     _resolve_capacity(executor, blocks, given=bool(args.num_blocks))
     executor.start()
     try:
