@@ -46,7 +46,7 @@ PHASE_DESCRIPTIONS: dict[Phase, str] = {
     Phase.CAPTURED: "traces captured; the compile gate is closed",
     Phase.SERVING: "requests may run",
     Phase.CLOSING: "cleanup ran but left resources; close() again retries",
-    Phase.FAULTED: "a failed transition left resources unreleased; only close() is legal",
+    Phase.FAULTED: "a failed call left resources unreleased; only close() is legal",
     Phase.TERMINAL: "everything released; construct a new host",
 }
 

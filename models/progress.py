@@ -114,6 +114,10 @@ class ConsoleProgress:
                 TimeElapsedColumn(),
                 console=self.console,
                 transient=True,
+                # stdout text passes through the live display only when stdout is the same
+                # kind of terminal; piped stdout (JSON for a script) is never touched.
+                redirect_stdout=_is_terminal(sys.stdout),
+                redirect_stderr=False,
             )
             self._bars.start()
 
@@ -177,6 +181,13 @@ class ConsoleProgress:
         self._finish_warmup()
         self._depth = 0
         self._stop_bars()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def progress_for(mode: str, stream: TextIO | None = None) -> ConsoleProgress | NullProgress:
