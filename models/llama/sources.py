@@ -21,6 +21,7 @@ from models.llama.tokenizer import LlamaTokenizer
 from models.llama.weights import (
     GGUFFile,
     ModelFileError,
+    ModelFileMissing,
     check_finite,
     check_readable_file,
     load_gguf,
@@ -105,7 +106,7 @@ def resolve_source(name: str | Path) -> ModelSource:
             "Hugging Face directory (config.json and *.safetensors)"
         )
     if "/" in text or text.startswith(".") or path.suffix:
-        raise ModelFileError(f"model path {text!r} does not exist")
+        raise ModelFileMissing(f"model path {text!r} does not exist")
     raise ValueError(
         f"model {text!r} is not recognised: allowed are {SMOLLM2_NAME!r}, 'tiny-random', "
         f"'tiny-random-<preset>' (presets {sorted(TINY_PRESETS)}), a Hugging Face directory "

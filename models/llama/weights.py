@@ -40,10 +40,14 @@ class ModelFileError(ValueError):
     """
 
 
+class ModelFileMissing(ModelFileError, FileNotFoundError):
+    """A model file or folder that does not exist (also a `FileNotFoundError`)."""
+
+
 def check_readable_file(path: Path, what: str) -> int:
     """The size of `path`, or a `ModelFileError` saying why it cannot be read as `what`."""
     if not path.exists():
-        raise ModelFileError(f"{what} {str(path)!r} does not exist")
+        raise ModelFileMissing(f"{what} {str(path)!r} does not exist")
     if not path.is_file():
         raise ModelFileError(f"{what} {str(path)!r} is not a regular file")
     try:
@@ -182,14 +186,14 @@ def _safetensors_files(directory: Path) -> dict[str, list[str]]:
             files.setdefault(file, []).append(name)
         for file in files:
             if not (directory / file).is_file():
-                raise ModelFileError(
+                raise ModelFileMissing(
                     f"shard {file!r} listed in {index} does not exist in {directory}"
                 )
             check_safetensors_file(directory / file)
         return files
     found = sorted(p.name for p in directory.glob("*.safetensors"))
     if not found:
-        raise ModelFileError(
+        raise ModelFileMissing(
             f"no *.safetensors files (and no {SAFETENSORS_INDEX}) in directory {str(directory)!r}"
         )
     from safetensors import safe_open
