@@ -337,13 +337,12 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         executor = _load_from_args(args, progress)
         try:
-            return _run_generation(args, executor, prompts, params)
+            status = _run_generation(args, executor, prompts, params)
         except BaseException:
-            _close_quietly(executor)
+            _close_quietly(executor)  # a close failure never hides the first error
             raise
-        finally:
-            if not executor.is_terminal:
-                executor.close()
+        executor.close()
+        return status
     finally:
         close = getattr(progress, "close", None)
         if close is not None:
@@ -408,7 +407,10 @@ def _run_generation(
         else:
             _consume_finished(stream, printer, executor.progress, len(prompts))
     except KeyboardInterrupt:
-        stream.close()
+        try:
+            stream.close()  # drops unfinished requests and releases their blocks
+        except Exception as error:
+            logger.warning("stopping the stream after Ctrl-C failed: %s", _one_line(error))
         printer.summary(stream, executor, interrupted=True)
         print(
             f"{PROG}: interrupted: {printer.finished} of {len(prompts)} request(s) finished "
