@@ -258,7 +258,7 @@ def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str,
         log(
             f"batch {batch}: measuring {config.repeats} repeat(s) of {config.new_tokens} "
             f"tokens x {batch} row(s){' per engine' if hf is not None else ''} "
-            f"(estimated {config.repeats * estimate:.0f} s)"
+            f"(estimated {config.repeats * estimate:.1f} s)"
         )
         ours: list[RunTimes] = []
         theirs: list[RunTimes] = []

@@ -364,15 +364,6 @@ def _run_generation(
         raise UsageError(error) from error
     needed = _capacity(generator, prompt_ids, args.max_new_tokens)
     blocks = args.num_blocks or needed
-    if args.num_blocks and args.num_blocks > 4 * needed:
-        logger.warning(
-            "--num-blocks %d reserves %s of KV cache; these prompts need at most %d blocks "
-            "(%s): omit --num-blocks to size the cache to the prompts",
-            args.num_blocks,
-            format_bytes(executor.kv_cache_bytes(args.num_blocks)),
-            needed,
-            format_bytes(executor.kv_cache_bytes(needed)),
-        )
     limit = generator.max_seq_len
     for index, ids in enumerate(prompt_ids):
         if len(ids) >= limit:
@@ -395,6 +386,15 @@ def _run_generation(
                     "--num-blocks to size the cache to the prompts"
                 )
     _resolve_capacity(executor, blocks, given=bool(args.num_blocks))
+    if args.num_blocks and args.num_blocks > 4 * needed:
+        logger.warning(
+            "--num-blocks %d reserves %s of KV cache; these prompts need at most %d blocks "
+            "(%s): omit --num-blocks to size the cache to the prompts",
+            args.num_blocks,
+            format_bytes(executor.kv_cache_bytes(args.num_blocks)),
+            needed,
+            format_bytes(executor.kv_cache_bytes(needed)),
+        )
     executor.start()
     try:
         stream = generator.stream(prompts, params, chat=args.chat)

@@ -442,6 +442,18 @@ class ModelExecutor(LifecycleHost):
             return (target or self.eager_executor).compile_decode(**request)
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+        try:
+            self._run_prefill_warmup(kv_cache, sampling, trace)
+        finally:
+            self.progress.cases_done()
+
+    def _decode_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+        try:
+            self._run_decode_warmup(kv_cache, sampling, trace)
+        finally:
+            self.progress.cases_done()
+
+    def _run_prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         self.warmup.warmup_prefill(
             kv_cache=kv_cache,
             can_sample_on_device=self.config.device_sampling_enabled
@@ -450,7 +462,7 @@ class ModelExecutor(LifecycleHost):
             enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
         )
 
-    def _decode_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+    def _run_decode_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         num_blocks = self.kv_cache_manager.config.num_blocks
         assert num_blocks is not None
         self.warmup.warmup_decode(

@@ -30,6 +30,9 @@ class ProgressSink(Protocol):
     def announce(self, message: str) -> None:
         """A one-line notice (e.g. what a benchmark phase will measure and for how long)."""
 
+    def cases_done(self) -> None:
+        """The warmup cases reported through `__call__` are finished."""
+
 
 class _NullStep:
     def advance(self, count: int = 1, detail: str = "") -> None:
@@ -47,6 +50,9 @@ class NullProgress:
         yield _NullStep()
 
     def announce(self, message: str) -> None:
+        pass
+
+    def cases_done(self) -> None:
         pass
 
 
@@ -156,11 +162,12 @@ class ConsoleProgress:
         if self._warmup is None or index == 1:
             self._finish_warmup()
             self._start_bars()
-            self._warmup = _Step(self, "warmup", total)
+            operation = label.split()[0] if label.split() else "cases"
+            self._warmup = _Step(self, f"warmup {operation} shapes", total)
         if index > 1:
             self._warmup.advance(1, label)
         elif self._warmup.task is not None:
-            self._bars.update(self._warmup.task, description=f"warmup ({label})")
+            self._bars.update(self._warmup.task, description=f"{self._warmup.name} ({label})")
         if index == total:
             self._warmup.advance(0, label)
 
@@ -168,8 +175,13 @@ class ConsoleProgress:
         if self._warmup is not None:
             warmup, self._warmup = self._warmup, None
             warmup.done = warmup.total or warmup.done
+            warmup.detail = ""  # the last case's label; the count says enough
             warmup.finish()
             self._stop_bars()
+
+    def cases_done(self) -> None:
+        """Warmup finished: its line is printed now, not when the next step starts."""
+        self._finish_warmup()
 
     def announce(self, message: str) -> None:
         """Print a notice now (plain text; shown on a pipe too when enabled)."""
@@ -202,7 +214,7 @@ def as_progress(progress: Any) -> Any:
     """A `ProgressSink` for whatever an API caller passed (None, a callback, or a sink)."""
     if progress is None:
         return NullProgress()
-    if callable(getattr(progress, "step", None)) and callable(progress):
+    if all(callable(getattr(progress, name, None)) for name in ("step", "announce", "cases_done")):
         return progress
     if callable(progress):
         return _CallbackProgress(progress)

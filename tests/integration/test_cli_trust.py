@@ -136,12 +136,16 @@ def test_progress_is_silent_on_a_pipe_unless_asked(capsys: pytest.CaptureFixture
     for step in (
         "load model tiny-random: done",
         "allocate KV cache: done",
-        "warmup",
+        "warmup prefill shapes",
+        "warmup decode shapes 2/2: done",
         "capture traces: done",
         "generate 2/2: done",
         "tokens/s",
     ):
         assert step in err, step
+    # Each step's line is printed when it ends, in the order they ran.
+    order = ["load model", "allocate KV cache", "warmup decode", "capture traces", "generate"]
+    assert [err.index(step) for step in order] == sorted(err.index(step) for step in order)
 
 
 def test_the_python_api_takes_the_same_progress_object() -> None:
@@ -158,7 +162,7 @@ def test_the_python_api_takes_the_same_progress_object() -> None:
     executor.close()
     text = stream.getvalue()
     assert "load model tiny-random: done" in text
-    assert "allocate KV cache: done" in text and "warmup" in text
+    assert "allocate KV cache: done" in text and "warmup prefill shapes" in text
     assert "generate 2/2: done" in text
 
 
