@@ -21,10 +21,12 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -407,6 +409,8 @@ def _run_generation(
         else:
             _consume_finished(stream, printer, executor.progress, len(prompts))
     except KeyboardInterrupt:
+        if len(prompts) > 1 or args.json:
+            printer.drain(stream)  # what finished before the interrupt is never lost
         try:
             stream.close()  # drops unfinished requests and releases their blocks
         except Exception as error:
@@ -420,6 +424,19 @@ def _run_generation(
         return EXIT_INTERRUPTED
     printer.summary(stream, executor, interrupted=False)
     return EXIT_OK
+
+
+@contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C back while a line and its bookkeeping complete (delivered right after)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class _Printer:
@@ -438,21 +455,41 @@ class _Printer:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
         self.finished = 0
+        self.pending: list[Any] = []
 
     def write(self, text: str) -> None:
+        """Write and flush whole: Ctrl-C waits until the text is out (never half a line)."""
+        with _sigint_held():
+            self._write(text)
+
+    def _write(self, text: str) -> None:
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
         except BrokenPipeError as error:
             raise _PipeClosed() from error
 
-    def completion(self, completion: Any) -> None:
-        self.finished += 1
+    def drain(self, stream: Any) -> int:
+        """Print every completion finished so far (also after Ctrl-C); returns how many.
+
+        Each line and its bookkeeping happen with Ctrl-C held back, so an interrupt never
+        loses, halves or repeats a completion.
+        """
+        self.pending.extend(stream.newly_finished())
+        count = 0
+        while self.pending:
+            with _sigint_held():
+                self._write(self._format(self.pending[0]))
+                self.pending.pop(0)
+                self.finished += 1
+            count += 1
+        return count
+
+    def _format(self, completion: Any) -> str:
         if self.as_json:
-            self.write(json.dumps(completion.to_json(), ensure_ascii=False) + "\n")
-        else:
-            head = f"[{completion.index}] ({completion.finish_reason}, "
-            self.write(f"{head}{len(completion.token_ids)} tokens)\n{completion.text}\n")
+            return json.dumps(completion.to_json(), ensure_ascii=False) + "\n"
+        head = f"[{completion.index}] ({completion.finish_reason}, "
+        return f"{head}{len(completion.token_ids)} tokens)\n{completion.text}\n"
 
     def summary(self, stream: Any, executor: Any, *, interrupted: bool) -> None:
         stats = stream.stats
@@ -496,14 +533,10 @@ def _consume_finished(stream: Any, printer: _Printer, progress: Any, total: int)
     """Print each completion when it finishes; progress shows requests done and tokens/s."""
     with progress.step("generate", total=total) as step:
         for _ in stream:
-            finished = stream.newly_finished()
-            for completion in finished:
-                printer.completion(completion)
-            if finished:
-                step.advance(len(finished), stream.stats.progress_detail())
-        for completion in stream.newly_finished():
-            printer.completion(completion)
-            step.advance(1, stream.stats.progress_detail())
+            count = printer.drain(stream)
+            if count:
+                step.advance(count, stream.stats.progress_detail())
+        step.advance(printer.drain(stream), stream.stats.progress_detail())
 
 
 # --------------------------------------------------------------------------------------------
