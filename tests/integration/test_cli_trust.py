@@ -382,7 +382,11 @@ def test_ctrl_c_prints_what_finished_and_exits_130() -> None:
     first = producer.stdout.readline()  # generation is running
     time.sleep(0.3)
     producer.send_signal(signal.SIGINT)
-    rest, err = producer.communicate(timeout=120)
+    # Read through the same buffered file: communicate() would skip what readline() buffered.
+    rest = producer.stdout.read()
+    assert producer.stderr is not None
+    err = producer.stderr.read()
+    producer.wait(timeout=120)
     lines = [json.loads(line) for line in (first + rest).decode().splitlines()]
     assert producer.returncode == 130, err.decode()
     summary = lines[-1]["summary"]
