@@ -78,19 +78,21 @@ class BenchConfig:
 
     def check(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
-            raise BenchUsageError(f"batch_sizes={self.batch_sizes} is invalid: allowed are >= 1")
+            raise BenchUsageError(f"--batch-sizes {self.batch_sizes} is invalid: allowed are >= 1")
         low, high = self.prompt_len
         if not 1 <= low <= high:
-            raise BenchUsageError(f"prompt_len={self.prompt_len} is invalid: need 1 <= LOW <= HIGH")
+            raise BenchUsageError(
+                f"--prompt-len {self.prompt_len} is invalid: need 1 <= LOW <= HIGH"
+            )
         if self.new_tokens < 2:
             raise BenchUsageError(
-                f"new_tokens={self.new_tokens} is invalid: allowed is >= 2 (decode is measured "
-                "as T(new_tokens) - T(1))"
+                f"--new-tokens {self.new_tokens} is invalid: allowed is >= 2 (decode is "
+                "measured from the second generated token)"
             )
         if self.repeats < 1:
-            raise BenchUsageError(f"repeats={self.repeats} is invalid: allowed is >= 1")
+            raise BenchUsageError(f"--repeats {self.repeats} is invalid: allowed is >= 1")
         if self.lanes < 1:
-            raise BenchUsageError(f"lanes={self.lanes} is invalid: allowed is >= 1")
+            raise BenchUsageError(f"--lanes {self.lanes} is invalid: allowed is >= 1")
         for batch in self.batch_sizes:
             if batch % self.lanes:
                 raise BenchUsageError(
@@ -98,7 +100,7 @@ class BenchConfig:
                     "batch size must be a multiple of the lane count"
                 )
         if self.compare not in (None, "transformers"):
-            raise BenchUsageError(f"compare={self.compare!r} is invalid: allowed is transformers")
+            raise BenchUsageError(f"--compare {self.compare!r} is invalid: allowed is transformers")
 
 
 def make_prompts(config: BenchConfig, batch: int, vocab_size: int) -> list[list[int]]:
@@ -270,14 +272,25 @@ def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str,
     """One batch size: our lane of `batch` slots and (optionally) transformers, alternating."""
     if config.lanes > 1:
         return bench_lanes(config, batch, log)
+    log(f"batch {batch}: loading the model and warming up a lane of {batch} slot(s)")
+    clock = time.perf_counter()
     executor = _runtime_executor(config, batch)
     try:
         prompts = make_prompts(config, batch, int(executor.model.vocab_size))
         lengths = [len(p) for p in prompts]
         generator = Generator(executor, enable_prefix_cache=False)
         _runtime_run(generator, prompts, 2)  # compiles every shape this batch uses
+        log(f"batch {batch}: ready in {time.perf_counter() - clock:.1f} s")
+        # One warm 2-token run per engine times a prefill and a decode step: the estimate.
+        estimate = _estimate_run(_runtime_run(generator, prompts, 2), config.new_tokens)
         if hf is not None:
             _hf_run(hf, prompts, 2, pad=0)
+            estimate += _estimate_run(_hf_run(hf, prompts, 2, pad=0), config.new_tokens)
+        log(
+            f"batch {batch}: measuring {config.repeats} repeat(s) of {config.new_tokens} "
+            f"tokens x {batch} row(s){' per engine' if hf is not None else ''} "
+            f"(estimated {config.repeats * estimate:.1f} s)"
+        )
         ours: list[RunTimes] = []
         theirs: list[RunTimes] = []
         for repeat in range(config.repeats):
@@ -360,6 +373,12 @@ def bench_lanes(config: BenchConfig, batch: int, log: Log) -> dict[str, Any]:
         torch.set_num_threads(previous)
 
 
+def _estimate_run(two_tokens: RunTimes, new_tokens: int) -> float:
+    """Seconds one run of `new_tokens` should take, from a timed 2-token run."""
+    step = two_tokens.decode_seconds
+    return max(0.0, two_tokens.total_seconds - step) + step * (new_tokens - 1)
+
+
 def _rates(runs: list[RunTimes], batch: int, new_tokens: int) -> dict[str, Any]:
     """Per-run seconds and the best decode-only and end-to-end rates (tokens/s) of one engine."""
     decode = [run.decode_seconds for run in runs]
@@ -389,7 +408,14 @@ def run_benchmark(config: BenchConfig, *, log: Log | None = None) -> dict[str, A
         raise BenchUsageError(str(error)) from error
     except ValueError as error:
         raise BenchUsageError(f"--model {config.model}: {error}") from error
-    hf = load_transformers(config.model, config.dtype) if config.compare else None
+    say(
+        f"bench: {len(config.batch_sizes)} batch size(s) {list(config.batch_sizes)}, "
+        f"{config.repeats} repeat(s) each; every phase is announced with its estimated length"
+    )
+    hf = None
+    if config.compare:
+        say("loading transformers' model (--compare transformers)")
+        hf = load_transformers(config.model, config.dtype)
     results: list[dict[str, Any]] = []
     for batch in config.batch_sizes:
         row = bench_batch(config, batch, hf, say)

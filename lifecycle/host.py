@@ -10,13 +10,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import ClassVar, TypeVar
 
-from lifecycle.errors import attach_cleanup_failures
+from lifecycle.errors import attach_cleanup_failures, left_resources
 from lifecycle.journal import Journal
 from lifecycle.machine import MachineTable, StateMachine, guard_table, guarded
-from lifecycle.phases import HOST_TABLE, Phase
+from lifecycle.phases import HOST_TABLE, LIVE_PHASES, Phase
+
+T = TypeVar("T")
+
+_PRE_SERVING = (
+    Phase.CONSTRUCTED,
+    Phase.CAPACITY_RESOLVED,
+    Phase.SEALED,
+    Phase.ALLOCATED,
+    Phase.COMPILED,
+    Phase.CAPTURED,
+)
+FAULT_ADVICE = (
+    "call close(): it retries every release and ends the host (TERMINAL), or leaves it "
+    "CLOSING when something still cannot be released (close() again retries); then "
+    "construct a new one"
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +49,14 @@ class LifecycleHost:
 
     PHASE_TABLE: ClassVar[MachineTable] = HOST_TABLE
 
-    def __init__(self, *, owner_name: str | None = None, journal: Journal | None = None) -> None:
-        self._lifecycle: StateMachine = self.PHASE_TABLE.build(
+    def __init__(
+        self,
+        *,
+        owner_name: str | None = None,
+        journal: Journal | None = None,
+        table: MachineTable | None = None,
+    ) -> None:
+        self._lifecycle: StateMachine = (table or self.PHASE_TABLE).build(
             owner=owner_name or type(self).__name__, journal=journal
         )
 
@@ -60,6 +83,11 @@ class LifecycleHost:
     def is_terminal(self) -> bool:
         """Whether the host reached TERMINAL (absorbing)."""
         return self._lifecycle.state is Phase.TERMINAL
+
+    @property
+    def next_calls(self) -> tuple[str, ...]:
+        """The calls that can succeed from the current phase (what errors and tools print)."""
+        return self._lifecycle.next_calls()
 
     @classmethod
     def guard_table(cls) -> dict[str, frozenset[Phase]]:
@@ -103,29 +131,62 @@ class LifecycleHost:
         """Release everything owned, attempting every step; return the failures."""
         return ()
 
+    def _held_resources(self) -> tuple[str, ...]:
+        """What components hold that a failed release left behind (empty when nothing)."""
+        return ()
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def _fault_if_holding(self, operation: str, error: BaseException) -> None:
+        """After `operation` failed: move to FAULTED when anything is left unreleased.
+
+        A component that could not release something refuses further work until it is
+        cleaned up, so the phase's onward calls would all fail; the host says so by moving to
+        FAULTED (only `close()` is legal) and notes the advice on the error.
+        """
+        held = self._held_resources()
+        if self.phase in LIVE_PHASES and (held or left_resources(error)):
+            what = ", ".join(held) or "resources its rollback could not release"
+            self._lifecycle.fire("fault", detail=f"{operation} failed and left {what}")
+        if self.phase is Phase.FAULTED:
+            note = f"{self.owner_name} is FAULTED: {FAULT_ADVICE}"
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+
+    @contextmanager
+    def _faulting(self, operation: str) -> Iterator[None]:
+        """Run a guarded call's work; a failure that leaves resources faults the host."""
+        try:
+            yield
+        except BaseException as error:
+            self._fault_if_holding(operation, error)
+            raise
+
+    def _transact(self, trigger: str, work: Callable[[], T]) -> T:
+        with self._faulting(trigger):
+            return self._lifecycle.transact(trigger, work, detail=_same_detail)
+
     # -- guarded phase calls ---------------------------------------------------------------
 
     @guarded(Phase.CONSTRUCTED)
     def resolve_capacity(self, num_blocks: int | None = None) -> None:
         """CONSTRUCTED -> CAPACITY_RESOLVED."""
-        self._lifecycle.transact(
-            "resolve_capacity", lambda: self._do_resolve_capacity(num_blocks), detail=_same
-        )
+        self._transact("resolve_capacity", lambda: self._do_resolve_capacity(num_blocks))
 
     @guarded(Phase.CAPACITY_RESOLVED)
     def seal(self) -> None:
         """CAPACITY_RESOLVED -> SEALED."""
-        self._lifecycle.transact("seal", self._do_seal, detail=_same)
+        self._transact("seal", self._do_seal)
 
     @guarded(Phase.SEALED)
     def allocate(self) -> None:
         """SEALED -> ALLOCATED."""
-        self._lifecycle.transact("allocate", self._do_allocate, detail=_same)
+        self._transact("allocate", self._do_allocate)
 
     @guarded(Phase.ALLOCATED)
     def compile(self) -> None:
         """ALLOCATED -> COMPILED."""
-        self._lifecycle.transact("compile", self._do_compile, detail=_same)
+        self._transact("compile", self._do_compile)
 
     @guarded(Phase.COMPILED)
     def capture(self) -> None:
@@ -136,7 +197,7 @@ class LifecycleHost:
                 {Phase.COMPILED},
                 reason="trace mode none has nothing to capture; call serve()",
             )
-        self._lifecycle.transact("capture", self._do_capture, detail=_same)
+        self._transact("capture", self._do_capture)
 
     @guarded(Phase.COMPILED, Phase.CAPTURED)
     def serve(self) -> None:
@@ -145,10 +206,14 @@ class LifecycleHost:
             raise self._lifecycle.refusal(
                 "serve", {Phase.CAPTURED}, reason="traces must be captured first; call capture()"
             )
-        self._lifecycle.transact("serve", self._do_serve, detail=_same)
+        self._transact("serve", self._do_serve)
 
+    @guarded(
+        *_PRE_SERVING,
+        reasons={Phase.SERVING: "the host is already serving; start() runs once"},
+    )
     def start(self) -> None:
-        """Run every phase from wherever the host is up to SERVING."""
+        """Run every phase from wherever the host is up to SERVING (once: refused after)."""
         if self.phase is Phase.CONSTRUCTED:
             self.resolve_capacity()
         if self.phase is Phase.CAPACITY_RESOLVED:
@@ -203,5 +268,5 @@ class LifecycleHost:
         self.close()
 
 
-def _same(detail: str) -> str:
-    return detail
+def _same_detail(detail: object) -> str:
+    return str(detail)

@@ -311,13 +311,15 @@ GUARD_ATTRIBUTE = "__legal_states__"
 
 
 def guarded(
-    *legal: Enum, operation: str | None = None
+    *legal: Enum, operation: str | None = None, reasons: Mapping[Enum, str] | None = None
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Method decorator: refuse the call unless `self._lifecycle` is in one of `legal`.
 
-    The check is one attribute read and one frozenset lookup; no trigger fires.
+    The check is one attribute read and one frozenset lookup; no trigger fires. `reasons`
+    gives the refusal a call-specific reason in particular states (e.g. `start()` twice).
     """
     legal_set = frozenset(legal)
+    why = dict(reasons or {})
 
     def decorate(method: Callable[P, R]) -> Callable[P, R]:
         name = operation or method.__name__
@@ -325,8 +327,9 @@ def guarded(
         @functools.wraps(method)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             machine: StateMachine = args[0]._lifecycle  # type: ignore[attr-defined]
-            if machine._holder.state not in legal_set:
-                raise machine.refusal(name, legal_set)
+            state = machine._holder.state
+            if state not in legal_set:
+                raise machine.refusal(name, legal_set, reason=why.get(state))
             return method(*args, **kwargs)
 
         setattr(wrapper, GUARD_ATTRIBUTE, (name, legal_set))

@@ -30,7 +30,10 @@ class Phase(StrEnum):
 
 REFUSALS: dict[Phase, str] = {
     Phase.CLOSING: "{owner} is closing and still holds resources; call close() again to retry",
-    Phase.FAULTED: "a failed transition left resources unreleased; only close() is legal",
+    Phase.FAULTED: (
+        "a failed call left resources unreleased; only close() is legal (it retries the "
+        "release and ends {owner})"
+    ),
     Phase.TERMINAL: "{owner} is terminal; construct a new one",
 }
 
@@ -43,7 +46,7 @@ PHASE_DESCRIPTIONS: dict[Phase, str] = {
     Phase.CAPTURED: "traces captured; the compile gate is closed",
     Phase.SERVING: "requests may run",
     Phase.CLOSING: "cleanup ran but left resources; close() again retries",
-    Phase.FAULTED: "a failed transition left resources unreleased; only close() is legal",
+    Phase.FAULTED: "a failed call left resources unreleased; only close() is legal",
     Phase.TERMINAL: "everything released; construct a new host",
 }
 
@@ -60,7 +63,7 @@ GENERIC_NEXT_CALLS: dict[Phase, tuple[str, ...]] = {
     Phase.TERMINAL: (),
 }
 
-_LIVE = (
+LIVE_PHASES = _LIVE = (
     Phase.CONSTRUCTED,
     Phase.CAPACITY_RESOLVED,
     Phase.SEALED,

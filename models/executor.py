@@ -18,7 +18,9 @@ import torch
 
 from lifecycle import LifecycleHost, Phase, guarded, host_table
 from lifecycle.journal import Journal
+from models.progress import ProgressSink, as_progress
 from runtime.backends.base import Device
+from runtime.backends.memory import available_memory_bytes, format_bytes
 from runtime.config import (
     PagedKVCacheConfig,
     PageTableLayout,
@@ -35,25 +37,34 @@ from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.runtime import PrefillRuntime
 from runtime.program_compiler import ProgramCompiler
 from runtime.trace_compiler import TraceCompiler
-from runtime.warmup import CoverageManifest, Progress, WarmupCoordinator, WarmupCoordinatorConfig
+from runtime.warmup import CoverageManifest, WarmupCoordinator, WarmupCoordinatorConfig
 
 logger = logging.getLogger(__name__)
 
 P = Phase
 _SETUP = (P.ALLOCATED, P.COMPILED)
 
-EXECUTOR_TABLE = host_table(
-    name="model-executor",
-    next_calls={
-        P.CONSTRUCTED: ("configure_paged_kv_cache", "allocate_kv_cache"),
-        P.CAPACITY_RESOLVED: ("allocate_kv_cache",),
-        P.SEALED: ("allocate_kv_cache",),
-        P.ALLOCATED: ("warmup_prefill", "warmup_decode"),
-        P.COMPILED: ("capture", "serve"),
-        P.CAPTURED: ("serve",),
-        P.SERVING: ("prefill_forward", "decode_forward", "close"),
-    },
+_NEXT_CALLS = {
+    P.CONSTRUCTED: ("start", "configure_paged_kv_cache", "allocate_kv_cache"),
+    P.CAPACITY_RESOLVED: ("start", "allocate_kv_cache"),
+    P.SEALED: ("start", "allocate_kv_cache"),
+    P.ALLOCATED: ("start", "warmup_prefill", "warmup_decode"),
+    P.CAPTURED: ("start", "serve"),
+    P.SERVING: ("prefill_forward", "decode_forward", "close"),
+}
+# The onward calls from COMPILED depend on the trace mode: only one of capture()/serve() can
+# succeed there, and errors and `bringup` list exactly the calls that can.
+EAGER_EXECUTOR_TABLE = host_table(
+    name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "serve")}
 )
+TRACED_EXECUTOR_TABLE = host_table(
+    name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "capture")}
+)
+EXECUTOR_TABLE = EAGER_EXECUTOR_TABLE
+
+
+class KVCapacityError(ValueError):
+    """The paged KV cache asked for does not fit in the memory the device has left."""
 
 
 def _exact(name: str, value: object, kind: type) -> None:
@@ -129,7 +140,7 @@ class ModelExecutor(LifecycleHost):
         device: Device,
         owner_name: str = "ModelExecutor",
         journal: Journal | None = None,
-        progress: Progress | None = None,
+        progress: ProgressSink | Callable[[str, int, int], None] | None = None,
     ) -> None:
         _exact("config", config, ModelExecutorConfig)
         if not callable(getattr(model, "iter_executor_named_modules", None)):
@@ -139,10 +150,16 @@ class ModelExecutor(LifecycleHost):
             )
         if config.device_sampling_enabled and getattr(model, "sampling", None) is None:
             raise TypeError("device sampling requires model.sampling (a resolved sampler)")
-        super().__init__(owner_name=owner_name, journal=journal)
+        traced = config.trace.mode != "none"
+        super().__init__(
+            owner_name=owner_name,
+            journal=journal,
+            table=TRACED_EXECUTOR_TABLE if traced else EAGER_EXECUTOR_TABLE,
+        )
         self.model = model
         self.config = config
         self.device = device
+        self.progress: ProgressSink = as_progress(progress)
         kv = config.paged_kv_cache
         self.kv_cache_manager = PagedKVCacheManager(
             model, kv, device=device, journal=self.journal, owner_name=f"{owner_name}.kv-cache"
@@ -216,7 +233,7 @@ class ModelExecutor(LifecycleHost):
             execution=self.traced_executor or self.eager_executor,
             ensure_sampling_buffers=self.ensure_sampling_buffers,
             validate_bound_cache=self._validate_cache_argument,
-            progress=progress,
+            progress=self.progress,
             auto_capture=False,
             journal=self.journal,
             owner_name=f"{owner_name}.warmup",
@@ -296,12 +313,30 @@ class ModelExecutor(LifecycleHost):
                 f"paged KV capacity is already resolved to {self.kv_cache_manager.config}; "
                 f"cannot replace it with {config}"
             )
+        self.check_kv_memory(config.num_blocks)
         # Nothing below can fail: the configs were validated above.
         self.page_table_layout = layout
         self.prefill_runtime.configure_page_table_layout(layout)
         self.decode_runtime.configure_page_table_layout(layout)
         self.warmup.config = warmup_config
         return f"{config.num_blocks} blocks of {config.block_size} tokens"
+
+    def kv_cache_bytes(self, num_blocks: int) -> int:
+        """Bytes a paged KV cache of `num_blocks` blocks takes (every layer's K and V)."""
+        return self.kv_cache_manager.bytes_per_block * num_blocks
+
+    def check_kv_memory(self, num_blocks: int) -> None:
+        """Refuse, before allocating, a KV cache larger than the memory the device has left."""
+        needed = self.kv_cache_bytes(num_blocks)
+        available = available_memory_bytes(self.device.torch_device)
+        if available is not None and needed > available:
+            per_block = needed // max(1, num_blocks)
+            raise KVCapacityError(
+                f"a paged KV cache of {num_blocks} blocks needs {format_bytes(needed)} "
+                f"({format_bytes(per_block)} per block of {self.block_size} tokens) but "
+                f"only {format_bytes(available)} is available on {self.device.name}; at most "
+                f"{available // max(1, per_block)} blocks fit"
+            )
 
     def _do_resolve_capacity(self, num_blocks: int | None) -> str:
         current = self.kv_cache_manager.config
@@ -318,8 +353,13 @@ class ModelExecutor(LifecycleHost):
         )
 
     def _do_allocate(self) -> str:
-        self._kv_handle = self.kv_cache_manager.allocate()
+        num_blocks = self.kv_cache_manager.config.num_blocks
+        assert num_blocks is not None
+        self.check_kv_memory(num_blocks)
         manager = self.kv_cache_manager
+        with self.progress.step("allocate KV cache") as step:
+            self._kv_handle = manager.allocate()
+            step.advance(0, f"{format_bytes(manager.nbytes)} in {num_blocks} blocks")
         return (
             f"KV {manager.nbytes} bytes in {manager.config.num_blocks} blocks x "
             f"{2 * manager.num_layers} tensors"
@@ -404,16 +444,37 @@ class ModelExecutor(LifecycleHost):
         """Compile the programs of one prefill call (eager; traced lanes also register)."""
         self._validate_cache_argument(request.pop("kv_cache", None))
         target = self.traced_executor if self.config.trace.prefill_enabled else None
-        return (target or self.eager_executor).compile_prefill(**request)
+        with self._faulting("compile_prefill"):
+            return (target or self.eager_executor).compile_prefill(**request)
 
     @guarded(*_SETUP)
     def compile_decode(self, **request: Any) -> Any:
         """Compile the decode program of one call (traced lanes also register a plan)."""
         self._validate_cache_argument(request.pop("kv_cache", None))
         target = self.traced_executor if self.config.trace.decode_enabled else None
-        return (target or self.eager_executor).compile_decode(**request)
+        with self._faulting("compile_decode"):
+            return (target or self.eager_executor).compile_decode(**request)
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+        try:
+            self._run_prefill_warmup(kv_cache, sampling, trace)
+        finally:
+            self.progress.cases_done()
+
+    def _decode_warmup(
+        self,
+        kv_cache: Any,
+        sampling: bool | None,
+        trace: bool | None,
+        max_batch_size: int | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        try:
+            self._run_decode_warmup(kv_cache, sampling, trace, max_batch_size, num_blocks)
+        finally:
+            self.progress.cases_done()
+
+    def _run_prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         self.warmup.warmup_prefill(
             kv_cache=kv_cache,
             can_sample_on_device=self.config.device_sampling_enabled
@@ -422,7 +483,7 @@ class ModelExecutor(LifecycleHost):
             enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
         )
 
-    def _decode_warmup(
+    def _run_decode_warmup(
         self,
         kv_cache: Any,
         sampling: bool | None,
@@ -490,7 +551,8 @@ class ModelExecutor(LifecycleHost):
         enable_trace: bool | None = None,
     ) -> None:
         """Compile every declared prefill shape; with decode done, ALLOCATED -> COMPILED."""
-        self._prefill_warmup(kv_cache, can_sample_on_device, enable_trace)
+        with self._faulting("warmup_prefill"):
+            self._prefill_warmup(kv_cache, can_sample_on_device, enable_trace)
         self._after_warmup()
 
     @guarded(*_SETUP)
@@ -508,9 +570,10 @@ class ModelExecutor(LifecycleHost):
         `max_batch_size` (1..lane capacity) and `num_blocks` (1..allocated blocks) are what a
         serving engine warms for; None means the lane's own values.
         """
-        self._decode_warmup(
-            kv_cache, can_sample_on_device, enable_trace, max_batch_size, num_blocks
-        )
+        with self._faulting("warmup_decode"):
+            self._decode_warmup(
+                kv_cache, can_sample_on_device, enable_trace, max_batch_size, num_blocks
+            )
         self._after_warmup()
 
     def warmup_model_prefill(
@@ -561,7 +624,8 @@ class ModelExecutor(LifecycleHost):
         return self.config.trace.mode != "none"
 
     def _do_capture(self) -> str:
-        manifest = self.warmup.capture_pending_traces()
+        with self.progress.step("capture traces"):
+            manifest = self.warmup.capture_pending_traces()
         assert self.trace_compiler is not None
         tracer = self.trace_compiler
         return (
@@ -620,17 +684,22 @@ class ModelExecutor(LifecycleHost):
         """Prefill a batch of prompts; rows come back in source order."""
         self._validate_cache_argument(kv_cache)
         self._check_sampling(sampling_params)
-        return self._target("prefill", execution).prefill_forward(
-            tokens=tokens,
-            page_table=page_table,
-            prompt_lens=prompt_lens,
-            start_pos=start_pos,
-            empty_slots=empty_slots,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-        )
+        target = self._target("prefill", execution)
+        try:
+            return target.prefill_forward(
+                tokens=tokens,
+                page_table=page_table,
+                prompt_lens=prompt_lens,
+                start_pos=start_pos,
+                empty_slots=empty_slots,
+                sampling_params=sampling_params,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                slot_remap=slot_remap,
+            )
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("prefill_forward", error)
+            raise
 
     @guarded(P.SERVING)
     def decode_forward(
@@ -651,27 +720,40 @@ class ModelExecutor(LifecycleHost):
         """One decode step over the whole lane (negative positions are inactive rows)."""
         self._validate_cache_argument(kv_cache)
         self._check_sampling(sampling_params)
-        return self._target("decode", execution).decode_forward(
-            tokens=tokens,
-            start_pos=start_pos,
-            page_table=page_table,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-            reset_batch=reset_batch,
-            read_from_device=read_from_device,
-        )
+        target = self._target("decode", execution)
+        try:
+            return target.decode_forward(
+                tokens=tokens,
+                start_pos=start_pos,
+                page_table=page_table,
+                sampling_params=sampling_params,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                slot_remap=slot_remap,
+                reset_batch=reset_batch,
+                read_from_device=read_from_device,
+            )
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("decode_forward", error)
+            raise
 
     @guarded(P.SERVING)
     def read_decode_output(self, raw: Any, *, async_read: bool = False) -> Any:
         """Read a raw decode output (async: `(host_value, events)` to complete later)."""
-        return self.decode_runtime.read_decode_output(raw, async_read=async_read)
+        try:
+            return self.decode_runtime.read_decode_output(raw, async_read=async_read)
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("read_decode_output", error)
+            raise
 
     @guarded(P.SERVING)
     def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
         """Complete an asynchronous read and normalise it."""
-        return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
+        try:
+            return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("process_decode_output_host", error)
+            raise
 
     @guarded(P.SERVING)
     def preflight_prefill(self, *, tokens: torch.Tensor, lane: int = 0, **request: Any) -> Any:
@@ -713,6 +795,20 @@ class ModelExecutor(LifecycleHost):
         return target.runtime_summary()
 
     # -- cleanup ---------------------------------------------------------------------------------
+
+    def _held_resources(self) -> tuple[str, ...]:
+        """Components holding what a failed release left (each refuses work until cleaned)."""
+        counts = [
+            ("program compiler", self.program_compiler.compile_orphan_count),
+            ("prefill runtime", self.prefill_runtime.transient_orphan_count),
+            ("decode runtime", self.decode_runtime.transient_orphan_count),
+        ]
+        if self.trace_compiler is not None:
+            counts.append(("trace compiler", self.trace_compiler.rollback_orphan_count))
+        kv = self.kv_cache_manager
+        if kv.state.value != "bound":
+            counts.append(("paged KV cache", kv.owned_tensor_count))
+        return tuple(f"{count} unreleased {name} resource(s)" for name, count in counts if count)
 
     def _do_close(self) -> Sequence[BaseException]:
         steps: list[tuple[str, Callable[[], Any]]] = [

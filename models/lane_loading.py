@@ -50,7 +50,7 @@ def check_lane_arguments(
             )
     if max_batch_size % lanes:
         raise ValueError(
-            f"max_batch_size (--max-batch-size) {max_batch_size} must split evenly over "
+            f"max_batch_size (--max-batch) {max_batch_size} must split evenly over "
             f"{lanes} lanes (it is the global capacity: lanes x per-lane slots)"
         )
 

@@ -859,8 +859,8 @@ class DecodeRuntime:
 
     def _raise_release_failures(self, failures: list[BaseException], operation: str) -> None:
         error = RuntimeError(
-            f"{operation}: failed to release {len(failures)} decode transient resource(s); call "
-            "cleanup_transients() to retry"
+            f"{operation}: failed to release {len(failures)} decode transient resource(s); "
+            "cleanup_transients() retries them (the owning executor's close() calls it)"
         )
         error.__cause__ = failures[0]
         attach_cleanup_failures(error, failures)

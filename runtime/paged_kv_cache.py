@@ -138,6 +138,14 @@ class PagedKVCacheManager:
         )
 
     @property
+    def bytes_per_block(self) -> int:
+        """Bytes one KV block takes across every layer's K and V (known before resolving)."""
+        block = self._config.block_size
+        return sum(
+            2 * g.local_kv_heads * block * g.head_dim * _itemsize(g.dtype) for g in self._layers
+        )
+
+    @property
     def owned_tensor_count(self) -> int:
         """K/V tensors still owned (including leftovers of a failed attempt)."""
         return len(self._owned)
@@ -295,7 +303,8 @@ class PagedKVCacheManager:
         if failures:
             error = RuntimeError(
                 f"Failed to deallocate {len(failures)} paged KV cache tensor(s) left by an "
-                "earlier failed allocation; call release() to retry"
+                "earlier failed allocation; release() retries them (the owning executor's "
+                "close() calls it)"
             )
             attach_cleanup_failures(error, failures)
             raise error

@@ -253,8 +253,8 @@ class ProgramCompiler:
         if orphan is not None:
             self._orphans.append(orphan)
             release_error = RuntimeError(
-                f"Failed to deallocate {len(failures)} compile output resource(s); call "
-                "cleanup() to retry"
+                f"Failed to deallocate {len(failures)} compile output resource(s); nothing "
+                "compiles until they are released: the owning executor's close() retries them"
             )
             attach_cleanup_failures(release_error, failures)
             raise release_error

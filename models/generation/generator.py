@@ -228,6 +228,10 @@ class GenerationStats:
     def decode_tokens_per_second(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
+    def progress_detail(self) -> str:
+        """Short live figures for a progress display."""
+        return f"{self.decode_tokens} tokens, {self.decode_tokens_per_second:.1f} tokens/s"
+
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
         out["decode_tokens_per_second"] = self.decode_tokens_per_second
@@ -578,12 +582,30 @@ class Generator:
         return stream
 
     def generate(
-        self, prompts: Sequence[Any], sampling: Any = None, *, chat: bool = False
+        self,
+        prompts: Sequence[Any],
+        sampling: Any = None,
+        *,
+        chat: bool = False,
+        progress: Any = None,
     ) -> list[Completion]:
-        """Generate for every prompt; completions in input order."""
+        """Generate for every prompt; completions in input order.
+
+        `progress` (a `models.progress` sink; default: the executor's) shows requests done
+        and decode tokens/s while it runs.
+        """
         stream = self.stream(prompts, sampling, chat=chat)
-        for _ in stream:
-            pass
+        sink = progress if progress is not None else getattr(self.executor, "progress", None)
+        if sink is None:
+            for _ in stream:
+                pass
+            return stream.completions
+        with sink.step("generate", total=len(prompts)) as step:
+            for _ in stream:
+                finished = stream.newly_finished()
+                if finished:
+                    step.advance(len(finished), stream.stats.progress_detail())
+            step.advance(len(stream.newly_finished()), stream.stats.progress_detail())
         return stream.completions
 
 

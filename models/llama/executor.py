@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from models.executor import ModelExecutor, ModelExecutorConfig
 from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import LoadedModel, load_model
 from models.llama.tokenizer import LlamaTokenizer
+from models.progress import ProgressSink, as_progress
 from runtime.backends import make_device
 from runtime.backends.base import Device
 from runtime.config import (
@@ -26,7 +28,6 @@ from runtime.config import (
     WarmupConfig,
     require_positive_int,
 )
-from runtime.warmup import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class LlamaExecutor(ModelExecutor):
         *,
         device: Device,
         journal: Journal | None = None,
-        progress: Progress | None = None,
+        progress: ProgressSink | None = None,
     ) -> None:
         super().__init__(
             loaded.model,
@@ -67,6 +68,37 @@ class LlamaExecutor(ModelExecutor):
         return tuple(self.loaded.args.eos_token_ids or ())
 
 
+PREFILL_PADDING_START = 32
+
+
+def geometry_problem(
+    block_size: int,
+    prefill_chunk: int,
+    *,
+    names: tuple[str, str] = ("block_size", "max_prefill_chunk_size"),
+) -> str | None:
+    """What is wrong with a KV block size and prefill chunk together, or None.
+
+    The rule: prompts are padded to powers of two from 32 tokens, and a padded prompt longer
+    than the chunk runs as equal chunks of whole blocks, so the block size must be a power of
+    two and the chunk a multiple of it.
+    """
+    block_name, chunk_name = names
+    if block_size & (block_size - 1):
+        return (
+            f"{block_name} {block_size} is invalid: allowed is a power of two (1, 2, 4, ... "
+            f"32, 64, ...), because prompts are padded to powers of two from "
+            f"{PREFILL_PADDING_START} tokens and split into chunks of whole blocks"
+        )
+    if prefill_chunk % block_size:
+        nearest = block_size * max(1, prefill_chunk // block_size)
+        return (
+            f"{chunk_name} {prefill_chunk} is invalid with {block_name} {block_size}: the "
+            f"chunk must be a multiple of the block size (e.g. {nearest})"
+        )
+    return None
+
+
 def load_executor(
     model: str | Path,
     *,
@@ -81,13 +113,16 @@ def load_executor(
     device_sampling: bool = True,
     warmup: WarmupConfig | None = None,
     faults: str | None = None,
-    progress: Progress | None = None,
+    progress: Any = None,
     seed: int = 0,
 ) -> LlamaExecutor:
     """Load `model` (a name, HF directory or .gguf) and build its executor in CONSTRUCTED.
 
-    Every argument is checked before any weights load.
+    Every argument is checked before any weights load. `progress` (a `models.progress`
+    sink, e.g. `ConsoleProgress()`, or a bare warmup callback) shows the model load, KV
+    allocation, warmup cases and capture; the executor keeps it for generation.
     """
+    sink = as_progress(progress)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     trace = TraceConfig(mode=trace_mode)  # type: ignore[arg-type]
@@ -98,13 +133,18 @@ def load_executor(
         require_positive_int("num_blocks", num_blocks)
     if max_seq_len is not None:
         require_positive_int("max_seq_len", max_seq_len)
+    problem = geometry_problem(block_size, max_prefill_chunk_size)
+    if problem:
+        raise ValueError(problem)
     target = make_device(device, faults=faults)
-    loaded = load_model(model, dtype=DTYPES[dtype], device=target.torch_device, seed=seed)
-    seq_len = min(max_seq_len or loaded.args.max_seq_len, loaded.args.max_seq_len)
-    if max_prefill_chunk_size % block_size:
+    with sink.step(f"load model {model}"):
+        loaded = load_model(model, dtype=DTYPES[dtype], device=target.torch_device, seed=seed)
+    args = loaded.args
+    seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
+    if max_seq_len is not None and max_seq_len > args.max_seq_len:
         raise ValueError(
-            f"max_prefill_chunk_size ({max_prefill_chunk_size}) must be a multiple of "
-            f"block_size ({block_size})"
+            f"max_seq_len {max_seq_len} exceeds the model's context of {args.max_seq_len} "
+            f"tokens: allowed is 1..{args.max_seq_len}"
         )
     blocks_per_seq = -(-seq_len // block_size)
     max_blocks = max_batch_size * blocks_per_seq
@@ -122,7 +162,7 @@ def load_executor(
         max_seq_len=seq_len,
         device_sampling=device_sampling,
         warmup=warmup,
-        progress=progress,
+        progress=sink,
     )
 
 
@@ -139,7 +179,7 @@ def build_executor(
     max_seq_len: int,
     device_sampling: bool,
     warmup: WarmupConfig | None = None,
-    progress: Progress | None = None,
+    progress: ProgressSink | None = None,
     journal: Journal | None = None,
 ) -> LlamaExecutor:
     """An executor in CONSTRUCTED over an already loaded model, with this KV geometry.

@@ -18,7 +18,16 @@ import torch
 from models.llama.config import TINY_PRESETS, LlamaArgs, parse_tiny_random_name
 from models.llama.model import LlamaModel
 from models.llama.tokenizer import LlamaTokenizer
-from models.llama.weights import GGUFFile, load_gguf, load_safetensors, random_state_dict
+from models.llama.weights import (
+    GGUFFile,
+    ModelFileError,
+    ModelFileMissing,
+    check_finite,
+    check_readable_file,
+    load_gguf,
+    load_safetensors,
+    random_state_dict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +89,24 @@ def resolve_source(name: str | Path) -> ModelSource:
             )
         return ModelSource(name=text, kind="tiny_random", preset=preset)
     path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.suffix == ".gguf":
+        check_readable_file(path, "GGUF file")
         return ModelSource(name=text, kind="gguf", path=path)
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelFileError(
+                f"directory {text!r} is not a Hugging Face model directory: it has no "
+                "config.json (expected config.json and *.safetensors files)"
+            )
+        check_readable_file(path / "config.json", "model config")
         return ModelSource(name=text, kind="hf_dir", path=path)
+    if path.is_file():
+        raise ModelFileError(
+            f"model file {text!r} has an unsupported format: allowed are a .gguf file or a "
+            "Hugging Face directory (config.json and *.safetensors)"
+        )
+    if "/" in text or text.startswith(".") or path.suffix:
+        raise ModelFileMissing(f"model path {text!r} does not exist")
     raise ValueError(
         f"model {text!r} is not recognised: allowed are {SMOLLM2_NAME!r}, 'tiny-random', "
         f"'tiny-random-<preset>' (presets {sorted(TINY_PRESETS)}), a Hugging Face directory "
@@ -109,6 +132,18 @@ class LoadedWeights:
     state: dict[str, torch.Tensor]
     tokenizer: LlamaTokenizer | None
     source: ModelSource
+
+
+def model_args(name: str | Path) -> LlamaArgs:
+    """A model's architecture (context length, layers, heads) without reading its weights."""
+    source = resolve_source(name)
+    if source.kind == "tiny_random":
+        assert source.preset is not None
+        return LlamaArgs.tiny_random(source.preset)
+    assert source.path is not None
+    if source.kind == "gguf":
+        return GGUFFile.open(source.path).args()
+    return LlamaArgs.from_hf_config(source.path)
 
 
 def load_weights(
@@ -141,6 +176,7 @@ def load_weights(
         if with_tokenizer and (source.path / "tokenizer.json").is_file():
             tokenizer = LlamaTokenizer.from_hf_dir(source.path)
         state = load_safetensors(source.path, args, dtype=dtype)
+    check_finite(state, source=str(source.path or source.name))
     if tokenizer is not None and tokenizer.eos_token_ids and not args.eos_token_ids:
         args = attrs.evolve(args, eos_token_ids=tokenizer.eos_token_ids)
     return LoadedWeights(args=args, state=state, tokenizer=tokenizer, source=source)

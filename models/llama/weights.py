@@ -33,6 +33,52 @@ _IGNORED_NAMES = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_fr
 _MAX_LISTED = 8
 
 
+class ModelFileError(ValueError):
+    """A model file that is missing, unreadable, truncated, corrupt or of the wrong format.
+
+    The message names the path and what is wrong with it.
+    """
+
+
+class ModelFileMissing(ModelFileError, FileNotFoundError):
+    """A model file or folder that does not exist (also a `FileNotFoundError`)."""
+
+
+def check_readable_file(path: Path, what: str) -> int:
+    """The size of `path`, or a `ModelFileError` saying why it cannot be read as `what`."""
+    if not path.exists():
+        raise ModelFileMissing(f"{what} {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ModelFileError(f"{what} {str(path)!r} is not a regular file")
+    try:
+        with path.open("rb") as handle:
+            handle.read(1)
+    except OSError as error:
+        raise ModelFileError(
+            f"{what} {str(path)!r} cannot be read: {error.strerror or error}"
+        ) from error
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelFileError(f"{what} {str(path)!r} is empty (0 bytes)")
+    return size
+
+
+def check_finite(state: Mapping[str, torch.Tensor], *, source: str) -> None:
+    """Refuse weights holding NaN or infinity, naming the first such tensor.
+
+    A non-finite weight turns every logit into NaN, and greedy decoding then repeats token
+    0 forever without any error; refusing at load makes the bad file visible.
+    """
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ModelFileError(
+                f"weights from {source} are not finite: tensor {name!r} holds {bad} NaN or "
+                f"infinite value(s) of {tensor.numel()}; the file is corrupt or was converted "
+                "wrongly"
+            )
+
+
 class WeightsError(ValueError):
     """A checkpoint does not fit the architecture: lists missing and mis-shaped tensors."""
 
@@ -140,22 +186,59 @@ def _safetensors_files(directory: Path) -> dict[str, list[str]]:
             files.setdefault(file, []).append(name)
         for file in files:
             if not (directory / file).is_file():
-                raise FileNotFoundError(
+                raise ModelFileMissing(
                     f"shard {file!r} listed in {index} does not exist in {directory}"
                 )
+            check_safetensors_file(directory / file)
         return files
     found = sorted(p.name for p in directory.glob("*.safetensors"))
     if not found:
-        raise FileNotFoundError(
+        raise ModelFileMissing(
             f"no *.safetensors files (and no {SAFETENSORS_INDEX}) in directory {str(directory)!r}"
         )
     from safetensors import safe_open
 
     files = {}
     for file in found:
+        check_safetensors_file(directory / file)
         with safe_open(str(directory / file), framework="pt") as handle:
             files[file] = list(handle.keys())
     return files
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Validate a safetensors file's framing: header length, JSON header, data extent."""
+    size = check_readable_file(path, "safetensors file")
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ModelFileError(
+                f"safetensors file {str(path)!r} is truncated: {size} bytes, shorter than its "
+                "8-byte header length"
+            )
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > size - 8:
+            raise ModelFileError(
+                f"safetensors file {str(path)!r} is corrupt or not a safetensors file: its "
+                f"header claims {header_len} bytes but the file has {size}"
+            )
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        ends = [
+            int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"
+        ]
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError) as error:
+        raise ModelFileError(
+            f"safetensors file {str(path)!r} is corrupt or not a safetensors file: its header "
+            f"is not valid JSON tensor metadata ({error})"
+        ) from error
+    data = size - 8 - header_len
+    if ends and max(ends) > data:
+        raise ModelFileError(
+            f"safetensors file {str(path)!r} is truncated: its tensors need {max(ends)} data "
+            f"bytes but the file holds {data}"
+        )
 
 
 def _canonical_hf_name(name: str) -> str:
@@ -241,10 +324,30 @@ class GGUFFile:
         from gguf import GGUFReader
 
         file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"GGUF path {str(file)!r} does not exist")
-        reader = GGUFReader(str(file))
-        metadata = {key: field.contents() for key, field in reader.fields.items()}
+        size = check_readable_file(file, "GGUF file")
+        with file.open("rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":
+            raise ModelFileError(
+                f"{str(file)!r} is not a GGUF file: it starts with {magic!r}, a GGUF file with "
+                "b'GGUF'"
+            )
+        try:
+            reader = GGUFReader(str(file))
+            metadata = {key: field.contents() for key, field in reader.fields.items()}
+            tensors = list(reader.tensors)
+        except Exception as error:  # the reader fails in many ways on a damaged file
+            raise ModelFileError(
+                f"GGUF file {str(file)!r} ({size} bytes) is truncated or corrupt: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        for tensor in tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise ModelFileError(
+                    f"GGUF file {str(file)!r} is truncated: tensor {tensor.name!r} ends at byte "
+                    f"{end} but the file has {size}"
+                )
         return cls(path=file, metadata=metadata, reader=reader)
 
     @property

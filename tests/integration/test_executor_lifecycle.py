@@ -46,7 +46,7 @@ def test_decode_before_serving_teaches_the_next_calls() -> None:
         )
     assert str(caught.value) == (
         "LlamaExecutor: decode_forward() is not legal in ALLOCATED; it is legal in SERVING; "
-        "next: warmup_prefill(), warmup_decode()"
+        "next: start(), warmup_prefill(), warmup_decode()"
     )
     executor.close()
 

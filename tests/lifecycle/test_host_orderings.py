@@ -42,7 +42,7 @@ class ExpectedToyHost:
             ok = self.phase is P.CAPTURED or (self.phase is P.COMPILED and not self.traced)
             reached = P.SERVING if ok else None
         elif call == "start":
-            reached = P.SERVING if self.phase in LIVE | {P.SERVING} else None
+            reached = P.SERVING if self.phase in LIVE else None  # start() twice is refused
         else:
             reached = self.STEPS[call].get(self.phase)
         if reached is not None:

@@ -60,11 +60,11 @@ def test_resolve_paths_and_unknown_names(tmp_path: Path) -> None:
     _write_hf_dir(tmp_path / "hf", LlamaArgs.tiny_random("gqa"))
     assert resolve_source(tmp_path / "hf").kind == "hf_dir"
     gguf = tmp_path / "x.gguf"
-    gguf.write_bytes(b"")
+    gguf.write_bytes(b"GGUF")  # resolving checks the file is readable, reads no tensors
     assert resolve_source(str(gguf)).kind == "gguf"
     with pytest.raises(ValueError, match=r"model 'gpt-7' is not recognised: allowed are"):
         resolve_source("gpt-7")
-    with pytest.raises(ValueError, match="not recognised"):
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         resolve_source(tmp_path)  # a directory without config.json
 
 

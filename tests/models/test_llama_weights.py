@@ -244,7 +244,7 @@ def test_gguf_misshaped_tensor_is_named(tmp_path: Path) -> None:
     wrong = LlamaArgs(**{**_fields(args), "ffn_dim": 96})
     with pytest.raises(WeightsError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape"):
         load_gguf(file, wrong)
-    with pytest.raises(FileNotFoundError, match="GGUF path"):
+    with pytest.raises(FileNotFoundError, match=r"GGUF file .* does not exist"):
         GGUFFile.open(tmp_path / "missing.gguf")
 
 
