@@ -402,7 +402,7 @@ def _run_generation(
                     "--num-blocks to size the cache to the prompts"
                 )
     _resolve_capacity(executor, blocks, given=bool(args.num_blocks))
-    if args.num_blocks and args.num_blocks > 4 * needed:
+    if args.num_blocks and args.num_blocks > 4 * needed and hasattr(executor, "kv_cache_bytes"):
         logger.warning(
             "--num-blocks %d reserves %s of KV cache; these prompts need at most %d blocks "
             "(%s): omit --num-blocks to size the cache to the prompts",
@@ -421,7 +421,9 @@ def _run_generation(
         if len(prompts) == 1 and not args.json:
             _consume_streaming(stream, printer)
         else:
-            _consume_finished(stream, printer, executor.progress, len(prompts))
+            # A lane group has no progress of its own (its lanes may be other processes).
+            sink = getattr(executor, "progress", None) or _progress(args)
+            _consume_finished(stream, printer, sink, len(prompts))
     except KeyboardInterrupt:
         if len(prompts) > 1 or args.json:
             printer.drain(stream)  # what finished before the interrupt is never lost
@@ -648,8 +650,8 @@ def _check_output_path(flag: str, value: str | None) -> None:
 
 def _fault_report(executor: Any, spec: str | None) -> str | None:
     """Say so when a --fault plan never fired (the rehearsal rehearsed nothing)."""
-    device = executor.device
-    if spec is None or getattr(device, "injected_total", 1):
+    device = getattr(executor, "device", None)  # a lane group's devices live in its lanes
+    if spec is None or device is None or getattr(device, "injected_total", 1):
         return None
     calls = ", ".join(f"{op} x{n}" for op, n in device.attempts.items() if n)
     return (
@@ -760,6 +762,8 @@ def _bringup(args: argparse.Namespace) -> int:
 def _check_kv_memory(executor: Any, blocks: int) -> None:
     from models.executor import KVCapacityError
 
+    if not hasattr(executor, "check_kv_memory"):
+        return  # a lane group: each lane checks its own pool in resolve_capacity
     try:
         executor.check_kv_memory(blocks)
     except KVCapacityError as error:
