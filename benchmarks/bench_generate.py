@@ -67,6 +67,7 @@ class BenchConfig:
     prefill_chunk: int = 256
     seed: int = 0
     repeats: int = 2
+    kernels: str | None = None
 
     def check(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
@@ -118,8 +119,11 @@ def _runtime_executor(config: BenchConfig, batch: int) -> Any:
             max_batch_size=batch,
             max_prefill_chunk_size=config.prefill_chunk,
             max_seq_len=per_request * block,
+            kernels=config.kernels,
         )
     except ModelNotAvailableError as error:
+        raise BenchUsageError(str(error)) from error
+    except ValueError as error:
         raise BenchUsageError(str(error)) from error
     executor.resolve_capacity(batch * per_request)
     executor.start()
@@ -263,6 +267,7 @@ def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str,
             "runtime": {
                 **_rates(ours, batch, config.new_tokens),
                 "prefill_seconds": generator.last_stats.prefill_seconds,
+                "kernels": executor.warmup.kernel_choice,
             },
         }
         if hf is not None:

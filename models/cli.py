@@ -140,16 +140,26 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, trace_default: str)
     parser.add_argument("--trace", choices=("none", "decode_only", "all"), default=trace_default)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    # Kernel choice (issue 17): replay a recorded plan instead of timing kernels at warmup.
+    parser.add_argument(
+        "--kernels",
+        metavar="FILE",
+        default=None,
+        help="replay the kernel plan in FILE (a bringup --coverage-out manifest or its "
+        '"kernels" object) instead of timing kernel forms at warmup',
+    )
 
 
 def _load(model: str, **kwargs: Any) -> Any:
     """Build the executor (CONSTRUCTED); a missing model or bad geometry is a UsageError."""
     from models.llama.executor import load_executor
+    from models.llama.kernels import KernelPlanError
     from models.llama.sources import ModelNotAvailableError
+    from runtime.backends.cpu_features import UnsupportedCpuFeatureError
 
     try:
         return load_executor(model, **kwargs)
-    except ModelNotAvailableError as error:
+    except (ModelNotAvailableError, KernelPlanError, UnsupportedCpuFeatureError) as error:
         raise UsageError(str(error)) from error
     except (ValueError, TypeError) as error:
         raise UsageError(f"--model {model}: {_one_line(error)}") from error
@@ -167,6 +177,7 @@ def _load_from_args(args: argparse.Namespace, **extra: Any) -> Any:
         max_batch_size=args.max_batch,
         max_prefill_chunk_size=args.prefill_chunk,
         warmup=_warmup_config(args),
+        kernels=args.kernels,
         **extra,
     )
 
@@ -583,6 +594,7 @@ def _bench(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
         repeats=args.repeats,
+        kernels=args.kernels,
     )
 
     def log(message: str) -> None:

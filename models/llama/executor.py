@@ -14,11 +14,13 @@ import torch
 
 from lifecycle.journal import Journal
 from models.executor import ModelExecutor, ModelExecutorConfig
+from models.llama.kernels import KernelPlan, load_kernel_plan
 from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import LoadedModel, load_model
 from models.llama.tokenizer import LlamaTokenizer
 from runtime.backends import make_device
 from runtime.backends.base import Device
+from runtime.backends.cpu_features import CpuFeatures, require_native_bf16
 from runtime.config import (
     PagedKVCacheConfig,
     RuntimePolicy,
@@ -83,13 +85,21 @@ def load_executor(
     faults: str | None = None,
     progress: Progress | None = None,
     seed: int = 0,
+    kernels: str | Path | KernelPlan | None = None,
+    cpu_features: CpuFeatures | None = None,
 ) -> LlamaExecutor:
     """Load `model` (a name, HF directory or .gguf) and build its executor in CONSTRUCTED.
 
-    Every argument is checked before any weights load.
+    `kernels`: a kernel plan (or the path of a saved one, `--kernels FILE`) that warmup
+    applies instead of timing kernels. `cpu_features`: the CPU probe's answer (default: probe
+    this host); bfloat16 on CPU needs native bf16. Every argument is checked before any
+    weights load.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and device == "cpu":
+        require_native_bf16(cpu_features or CpuFeatures.probe())
+    plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
     trace = TraceConfig(mode=trace_mode)  # type: ignore[arg-type]
     require_positive_int("block_size", block_size)
     require_positive_int("max_batch_size", max_batch_size)
@@ -113,6 +123,9 @@ def load_executor(
         max_blocks = num_blocks
     kv_dtype = DTYPES[dtype]
     loaded.model.configure_paged_attention(block_size=block_size, max_num_blocks=max_blocks)
+    if plan is not None:
+        where = f"--kernels {kernels}" if isinstance(kernels, str | Path) else "kernels"
+        loaded.model.replay_kernels(plan, where=where)
     if device_sampling:
         loaded.model.sampling = LlamaSampler(
             SamplerConfig(
