@@ -25,6 +25,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from runtime.backends import native_kernels
+
 if TYPE_CHECKING:
     from models.llama.model import LlamaModel
 
@@ -37,11 +39,12 @@ PLAN_VERSION = 1
 ATTENTION_KINDS = ("paged_inplace", "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
 LINEAR_FROM_ROWS = 64
-# Timing: passes per candidate (best kept), and how many layers' weights a compute-bound
-# (many-row) timing pass uses; row counts up to `_STREAMING_ROWS` stream every layer.
+# Timing: timed passes per candidate (best kept, after one warm-up pass). Row counts up to
+# `_STREAMING_ROWS` are bound by reading weights, so their passes stream every layer's
+# matrix; larger ones are bound by arithmetic, so one matrix stands for all layers.
 _ROUNDS = 3
+_COMPUTE_BOUND_ROUNDS = 2
 _STREAMING_ROWS = 64
-_COMPUTE_BOUND_MATRICES = 3
 
 
 def _linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -68,17 +71,31 @@ def _mv_t(weight_t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.mv(weight_t.t(), rows[0]).unsqueeze(0)
 
 
+def _native_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return native_kernels.small_rows_matmul()(weight, rows).to(weight.dtype)
+
+
+def _native_available() -> bool:
+    return native_kernels.unavailable_reason() is None
+
+
+def _always() -> bool:
+    return True
+
+
 @attrs.frozen
 class Form:
-    """One way to compute `rows @ W^T` from a weight stored in `layout`."""
+    """One way to compute `rows @ W^T` from a weight stored in `layout`, for at most
+    `max_rows` rows (None: any), where `available()` says it can run."""
 
     name: str
     layout: Layout
     compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    single_row_only: bool = False
+    max_rows: int | None = None
+    available: Callable[[], bool] = _always
 
     def fits(self, rows: int) -> bool:
-        return rows == 1 or not self.single_row_only
+        return self.max_rows is None or rows <= self.max_rows
 
 
 FORMS: dict[str, Form] = {
@@ -86,9 +103,11 @@ FORMS: dict[str, Form] = {
     for form in (
         Form("linear", "out_in", _linear),  # F.linear(x, W[out, in])
         Form("mm_wxt", "out_in", _mm_wxt),  # mm(W[out, in], x^T)^T, one row padded to two
-        Form("mv", "out_in", _mv, single_row_only=True),  # mv(W[out, in], x)
+        Form("mv", "out_in", _mv, max_rows=1),  # mv(W[out, in], x)
+        # the native weight-streaming product (runtime/backends/native/small_rows_matmul.c)
+        Form("native_rows", "out_in", _native_rows, max_rows=16, available=_native_available),
         Form("mm_xw", "in_out", _mm_xw),  # mm(x, W^T[in, out])
-        Form("mv_t", "in_out", _mv_t, single_row_only=True),  # mv(W^T[in, out]^T, x)
+        Form("mv_t", "in_out", _mv_t, max_rows=1),  # mv(W^T[in, out]^T, x)
     )
 }
 
@@ -289,6 +308,10 @@ def check_plan_fits(plan: KernelPlan, shapes: Mapping[str, ProjectionShape], whe
     for name, choice in plan.projections:
         if choice.split and len(shapes[name].parts) == 1:
             raise _error(where, f"{name} is split, but this model's {name} has one part")
+        for _, form in choice.forms:
+            if not FORMS[form].available():
+                reason = native_kernels.unavailable_reason()
+                raise _error(where, f"{name} uses form {form!r}, which cannot run here ({reason})")
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -314,7 +337,7 @@ class _Candidate:
 def _candidates(parts: Sequence[int], rows: int) -> Iterator[_Candidate]:
     for split in (False, True) if len(parts) > 1 else (False,):
         for form in FORMS.values():
-            if form.fits(rows):
+            if form.fits(rows) and form.available():
                 yield _Candidate(form.layout, split, form)
 
 
@@ -349,11 +372,12 @@ def measure_projection(
     for rows in buckets:
         x = torch.randn(rows, fan_in, generator=generator).to(hf_weights[0].dtype)
         candidates = list(_candidates(parts, rows))
-        for round_index in range(_ROUNDS + 1):
+        streaming = rows <= _STREAMING_ROWS
+        for round_index in range((_ROUNDS if streaming else _COMPUTE_BOUND_ROUNDS) + 1):
             for candidate in candidates:
                 weights = layouts[candidate.layout]
-                if rows > _STREAMING_ROWS:
-                    weights = weights[:_COMPUTE_BOUND_MATRICES]
+                if not streaming:
+                    weights = weights[:1]
                 start = time.perf_counter()
                 _run(candidate, weights, parts, x)
                 seconds = time.perf_counter() - start

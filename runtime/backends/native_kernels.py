@@ -3,7 +3,9 @@
 Why native: decode attention over a paged KV cache needs each row's keys, which live on
 scattered pages. torch has no paged attention on CPU, so the torch path gathers the pages
 into a workspace first, copying every key and value once more per step. The kernel in
-`native/paged_decode_attention.c` reads the pages in place.
+`native/paged_decode_attention.c` reads the pages in place. `native/small_rows_matmul.c` is
+one more candidate form for decode projections (a weight-streaming product for a few rows);
+warmup keeps it only where it measures fastest.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into
 `$LLM_RUNTIME_NATIVE_CACHE` (default `~/.cache/llm-runtime/native`), under a file lock so
@@ -24,11 +26,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import attrs
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("native") / "paged_decode_attention.c"
+_SOURCES = tuple(
+    Path(__file__).with_name("native") / name
+    for name in ("paged_decode_attention.c", "small_rows_matmul.c")
+)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -63,7 +69,7 @@ def _cpu_identity() -> bytes:
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, check=False, text=True
     ).stdout
@@ -72,7 +78,7 @@ def _build(compiler: str) -> Path:
     ).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"paged_decode_attention-{digest}.so"
+    library = directory / f"llm-runtime-kernels-{digest}.so"
     if library.exists():
         return library
     with open(directory / ".build.lock", "w") as lock:
@@ -81,11 +87,12 @@ def _build(compiler: str) -> Path:
             return library
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             staged = Path(scratch) / library.name
-            command = [compiler, *_FLAGS, "-o", str(staged), str(_SOURCE), "-lm"]
+            sources = [str(path) for path in _SOURCES]
+            command = [compiler, *_FLAGS, "-o", str(staged), *sources, "-lm"]
             result = subprocess.run(command, capture_output=True, check=False, text=True)
             if result.returncode != 0:
                 raise NativeKernelsUnavailable(
-                    f"compiling {_SOURCE.name} failed ({' '.join(command)}): "
+                    f"compiling the native kernels failed ({' '.join(command)}): "
                     f"{result.stderr.strip()[-400:]}"
                 )
             os.replace(staged, library)
@@ -181,22 +188,77 @@ class PagedDecodeAttention:
         return out
 
 
+class SmallRowsMatmul:
+    """`rows @ W^T` for a few rows, streaming a contiguous `[out, in]` W once (float32 out)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._kernels = {
+            torch.float32: library.small_rows_matmul_f32,
+            torch.bfloat16: library.small_rows_matmul_bf16,
+        }
+        for kernel in self._kernels.values():
+            kernel.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
+            kernel.restype = None
+
+    def __call__(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernels.get(weight.dtype)
+        if kernel is None or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(
+                f"weight {weight.dtype} {list(weight.shape)} on {weight.device}: allowed is a "
+                "2-D float32 or bfloat16 CPU tensor"
+            )
+        n_out, n_in = weight.shape
+        if rows.dim() != 2 or rows.shape[1] != n_in:
+            raise ValueError(f"rows has shape {list(rows.shape)}: allowed is [R, {n_in}]")
+        weight = weight.contiguous()
+        x = rows.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], n_out, dtype=torch.float32)
+        kernel(
+            weight.data_ptr(),
+            x.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            n_out,
+            n_in,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@attrs.frozen
+class NativeKernels:
+    """The loaded library's kernels."""
+
+    paged_decode_attention: PagedDecodeAttention
+    small_rows_matmul: SmallRowsMatmul
+
+
 @functools.cache
-def _load() -> PagedDecodeAttention | str:
+def _load() -> NativeKernels | str:
     try:
         library = ctypes.CDLL(str(_build(_compiler())))
-        return PagedDecodeAttention(library)
+        return NativeKernels(PagedDecodeAttention(library), SmallRowsMatmul(library))
     except (NativeKernelsUnavailable, OSError) as error:
-        logger.warning("native paged attention unavailable: %s", error)
+        logger.warning("native CPU kernels unavailable: %s", error)
         return str(error)
 
 
-def paged_decode_attention() -> PagedDecodeAttention:
-    """The in-place paged decode attention kernel (built on first call)."""
+def native_kernels() -> NativeKernels:
+    """The native kernels (built on first call); raises when they cannot be used here."""
     loaded = _load()
     if isinstance(loaded, str):
         raise NativeKernelsUnavailable(loaded)
     return loaded
+
+
+def paged_decode_attention() -> PagedDecodeAttention:
+    """The in-place paged decode attention kernel."""
+    return native_kernels().paged_decode_attention
+
+
+def small_rows_matmul() -> SmallRowsMatmul:
+    """The weight-streaming few-rows matrix product."""
+    return native_kernels().small_rows_matmul
 
 
 def unavailable_reason() -> str | None:

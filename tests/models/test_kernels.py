@@ -51,12 +51,11 @@ def test_every_form_layout_and_split_equals_linear(
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(sum(parts), fan_in, generator=generator)
     x = torch.randn(*lead, fan_in, generator=generator)
-    rows = x.numel() // fan_in
     chosen = FORMS[form]
     projection = _projection(weight, tuple(parts))
     # Single-row forms serve the 1-row bucket; more rows fall to the next bucket's form.
     multi = "linear" if chosen.layout == "out_in" else "mm_xw"
-    forms = ((1, form), (64, multi)) if chosen.single_row_only else ((64, form),)
+    forms = ((chosen.max_rows, form), (64, multi)) if chosen.max_rows else ((64, form),)
     projection.apply_choice(ProjectionChoice(chosen.layout, split and len(parts) > 1, forms))
     out = projection(x)
     assert out.shape == (*lead, sum(parts)) and out.is_contiguous()
@@ -64,8 +63,7 @@ def test_every_form_layout_and_split_equals_linear(
     assert torch.equal(projection.hf_weight(), weight)  # one copy, any layout
     assert projection.weight.is_contiguous()
     assert projection.layout == chosen.layout
-    if rows == 1:
-        assert projection.choice is not None and projection.choice.form_for(1) == form
+    assert projection.choice is not None and projection.choice.form_for(1) == form
 
 
 def test_measured_choice_is_consistent_and_exact() -> None:
