@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -36,9 +37,9 @@ _SOURCES = tuple(
     for name in ("paged_decode_attention.c", "small_rows_matmul.c")
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
-_ARGTYPES = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+_I64: type[ctypes.c_int64] = ctypes.c_int64
+_PTR: type[ctypes.c_void_p] = ctypes.c_void_p
+_ARGTYPES: list[Any] = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -197,7 +198,7 @@ class SmallRowsMatmul:
             torch.bfloat16: library.small_rows_matmul_bf16,
         }
         for kernel in self._kernels.values():
-            kernel.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
+            kernel.argtypes = [*[_PTR] * 3, *[_I64] * 3, ctypes.c_int]
             kernel.restype = None
 
     def __call__(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
