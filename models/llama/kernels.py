@@ -425,10 +425,28 @@ def _merge_buckets(forms: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], .
     return tuple(merged)
 
 
+# Plans measured in this process, by what they depend on: lanes of one model in one process
+# (and an eager lane next to a traced one) compute with the same forms, bit for bit.
+_MEASURED: dict[tuple[Any, ...], KernelPlan] = {}
+
+
 def measure_kernel_plan(
     model: LlamaModel, *, buckets: Sequence[int], attention: str, notes: Sequence[str] = ()
 ) -> KernelPlan:
-    """Measure every projection of `model` at `buckets` (see `measure_projection`)."""
+    """Measure every projection of `model` at `buckets` (see `measure_projection`), once per
+    process for a given geometry, dtype, thread count and attention."""
+    shapes = tuple(sorted(model.projection_shapes().items()))
+    key = (shapes, model.dtype, tuple(buckets), torch.get_num_threads(), attention, tuple(notes))
+    plan = _MEASURED.get(key)
+    if plan is None:
+        plan = _measure(model, buckets=buckets, attention=attention, notes=notes)
+        _MEASURED[key] = plan
+    return plan
+
+
+def _measure(
+    model: LlamaModel, *, buckets: Sequence[int], attention: str, notes: Sequence[str]
+) -> KernelPlan:
     from runtime.backends.cpu_features import CpuFeatures
 
     projections: list[tuple[str, ProjectionChoice]] = []
