@@ -304,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--f32-gguf", default=None, help="where to keep the F32 GGUF")
     parser.add_argument("--kernels", default=None, help="replay this kernel plan (--kernels)")
     parser.add_argument("--no-batch32", action="store_true", help="skip the batch-32 section")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the runtime's bf16 run")
     parser.add_argument("--json", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    import attrs
     import torch
 
     torch.set_num_threads(args.threads)
@@ -382,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     report["runtime_share_of_limit"] = (
         ours["decode_tokens_per_second"] / report["limit_decode_tokens_per_second"]
     )
+    if CpuFeatures.probe().native_bf16 and not args.no_bf16:
+        bf16_config = bench.BenchConfig(**{**attrs.asdict(config), "dtype": "bfloat16"})
+        bf16, _ = _runtime_batch1(bench, bf16_config, prompt, log)
+        report["batch1"]["runtime_bf16"] = bf16
     if not args.no_batch32:
         mixed = bench.BenchConfig(
             model="smollm2-135m",
@@ -423,8 +429,11 @@ def format_report(report: dict[str, Any]) -> str:
         (f"llama.cpp {b1['llama_cpp']['version']} (F32 GGUF)", "llama_cpp"),
         ("this runtime", "runtime"),
         ("transformers generate", "transformers"),
+        ("this runtime, --dtype bfloat16 (share of the fp32 limit)", "runtime_bf16"),
     ):
-        row = b1[key]
+        row = b1.get(key)
+        if row is None:
+            continue
         lines.append(
             f"| {label} | {row['decode_tokens_per_second']:.1f} | "
             f"{row['prefill_tokens_per_second']:.0f} | "
