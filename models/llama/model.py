@@ -4,8 +4,10 @@ Each layer's KV cache is K and V of shape `[num_blocks, n_kv_heads, block_size, 
 owned by the caller and bound with `set_kv_cache`. Addressing is computed once per call and
 shared by all layers: writes and gathers go through one flat row index into the cache viewed
 as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over batch rows.
-Q/K/V and gate/up projections are fused into one matmul each (fewer passes over the weights
-and fewer operator launches, which is what bounds batch-1 decode on CPU).
+Q/K/V and gate/up projections are stored fused, one matrix each; how every projection is
+computed (form, layout, fused or split) is chosen by measurement at warmup
+(`choose_kernels`, `models.llama.kernels`). The dynamic decode attends with a native kernel
+that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run.
 
 Two implementations of decode and prefill share the layers:
 
@@ -1063,15 +1065,10 @@ class LlamaModel(nn.Module):
         pages: torch.Tensor,
     ) -> torch.Tensor:
         """Active rows' decode with attention reading K/V pages in place (no sort, no gather)."""
-        block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
-        write_rows, write_index = self._token_writes(block, pos, bs)
-        addressing = Addressing(
-            write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
-        )
         hidden = self._run_layers(
             tokens.unsqueeze(1),
             pos.unsqueeze(1),
-            addressing,
+            self._decode_writes(pages, pos, bs),
             cache,
             use_cache_for_chunk=True,
             paged_keys=(pages.contiguous(), pos + 1),
@@ -1093,15 +1090,10 @@ class LlamaModel(nn.Module):
         if pos.shape[0] > 1 and bool((pos[1:] < pos[:-1]).any()):
             order = torch.argsort(pos, stable=True)
             tokens, pos, pages = tokens[order], pos[order], pages[order]
-        block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
-        write_rows, write_index = self._token_writes(block, pos, bs)
-        addressing = Addressing(
-            write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
-        )
         hidden = self._run_layers(
             tokens.unsqueeze(1),
             pos.unsqueeze(1),
-            addressing,
+            self._decode_writes(pages, pos, bs),
             cache,
             use_cache_for_chunk=True,
             key_groups=self._decode_key_groups(pages, pos, order, bs),
@@ -1110,6 +1102,14 @@ class LlamaModel(nn.Module):
         if order is not None:
             last = torch.empty_like(last).index_copy_(0, order, last)
         return self._logits(last)
+
+    def _decode_writes(self, pages: torch.Tensor, pos: torch.Tensor, bs: int) -> Addressing:
+        """Where each decode row writes its new K/V (the dynamic paths read no other rows)."""
+        block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        write_rows, write_index = self._token_writes(block, pos, bs)
+        return Addressing(
+            write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
+        )
 
     def _decode_key_groups(
         self, pages: torch.Tensor, pos: torch.Tensor, order: torch.Tensor | None, bs: int
