@@ -72,7 +72,8 @@ def _mv_t(weight_t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _native_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return native_kernels.small_rows_matmul()(weight, rows).to(weight.dtype)
+    # Projection weights are contiguous 2-D CPU tensors (split parts are row slices of one).
+    return native_kernels.small_rows_matmul().unchecked(weight, rows).to(weight.dtype)
 
 
 def _native_available() -> bool:
