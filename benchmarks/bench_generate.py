@@ -75,6 +75,7 @@ class BenchConfig:
     lanes: int = 1
     lane_transport: str = "process"
     threads_per_lane: int | None = None
+    kernels: str | None = None
 
     def check(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
@@ -138,6 +139,7 @@ def _runtime_executor(config: BenchConfig, batch: int, *, lanes: int = 1) -> Any
             max_seq_len=per_request * block,
             # Per lane; warmup prefills a whole chunk (plus one block) into one row.
             num_blocks=max(-(-config.prefill_chunk // block) + 1, batch // lanes * per_request),
+            kernels=config.kernels,
             **(
                 {
                     "lanes": lanes,
@@ -151,6 +153,8 @@ def _runtime_executor(config: BenchConfig, batch: int, *, lanes: int = 1) -> Any
             ),
         )
     except ModelNotAvailableError as error:
+        raise BenchUsageError(str(error)) from error
+    except ValueError as error:
         raise BenchUsageError(str(error)) from error
     executor.resolve_capacity()  # num_blocks above: KV blocks per lane
     executor.start()
@@ -307,6 +311,7 @@ def bench_batch(config: BenchConfig, batch: int, hf: Any, log: Log) -> dict[str,
             "runtime": {
                 **_rates(ours, batch, config.new_tokens),
                 "prefill_seconds": generator.last_stats.prefill_seconds,
+                "kernels": executor.warmup.kernel_choice,
             },
         }
         if hf is not None:

@@ -1,9 +1,9 @@
 """Which float32 matrix product is fastest for SmolLM2's projections at decode row counts.
 
-Run: `python benchmarks/projection_layouts.py [--threads N]` (about 30 s). This is the
-measurement behind `models.llama.layers.Projection` (weight stored `[out, in]`, computed as
-`torch.mm(W, x.T)`, one row padded to two, `F.linear` from `LINEAR_FROM_ROWS` rows): rerun it
-on new hardware before trusting that choice there.
+Run: `python benchmarks/projection_layouts.py [--threads N]` (about 30 s). This was the
+measurement behind the old fixed projection form (`torch.mm(W, x.T)`, one row padded to two);
+the runtime now makes this choice itself, by measurement at warmup, per projection and row
+bucket (`models.llama.kernels`, shown by `llm-runtime bringup`). Kept to look at the forms.
 
 Method: for each projection shape, 30 distinct random weights (one per layer, so they stream
 from memory as in the model; the LM head once), products timed over all of them, best of

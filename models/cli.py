@@ -196,11 +196,13 @@ def _check_lane_arguments(args: argparse.Namespace) -> Any:
 def _load(model: str, **kwargs: Any) -> Any:
     """Build the executor (CONSTRUCTED); a missing model, bad file or geometry is a UsageError."""
     from models import load_executor
+    from models.llama.kernels import KernelPlanError
     from models.llama.sources import ModelNotAvailableError
+    from runtime.backends.cpu_features import UnsupportedCpuFeatureError
 
     try:
         return load_executor(model, **kwargs)
-    except ModelNotAvailableError as error:
+    except (ModelNotAvailableError, KernelPlanError, UnsupportedCpuFeatureError) as error:
         raise UsageError(str(error)) from error
     except (ValueError, TypeError) as error:
         raise UsageError(f"--model {model}: {_one_line(error)}") from error
@@ -221,6 +223,7 @@ def _load_from_args(args: argparse.Namespace, progress: Any, **extra: Any) -> An
         warmup=_warmup_config(args),
         **_lane_arguments(args),
         progress=progress,
+        kernels=args.kernels,
         **extra,
     )
 
@@ -822,6 +825,7 @@ def _bench(args: argparse.Namespace) -> int:
         lanes=args.lanes,
         lane_transport=args.lane_transport,
         threads_per_lane=args.threads_per_lane,
+        kernels=args.kernels,
     )
 
     def log(message: str) -> None:
@@ -924,6 +928,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
         default=None,
         help="torch threads of each process lane (default: 1)",
     ),
+    "--kernels": dict(
+        metavar="FILE",
+        default=None,
+        help="replay the kernel plan in FILE (a bringup --coverage-out manifest or its "
+        '"kernels" object) instead of timing kernel forms at warmup',
+    ),
     "--warmup": dict(
         choices=("auto", "minimal", "full"),
         default="auto",
@@ -1009,7 +1019,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     ),
 }
 
-MODEL_OPTIONS = ("--model", "--device", "--dtype", "--trace")
+MODEL_OPTIONS = ("--model", "--device", "--dtype", "--trace", "--kernels")
 LANE_OPTIONS = ("--block-size", "--prefill-chunk", "--num-blocks", "--max-batch", "--max-seq-len")
 DATA_PARALLEL_OPTIONS = ("--lanes", "--lane-transport", "--threads-per-lane")
 COMMON_OPTIONS = ("--progress", "--debug")

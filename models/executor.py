@@ -540,7 +540,9 @@ class ModelExecutor(LifecycleHost):
     def _compile_detail(self) -> str:
         programs = len(self.program_compiler.compiled_programs)
         seconds = sum(self.warmup.case_seconds.values())
-        return f"{programs} programs compiled in {seconds:.2f} s"
+        kernels = self.warmup.kernel_choice
+        chosen = f"; {kernels['summary']}" if isinstance(kernels, dict) else ""
+        return f"{programs} programs compiled in {seconds:.2f} s{chosen}"
 
     @guarded(*_SETUP)
     def warmup_prefill(

@@ -66,12 +66,14 @@ class CoverageAlias:
 
 @attrs.frozen
 class CoverageManifest:
-    """What warmup made available: eager programs, traced programs, traces, aliases."""
+    """What warmup made available: eager programs, traced programs, traces, aliases, and
+    the kernels the model chose for them (its `choose_kernels` JSON, or None)."""
 
     eager_program_signatures: tuple[Any, ...]
     traced_source_program_signatures: tuple[Any, ...]
     trace_signatures: tuple[Any, ...]
     aliases: tuple[CoverageAlias, ...]
+    kernels: Any = None
 
     def identity_fields(self) -> dict[str, dict[str, dict[str, int]]]:
         """Which identity fields (and values) produced how many programs and traces."""
@@ -112,6 +114,7 @@ class CoverageManifest:
                 }
                 for alias in self.aliases
             ],
+            "kernels": self.kernels,
         }
 
     def dumps(self) -> str:
@@ -326,6 +329,7 @@ class WarmupCoordinator:
         self._plans: dict[tuple[bool, PageTableLayout], WarmupPlan] = {}
         self.derivation_seconds = 0.0
         """Seconds spent deriving coverage from the planner (not compiling)."""
+        self.kernel_choice: Any = None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -463,6 +467,8 @@ class WarmupCoordinator:
             return  # capture already happened; coverage is fixed
         if sampling:
             self._ensure_sampling_buffers()
+        if self.kernel_choice is None:
+            self.kernel_choice = choose_model_kernels(self.config)
         cases = list(self._cases(operation, sampling))
         if trace and sampling:
             # Top-k registers first, within each probe, so siblings still share a forward.
@@ -603,12 +609,13 @@ class WarmupCoordinator:
             aliases=tuple(
                 sorted(aliases, key=lambda a: ProgramKey.from_signature(a.program_signature).digest)
             ),
+            kernels=self.kernel_choice,
         )
 
     def eager_manifest(self) -> CoverageManifest:
         """The manifest of an untraced warmup (no traces, no aliases)."""
         eager = _dedupe(p.signature for p in self._required)
-        return CoverageManifest(_sorted_signatures(eager), (), (), ())
+        return CoverageManifest(_sorted_signatures(eager), (), (), (), kernels=self.kernel_choice)
 
     @contextlib.contextmanager
     def defer_capture(self) -> Iterator[None]:
@@ -640,6 +647,21 @@ class WarmupCoordinator:
         if not self._deferring or not self._capture_pending or self.coverage_manifest is None:
             raise RuntimeError("no deferred capture is pending")
         self._capture(self.coverage_manifest)
+
+
+def choose_model_kernels(config: WarmupCoordinatorConfig) -> Any:
+    """Let the model pick its kernels for this lane's row counts before anything compiles.
+
+    A model may offer `choose_kernels(decode_rows=, prefill_rows=)` returning a JSON-ready
+    record with a "summary" line (the Llama family times its projection forms); models
+    without it get None.
+    """
+    choose = getattr(config.model, "choose_kernels", None)
+    if not callable(choose):
+        return None
+    return choose(
+        decode_rows=config.lane_batch_size, prefill_rows=max(config.prefill_sequence_lengths)
+    )
 
 
 def _jsonable(value: Any) -> Any:

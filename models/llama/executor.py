@@ -15,12 +15,14 @@ import torch
 
 from lifecycle.journal import Journal
 from models.executor import ModelExecutor, ModelExecutorConfig
+from models.llama.kernels import KernelPlan, load_kernel_plan
 from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import LoadedModel, load_model
 from models.llama.tokenizer import LlamaTokenizer
 from models.progress import ProgressSink, as_progress
 from runtime.backends import make_device
 from runtime.backends.base import Device
+from runtime.backends.cpu_features import CpuFeatures, require_native_bf16
 from runtime.config import (
     PagedKVCacheConfig,
     RuntimePolicy,
@@ -115,16 +117,24 @@ def load_executor(
     faults: str | None = None,
     progress: Any = None,
     seed: int = 0,
+    kernels: str | Path | KernelPlan | None = None,
+    cpu_features: CpuFeatures | None = None,
 ) -> LlamaExecutor:
     """Load `model` (a name, HF directory or .gguf) and build its executor in CONSTRUCTED.
 
     Every argument is checked before any weights load. `progress` (a `models.progress`
     sink, e.g. `ConsoleProgress()`, or a bare warmup callback) shows the model load, KV
-    allocation, warmup cases and capture; the executor keeps it for generation.
+    allocation, warmup cases and capture; the executor keeps it for generation. `kernels`: a
+    kernel plan (or the path of a saved one, `--kernels FILE`) that warmup applies instead of
+    timing kernels. `cpu_features`: the CPU probe's answer (default: probe this host);
+    bfloat16 on CPU needs native bf16.
     """
     sink = as_progress(progress)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and device == "cpu":
+        require_native_bf16(cpu_features or CpuFeatures.probe())
+    plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
     trace = TraceConfig(mode=trace_mode)  # type: ignore[arg-type]
     require_positive_int("block_size", block_size)
     require_positive_int("max_batch_size", max_batch_size)
@@ -150,6 +160,9 @@ def load_executor(
     max_blocks = max_batch_size * blocks_per_seq
     if num_blocks is not None and num_blocks > max_blocks:
         max_blocks = num_blocks
+    if plan is not None:
+        where = f"--kernels {kernels}" if isinstance(kernels, str | Path) else "kernels"
+        loaded.model.replay_kernels(plan, where=where)
     return build_executor(
         loaded,
         device=target,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.llama.config import LlamaArgs
+from models.llama.kernels import FORMS, Layout, ProjectionChoice, default_form
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -49,57 +50,78 @@ def rope_tables(args: LlamaArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return cos.to(dtype), sin.to(dtype)
 
 
-# Rows from which `Projection` uses `F.linear` (as fast as `W @ x^T` there, no output copy).
-LINEAR_FROM_ROWS = 64
-
-
 class Projection(nn.Module):
-    """A bias-free linear map, weight stored `[out, in]`, computed as `W @ x^T` on CPU.
+    """A bias-free linear map `x @ W^T`, computed in the form warmup measured fastest.
 
-    Why this form: on the project's CPU (MKL, 2 threads) `torch.mm(W, x.T)` with the weight
-    as the left operand is the fastest product for decode's row counts, and one row is padded
-    to two, because MKL's two-row matrix product streams the weight faster than its
-    matrix-vector product: one decode step's projections at batch 1 took
-    26 instead of 32 ms (`[in, out]` matrix-vector), at batch 8 44 instead of 70 ms and at
-    batch 32 89 instead of 114 ms (`benchmarks/RESULTS.md`). From `LINEAR_FROM_ROWS` rows on
-    (prefill chunks) `F.linear` is as fast and its output needs no transposing copy; other
-    devices always use it.
+    The weight is stored once, contiguous, in the layout its `ProjectionChoice` needs:
+    `out_in` (`[out, in]`, the HF layout) or `in_out` (`[in, out]`). Until a choice is applied
+    (`apply_choice`, from the warmup's kernel plan) the layout is `out_in` and the form is the
+    previous fixed policy (`kernels.default_form`). A fused projection (qkv, gate/up) names its
+    output `parts`; a split choice computes them one by one from views of the one matrix.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        parts: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.parts = parts or (out_features,)
+        if sum(self.parts) != out_features:
+            raise ValueError(f"parts {self.parts} do not add up to out_features={out_features}")
+        self.layout: Layout = "out_in"
+        self.choice: ProjectionChoice | None = None
         shape = (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        if weight.device.type != "cpu" or count >= LINEAR_FROM_ROWS:
-            return F.linear(x, weight)
-        if count == 1:
-            product = torch.mm(weight, torch.cat((rows, rows)).t())[:, :1]
+        choice = self.choice
+        weight = self.weight
+        if choice is None:
+            product = FORMS[default_form(count, weight.device.type == "cpu")].compute(weight, rows)
         else:
-            product = torch.mm(weight, rows.t())
-        return product.t().contiguous().view(*x.shape[:-1], self.out_features)
+            compute = FORMS[choice.form_for(count)].compute
+            if choice.split:
+                dim = 0 if self.layout == "out_in" else 1
+                pieces = weight.split(list(self.parts), dim=dim)
+                product = torch.cat([compute(piece, rows) for piece in pieces], dim=1)
+            else:
+                product = compute(weight, rows)
+        return product.view(*x.shape[:-1], self.out_features)
 
     def load(self, weight: torch.Tensor) -> None:
-        """Take a `[out, in]` (HF-layout) weight."""
+        """Take a `[out, in]` (HF-layout) weight; stored in the current layout."""
         expected = (self.out_features, self.in_features)
         if tuple(weight.shape) != expected:
             raise ValueError(f"weight has shape {list(weight.shape)}: allowed is {list(expected)}")
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        stored = weight if self.layout == "out_in" else weight.t()
+        self.weight = nn.Parameter(stored.contiguous(), requires_grad=False)
+
+    def apply_choice(self, choice: ProjectionChoice) -> None:
+        """Use `choice`; re-lays the weight out (one transposing copy) if its layout differs."""
+        if choice.split and len(self.parts) == 1:
+            raise ValueError(f"a split choice needs a fused projection, this one has {self.parts}")
+        if choice.layout != self.layout:
+            flipped = self.weight.detach().t().contiguous()
+            self.weight = nn.Parameter(flipped, requires_grad=False)
+            self.layout = choice.layout
+        self.choice = choice
 
     def hf_weight(self) -> torch.Tensor:
-        """The weight as `[out, in]` (no copy)."""
-        return self.weight.detach()
+        """The weight as `[out, in]` (a view, no copy; transposed in the `in_out` layout)."""
+        weight = self.weight.detach()
+        return weight if self.layout == "out_in" else weight.t()
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}"
+        return f"in={self.in_features}, out={self.out_features}, layout={self.layout}"
 
 
 class DecoderLayer(nn.Module):
@@ -111,10 +133,12 @@ class DecoderLayer(nn.Module):
         kv_out = args.n_kv_heads * args.head_dim
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.input_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
-        self.wqkv = Projection(args.dim, q_out + 2 * kv_out, **kw)
+        self.wqkv = Projection(args.dim, q_out + 2 * kv_out, parts=(q_out, kv_out, kv_out), **kw)
         self.wo = Projection(q_out, args.dim, **kw)
         self.post_attention_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
-        self.w_gate_up = Projection(args.dim, 2 * args.ffn_dim, **kw)
+        self.w_gate_up = Projection(
+            args.dim, 2 * args.ffn_dim, parts=(args.ffn_dim, args.ffn_dim), **kw
+        )
         self.w_down = Projection(args.ffn_dim, args.dim, **kw)
 
     def attention_out(self, attended: torch.Tensor) -> torch.Tensor:

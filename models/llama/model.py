@@ -4,8 +4,10 @@ Each layer's KV cache is K and V of shape `[num_blocks, n_kv_heads, block_size, 
 owned by the caller and bound with `set_kv_cache`. Addressing is computed once per call and
 shared by all layers: writes and gathers go through one flat row index into the cache viewed
 as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over batch rows.
-Q/K/V and gate/up projections are fused into one matmul each (fewer passes over the weights
-and fewer operator launches, which is what bounds batch-1 decode on CPU).
+Q/K/V and gate/up projections are stored fused, one matrix each; how every projection is
+computed (form, layout, fused or split) is chosen by measurement at warmup
+(`choose_kernels`, `models.llama.kernels`). The dynamic decode attends with a native kernel
+that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run.
 
 Two implementations of decode and prefill share the layers:
 
@@ -37,6 +39,14 @@ from models.llama.graph_safe import (
     static_prefill,
     stream_capturing,
 )
+from models.llama.kernels import (
+    KernelPlan,
+    ProjectionShape,
+    check_plan_fits,
+    fixed_plan,
+    measure_kernel_plan,
+    row_buckets,
+)
 from models.llama.layers import DecoderLayer, Projection, rope_tables
 from models.llama.weights import (
     EMBED,
@@ -45,6 +55,7 @@ from models.llama.weights import (
     layer_name,
     validate_state_dict,
 )
+from runtime.backends import native_kernels
 from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
 
 logger = logging.getLogger(__name__)
@@ -60,9 +71,15 @@ class LlamaModel(nn.Module):
 
     `graph_safe`: None (default) picks the graph-safe decode/prefill on CUDA and the dynamic
     one elsewhere; True or False forces one (tests force True on CPU).
+
+    `decode_attention`: how the dynamic decode attends: "paged_inplace" (a native kernel
+    reads K/V pages where they are), "gather" (pages copied into a workspace, then SDPA), or
+    None (default): in place when the native kernel is available. The kernel plan chosen at
+    warmup sets it (`choose_kernels`).
     """
 
     graph_safe: bool | None
+    decode_attention: str | None
     # Dynamic decode: cost of one more attention group, in row-key units (`plan_key_groups`).
     group_cost: int = GROUP_COST_KEYS
 
@@ -92,6 +109,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
         self.lm_head = Projection(args.dim, args.vocab_size, **kw)
         self.requires_grad_(False)
+        self._init_kernel_state()
         cos, sin = rope_tables(args, dtype)
         self._rope_cos = cos.to(self.device)
         self._rope_sin = sin.to(self.device)
@@ -133,6 +151,7 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(args, dtype=dtype, device="meta")
         model.device = torch.device(device)
+        model._init_kernel_state()
         cos, sin = rope_tables(args, dtype)
         model._rope_cos = cos.to(model.device)
         model._rope_sin = sin.to(model.device)
@@ -203,6 +222,98 @@ class LlamaModel(nn.Module):
             out[layer_name(i, "mlp.up_proj.weight")] = up
             out[layer_name(i, "mlp.down_proj.weight")] = layer.w_down.hf_weight()
         return out
+
+    # ------------------------------------------------------------------------- kernels
+    def _init_kernel_state(self) -> None:
+        self.decode_attention = None
+        self.kernel_plan: KernelPlan | None = None
+        self._replay_plan: KernelPlan | None = None
+
+    def projection_groups(self) -> dict[str, list[Projection]]:
+        """Every projection by kind (one per layer; `lm_head` once), in a fixed order."""
+        groups: dict[str, list[Projection]] = {}
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                groups.setdefault(name, []).append(getattr(layer, name))
+        groups["lm_head"] = [self.lm_head]
+        return groups
+
+    def projection_shapes(self) -> dict[str, ProjectionShape]:
+        """Each projection kind's geometry (what a kernel plan must cover)."""
+        return {
+            name: ProjectionShape(m[0].in_features, m[0].out_features, m[0].parts, len(m))
+            for name, m in self.projection_groups().items()
+        }
+
+    def replay_kernels(self, plan: KernelPlan, *, where: str = "kernels") -> None:
+        """Use `plan` at warmup instead of measuring; checked against this model now.
+
+        `where` names the plan's origin in errors (the CLI passes `--kernels FILE`).
+        """
+        check_plan_fits(plan, self.projection_shapes(), where)
+        if plan.decode_attention == "paged_inplace":
+            reason = self._inplace_unavailable()
+            if reason is not None:
+                raise ValueError(
+                    f"{where}: decode_attention 'paged_inplace' cannot run here ({reason}): "
+                    "allowed here is 'gather'"
+                )
+        self._replay_plan = plan
+
+    def choose_kernels(self, *, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
+        """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.
+
+        Measures each projection at the row buckets of a lane of `decode_rows` slots and
+        prefill chunks of `prefill_rows` tokens (`kernels.measure_kernel_plan`). Once a plan
+        is applied, later calls return it unchanged.
+        """
+        if self.kernel_plan is None:
+            buckets = row_buckets(decode_rows, prefill_rows)
+            self.apply_kernel_plan(self._resolve_kernel_plan(buckets))
+        assert self.kernel_plan is not None
+        return self.kernel_plan.to_json()
+
+    def _resolve_kernel_plan(self, buckets: Sequence[int]) -> KernelPlan:
+        if self._replay_plan is not None:
+            return self._replay_plan
+        attention, notes = self._attention_choice()
+        if self.device.type != "cpu":
+            source = f"fixed ({self.device.type}: F.linear, nothing timed)"
+            return fixed_plan(
+                self, buckets=buckets, attention=attention, source=source, notes=notes
+            )
+        return measure_kernel_plan(self, buckets=buckets, attention=attention, notes=notes)
+
+    def _inplace_unavailable(self) -> str | None:
+        """Why the in-place paged decode attention cannot run for this model, or None."""
+        if self.device.type != "cpu":
+            return f"the native kernel is CPU-only, the model is on {self.device.type}"
+        return native_kernels.unavailable_reason()
+
+    def _attention_choice(self) -> tuple[str, tuple[str, ...]]:
+        if self.decode_attention is not None:
+            return self.decode_attention, ("decode attention set by the caller",)
+        reason = self._inplace_unavailable()
+        if reason is None:
+            return "paged_inplace", ()
+        return "gather", (f"in-place paged attention unavailable: {reason}",)
+
+    def apply_kernel_plan(self, plan: KernelPlan) -> None:
+        """Lay every projection out and pick its forms as `plan` says (checked first)."""
+        check_plan_fits(plan, self.projection_shapes(), f"kernel plan ({plan.source})")
+        for name, modules in self.projection_groups().items():
+            choice = plan.choice(name)
+            for module in modules:
+                module.apply_choice(choice)
+        self.decode_attention = plan.decode_attention
+        self.kernel_plan = plan
+        logger.info("%s", plan.summary())
+
+    def _decodes_in_place(self) -> bool:
+        attention = self.decode_attention
+        if attention is None:
+            attention = "paged_inplace" if self._inplace_unavailable() is None else "gather"
+        return attention == "paged_inplace"
 
     # ------------------------------------------------------------- contract: metadata
     @property
@@ -435,14 +546,23 @@ class LlamaModel(nn.Module):
         key_groups: Sequence[KeyGroup] | None = None,
         packed: PackedChunk | None = None,
         last_only: bool = False,
+        paged_keys: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention for `h` `[B, S, dim]`: write K/V, attend, project. Returns `[B, S, dim]`.
 
-        With `key_groups` (dynamic decode) each group of rows attends to its own keys. With
-        `packed` (dynamic prefill) `h` is `[N, dim]`: see `_packed_prefill_attention`.
+        With `paged_keys` (`(pages, n_keys)`, dynamic decode) the native kernel reads each
+        row's keys from its pages in place; with `key_groups` (dynamic decode) each group of
+        rows attends to its own gathered keys. With `packed` (dynamic prefill) `h` is
+        `[N, dim]`: see `_packed_prefill_attention`.
         """
         n_q, hd = self.args.n_heads, self.args.head_dim
         q, k, v = self._project_and_write(layer, cache, h, cos, sin, addressing)
+        if paged_keys is not None:
+            folded = q.reshape(q.shape[0], self.args.n_kv_heads, n_q // self.args.n_kv_heads, hd)
+            attended = native_kernels.paged_decode_attention().unchecked(
+                folded, cache[0], cache[1], paged_keys[0], paged_keys[1], hd**-0.5
+            )
+            return layer.attention_out(attended.to(q.dtype).reshape(q.shape[0], 1, n_q * hd))
         if key_groups is not None:
             out = self._grouped_decode_attention(q, cache, key_groups)
             return layer.attention_out(out.reshape(q.shape[0], 1, n_q * hd))
@@ -623,6 +743,7 @@ class LlamaModel(nn.Module):
         use_cache_for_chunk: bool,
         key_groups: Sequence[KeyGroup] | None = None,
         packed: PackedChunk | None = None,
+        paged_keys: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The decoder stack. With `packed` (dynamic prefill) returns only each row's last
         token `[B, dim]`: the last layer writes every token's K/V but attends, projects and
@@ -645,6 +766,7 @@ class LlamaModel(nn.Module):
                 key_groups=key_groups,
                 packed=packed,
                 last_only=last_only,
+                paged_keys=paged_keys,
             )
             if last_only:
                 assert packed is not None
@@ -924,21 +1046,54 @@ class LlamaModel(nn.Module):
             rows = active.nonzero().squeeze(1)
             tokens, pos, pages = tokens[rows], pos[rows], pages[rows]
         self._check_decode_extent(pos, pages.shape[1], bs)
+        if self._decodes_in_place():
+            logits = self._decode_in_place(cache, bs, tokens, pos, pages)
+        else:
+            logits = self._decode_gathered(cache, bs, tokens, pos, pages)
+        if all_active:
+            return logits
+        out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
+        out[rows] = logits
+        return out
+
+    def _decode_in_place(
+        self,
+        cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        bs: int,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        pages: torch.Tensor,
+    ) -> torch.Tensor:
+        """Active rows' decode with attention reading K/V pages in place (no sort, no gather)."""
+        hidden = self._run_layers(
+            tokens.unsqueeze(1),
+            pos.unsqueeze(1),
+            self._decode_writes(pages, pos, bs),
+            cache,
+            use_cache_for_chunk=True,
+            paged_keys=(pages.contiguous(), pos + 1),
+        )
+        return self._logits(hidden[:, 0])
+
+    def _decode_gathered(
+        self,
+        cache: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+        bs: int,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        pages: torch.Tensor,
+    ) -> torch.Tensor:
+        """Active rows' decode with attention over key tiles gathered per row group."""
         # Attention groups rows of similar length: sort the rows by position (undone on the
         # last hidden state); already-sorted batches (batch 1 included) keep their order.
         order: torch.Tensor | None = None
         if pos.shape[0] > 1 and bool((pos[1:] < pos[:-1]).any()):
             order = torch.argsort(pos, stable=True)
             tokens, pos, pages = tokens[order], pos[order], pages[order]
-        block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
-        write_rows, write_index = self._token_writes(block, pos, bs)
-        addressing = Addressing(
-            write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
-        )
         hidden = self._run_layers(
             tokens.unsqueeze(1),
             pos.unsqueeze(1),
-            addressing,
+            self._decode_writes(pages, pos, bs),
             cache,
             use_cache_for_chunk=True,
             key_groups=self._decode_key_groups(pages, pos, order, bs),
@@ -946,12 +1101,15 @@ class LlamaModel(nn.Module):
         last = hidden[:, 0]
         if order is not None:
             last = torch.empty_like(last).index_copy_(0, order, last)
-        logits = self._logits(last)
-        if all_active:
-            return logits
-        out = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=device)
-        out[rows] = logits
-        return out
+        return self._logits(last)
+
+    def _decode_writes(self, pages: torch.Tensor, pos: torch.Tensor, bs: int) -> Addressing:
+        """Where each decode row writes its new K/V (the dynamic paths read no other rows)."""
+        block = pages.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        write_rows, write_index = self._token_writes(block, pos, bs)
+        return Addressing(
+            write_rows=write_rows, write_index=write_index, gather_index=None, mask=None
+        )
 
     def _decode_key_groups(
         self, pages: torch.Tensor, pos: torch.Tensor, order: torch.Tensor | None, bs: int

@@ -16,7 +16,8 @@ from models.llama import (
     random_state_dict,
 )
 from models.llama.attention_layout import plan_key_groups
-from models.llama.layers import LINEAR_FROM_ROWS, Projection
+from models.llama.kernels import LINEAR_FROM_ROWS
+from models.llama.layers import Projection
 from models.llama.reference import contiguous_page_table, prefill_prompts
 from runtime.model_contract import AttentionMetadata, PagedAttentionConfig, PagedModel
 from tests.models.llama_oracle import (

@@ -1,0 +1,500 @@
+"""Projection kernels and decode attention chosen by measurement, once, at warmup.
+
+Why measure: the fastest form of a projection depends on the CPU. `torch.mm(W, x.T)` with
+one row padded to two was fastest on one AVX-512 machine and twice as slow as `F.linear` on
+an AVX2 one. So for every projection shape of the model and every row-count bucket a lane
+will run (decode batch sizes, prefill chunks) warmup times the candidate forms on the
+model's own weights (all layers, so they stream from memory as in a real step), picks the
+fastest, and re-lays the weights out once in the layout the choice needs.
+
+A `KernelPlan` records the choice. It is deterministic once recorded: it goes into the
+coverage manifest and the journal, and `--kernels FILE` (a saved plan or a coverage
+manifest holding one) replays it without timing anything, so runs can be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from runtime.backends import native_kernels
+
+if TYPE_CHECKING:
+    from models.llama.model import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+Layout = Literal["out_in", "in_out"]
+LAYOUTS: tuple[Layout, ...] = ("out_in", "in_out")
+PLAN_VERSION = 1
+# Decode attention implementations (`LlamaModel.decode_attention`).
+ATTENTION_KINDS = ("paged_inplace", "gather")
+# Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
+LINEAR_FROM_ROWS = 64
+# Timing: timed passes per candidate (best kept, after one warm-up pass). Row counts up to
+# `_STREAMING_ROWS` are bound by reading weights, so their passes stream every layer's
+# matrix; larger ones are bound by arithmetic, so one matrix stands for all layers.
+_ROUNDS = 3
+_COMPUTE_BOUND_ROUNDS = 2
+_STREAMING_ROWS = 64
+
+
+def _linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return F.linear(rows, weight)
+
+
+def _mm_wxt(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # MKL's two-row product streams a weight faster than its matrix-vector product on some
+    # CPUs, hence the padding of a single row.
+    if rows.shape[0] == 1:
+        return torch.mm(weight, torch.cat((rows, rows)).t())[:, :1].t().contiguous()
+    return torch.mm(weight, rows.t()).t().contiguous()
+
+
+def _mv(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.mv(weight, rows[0]).unsqueeze(0)
+
+
+def _mm_xw(weight_t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.mm(rows, weight_t)
+
+
+def _mv_t(weight_t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.mv(weight_t.t(), rows[0]).unsqueeze(0)
+
+
+def _native_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # Projection weights are contiguous 2-D CPU tensors (split parts are row slices of one).
+    return native_kernels.small_rows_matmul().unchecked(weight, rows).to(weight.dtype)
+
+
+def _native_available() -> bool:
+    return native_kernels.unavailable_reason() is None
+
+
+def _always() -> bool:
+    return True
+
+
+@attrs.frozen
+class Form:
+    """One way to compute `rows @ W^T` from a weight stored in `layout`, for at most
+    `max_rows` rows (None: any), where `available()` says it can run."""
+
+    name: str
+    layout: Layout
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    max_rows: int | None = None
+    available: Callable[[], bool] = _always
+
+    def fits(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
+
+
+FORMS: dict[str, Form] = {
+    form.name: form
+    for form in (
+        Form("linear", "out_in", _linear),  # F.linear(x, W[out, in])
+        Form("mm_wxt", "out_in", _mm_wxt),  # mm(W[out, in], x^T)^T, one row padded to two
+        Form("mv", "out_in", _mv, max_rows=1),  # mv(W[out, in], x)
+        # the native weight-streaming product (runtime/backends/native/small_rows_matmul.c)
+        Form("native_rows", "out_in", _native_rows, max_rows=16, available=_native_available),
+        Form("mm_xw", "in_out", _mm_xw),  # mm(x, W^T[in, out])
+        Form("mv_t", "in_out", _mv_t, max_rows=1),  # mv(W^T[in, out]^T, x)
+    )
+}
+
+
+def default_form(rows: int, on_cpu: bool) -> str:
+    """The form an un-warmed model uses (the previous fixed policy, `out_in` layout)."""
+    return "mm_wxt" if on_cpu and rows < LINEAR_FROM_ROWS else "linear"
+
+
+@attrs.frozen
+class ProjectionChoice:
+    """How one projection (the same shape in every layer) is stored and computed.
+
+    `forms` pairs each row bucket with its form: a call with `r` rows uses the first bucket
+    `>= r` (the last one past them). `split` computes a fused projection (qkv, gate/up) part
+    by part from views of the one stored matrix. `microseconds` are the measured times of
+    the chosen forms per bucket (all layers), for the record.
+    """
+
+    layout: Layout
+    split: bool
+    forms: tuple[tuple[int, str], ...]
+    microseconds: tuple[float, ...] = ()
+
+    def form_for(self, rows: int) -> str:
+        for bucket, form in self.forms:
+            if rows <= bucket:
+                return form
+        return self.forms[-1][1]
+
+
+@attrs.frozen
+class ProjectionShape:
+    """A projection's geometry: `[out, in]` with the output split into `parts` (fused)."""
+
+    fan_in: int
+    fan_out: int
+    parts: tuple[int, ...]
+    count: int
+
+
+def _by_name(
+    projections: Sequence[tuple[str, ProjectionChoice]],
+) -> tuple[tuple[str, ProjectionChoice], ...]:
+    return tuple(sorted(projections, key=lambda item: item[0]))
+
+
+@attrs.frozen
+class KernelPlan:
+    """Every projection's choice plus the decode attention, and how they were obtained."""
+
+    projections: tuple[tuple[str, ProjectionChoice], ...] = attrs.field(converter=_by_name)
+    decode_attention: str
+    buckets: tuple[int, ...]
+    source: str
+    dtype: str
+    threads: int
+    cpu: str
+    notes: tuple[str, ...] = ()
+
+    def choice(self, name: str) -> ProjectionChoice:
+        return dict(self.projections)[name]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready (the format `--kernels FILE` reads back)."""
+        return {
+            "version": PLAN_VERSION,
+            "source": self.source,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "cpu": self.cpu,
+            "buckets": list(self.buckets),
+            "decode_attention": self.decode_attention,
+            "notes": list(self.notes),
+            "summary": self.summary(),
+            "projections": {
+                name: {
+                    "layout": choice.layout,
+                    "split": choice.split,
+                    "forms": [[bucket, form] for bucket, form in choice.forms],
+                    "microseconds": [round(us, 1) for us in choice.microseconds],
+                }
+                for name, choice in self.projections
+            },
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+    def summary(self) -> str:
+        """One line for the journal and bring-up output."""
+        parts = []
+        for name, choice in self.projections:
+            forms = ",".join(f"{form}@{bucket}" for bucket, form in choice.forms)
+            fused = " split" if choice.split else ""
+            parts.append(f"{name} {choice.layout}{fused} {forms}")
+        return (
+            f"kernels {self.source}: {'; '.join(parts)}; decode attention {self.decode_attention}"
+        )
+
+
+class KernelPlanError(ValueError):
+    """A kernel plan (file) that cannot be used; the message names where it came from."""
+
+
+def _error(where: str, message: str) -> KernelPlanError:
+    return KernelPlanError(f"{where}: {message}")
+
+
+def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
+    """A plan from its JSON form (or a coverage manifest holding one under "kernels").
+
+    `where` names the origin for errors (`--kernels FILE`). Checks the structure only; shape
+    agreement with a model is `check_plan_fits`.
+    """
+    if isinstance(data, dict) and "kernels" in data and "projections" not in data:
+        data = data["kernels"]
+    if not isinstance(data, dict) or not isinstance(data.get("projections"), dict):
+        raise _error(where, "is not a kernel plan: allowed is a JSON object with 'projections'")
+    if data.get("version") != PLAN_VERSION:
+        raise _error(where, f"has version {data.get('version')!r}: allowed is {PLAN_VERSION}")
+    attention = data.get("decode_attention")
+    if attention not in ATTENTION_KINDS:
+        raise _error(
+            where, f"decode_attention={attention!r} is invalid: allowed are {ATTENTION_KINDS}"
+        )
+    projections: list[tuple[str, ProjectionChoice]] = []
+    for name, entry in sorted(data["projections"].items()):
+        if not isinstance(entry, dict):
+            raise _error(where, f"projection {name!r} must be an object")
+        layout = entry.get("layout")
+        if layout not in LAYOUTS:
+            raise _error(where, f"{name}.layout={layout!r} is invalid: allowed are {LAYOUTS}")
+        forms_raw = entry.get("forms")
+        if not isinstance(forms_raw, list) or not forms_raw:
+            raise _error(where, f"{name}.forms must be a non-empty list of [rows, form]")
+        forms: list[tuple[int, str]] = []
+        for item in forms_raw:
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or type(item[0]) is not int
+                or item[0] < 1
+                or item[1] not in FORMS
+            ):
+                raise _error(
+                    where,
+                    f"{name}.forms entry {item!r} is invalid: allowed is [rows >= 1, form] "
+                    f"with form one of {sorted(FORMS)}",
+                )
+            form = FORMS[item[1]]
+            if form.layout != layout or not form.fits(item[0]):
+                raise _error(
+                    where, f"{name}: form {form.name!r} cannot run {item[0]} rows from {layout}"
+                )
+            forms.append((item[0], item[1]))
+        if [b for b, _ in forms] != sorted({b for b, _ in forms}):
+            raise _error(where, f"{name}.forms buckets must be strictly increasing")
+        split = entry.get("split", False)
+        if not isinstance(split, bool):
+            raise _error(where, f"{name}.split={split!r} is invalid: allowed is true or false")
+        micro = tuple(float(us) for us in entry.get("microseconds", ()))
+        projections.append((name, ProjectionChoice(layout, split, tuple(forms), micro)))
+    return KernelPlan(
+        projections=tuple(projections),
+        decode_attention=attention,
+        buckets=tuple(int(b) for b in data.get("buckets", ())),
+        source=str(data.get("source", "file")),
+        dtype=str(data.get("dtype", "")),
+        threads=int(data.get("threads", 0)),
+        cpu=str(data.get("cpu", "")),
+        notes=tuple(str(n) for n in data.get("notes", ())),
+    )
+
+
+def load_kernel_plan(path: str | Path) -> KernelPlan:
+    """Read a plan file (or a coverage manifest holding one); errors name the file."""
+    where = f"--kernels {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise _error(where, f"cannot be read ({error.strerror or error})") from error
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _error(where, f"is not JSON ({error})") from error
+    plan = parse_kernel_plan(data, where=where)
+    return attrs.evolve(plan, source=f"replayed from {Path(path).name} ({plan.source})")
+
+
+def check_plan_fits(plan: KernelPlan, shapes: Mapping[str, ProjectionShape], where: str) -> None:
+    """Refuse a plan whose projections are not exactly this model's (named by `where`)."""
+    names = sorted(name for name, _ in plan.projections)
+    if names != sorted(shapes):
+        raise _error(
+            where, f"covers projections {names}: allowed are this model's {sorted(shapes)}"
+        )
+    for name, choice in plan.projections:
+        if choice.split and len(shapes[name].parts) == 1:
+            raise _error(where, f"{name} is split, but this model's {name} has one part")
+        for _, form in choice.forms:
+            if not FORMS[form].available():
+                reason = native_kernels.unavailable_reason()
+                raise _error(where, f"{name} uses form {form!r}, which cannot run here ({reason})")
+
+
+# ------------------------------------------------------------------------------ measurement
+
+
+def row_buckets(decode_rows: int, prefill_rows: int) -> tuple[int, ...]:
+    """Powers of two up to the lane's decode batch, the batch itself, then a prefill chunk."""
+    buckets = {decode_rows, max(prefill_rows, decode_rows + 1)}
+    rows = 1
+    while rows < decode_rows:
+        buckets.add(rows)
+        rows *= 2
+    return tuple(sorted(buckets))
+
+
+@attrs.frozen
+class _Candidate:
+    layout: Layout
+    split: bool
+    form: Form
+
+
+def _candidates(parts: Sequence[int], rows: int) -> Iterator[_Candidate]:
+    for split in (False, True) if len(parts) > 1 else (False,):
+        for form in FORMS.values():
+            if form.fits(rows) and form.available():
+                yield _Candidate(form.layout, split, form)
+
+
+def _run(
+    candidate: _Candidate, weights: Sequence[torch.Tensor], parts: Sequence[int], x: torch.Tensor
+) -> None:
+    compute = candidate.form.compute
+    dim = 0 if candidate.layout == "out_in" else 1
+    for weight in weights:
+        if candidate.split:
+            torch.cat([compute(part, x) for part in weight.split(list(parts), dim=dim)], dim=1)
+        else:
+            compute(weight, x)
+
+
+def measure_projection(
+    hf_weights: Sequence[torch.Tensor], parts: Sequence[int], buckets: Sequence[int]
+) -> tuple[ProjectionChoice, dict[tuple[Layout, bool], float]]:
+    """Time every candidate on these `[out, in]` weights (one per layer) at every bucket.
+
+    Returns the choice and each `(layout, split)`'s score (the sum over buckets of its best
+    time divided by the best of all candidates; 1.0 per bucket is perfect). One layout and
+    split serve all buckets, because the weights are stored once.
+    """
+    layouts: dict[Layout, list[torch.Tensor]] = {
+        "out_in": list(hf_weights),
+        "in_out": [w.t().contiguous() for w in hf_weights],
+    }
+    fan_in = hf_weights[0].shape[1]
+    best: dict[tuple[int, Layout, bool, str], float] = {}
+    generator = torch.Generator().manual_seed(0)
+    for rows in buckets:
+        x = torch.randn(rows, fan_in, generator=generator).to(hf_weights[0].dtype)
+        candidates = list(_candidates(parts, rows))
+        streaming = rows <= _STREAMING_ROWS
+        for round_index in range((_ROUNDS if streaming else _COMPUTE_BOUND_ROUNDS) + 1):
+            for candidate in candidates:
+                weights = layouts[candidate.layout]
+                if not streaming:
+                    weights = weights[:1]
+                start = time.perf_counter()
+                _run(candidate, weights, parts, x)
+                seconds = time.perf_counter() - start
+                if round_index == 0:
+                    continue  # first pass: caches and allocator warm-up
+                key = (rows, candidate.layout, candidate.split, candidate.form.name)
+                scale = len(hf_weights) / len(weights)
+                best[key] = min(best.get(key, float("inf")), seconds * scale)
+    del layouts
+    scores: dict[tuple[Layout, bool], float] = {}
+    chosen: dict[tuple[Layout, bool], list[tuple[int, str, float]]] = {}
+    for rows in buckets:
+        overall = min(s for (r, _, _, _), s in best.items() if r == rows)
+        for layout in LAYOUTS:
+            for split in (False, True) if len(parts) > 1 else (False,):
+                options = [
+                    (s, form)
+                    for (r, lay, spl, form), s in best.items()
+                    if (r, lay, spl) == (rows, layout, split)
+                ]
+                seconds, form = min(options)
+                scores[(layout, split)] = scores.get((layout, split), 0.0) + seconds / overall
+                chosen.setdefault((layout, split), []).append((rows, form, seconds))
+    layout, split = min(scores, key=lambda key: (scores[key], LAYOUTS.index(key[0]), key[1]))
+    picked = chosen[(layout, split)]
+    return (
+        ProjectionChoice(
+            layout=layout,
+            split=split,
+            forms=_merge_buckets([(rows, form) for rows, form, _ in picked]),
+            microseconds=tuple(seconds * 1e6 for _, _, seconds in picked),
+        ),
+        scores,
+    )
+
+
+def _merge_buckets(forms: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """Adjacent buckets with the same form become one (the larger bound covers both)."""
+    merged: list[tuple[int, str]] = []
+    for rows, form in forms:
+        if merged and merged[-1][1] == form:
+            merged[-1] = (rows, form)
+        else:
+            merged.append((rows, form))
+    return tuple(merged)
+
+
+# Plans measured in this process, by what they depend on: lanes of one model in one process
+# (and an eager lane next to a traced one) compute with the same forms, bit for bit.
+_MEASURED: dict[tuple[Any, ...], KernelPlan] = {}
+
+
+def measure_kernel_plan(
+    model: LlamaModel, *, buckets: Sequence[int], attention: str, notes: Sequence[str] = ()
+) -> KernelPlan:
+    """Measure every projection of `model` at `buckets` (see `measure_projection`), once per
+    process for a given geometry, dtype, thread count and attention."""
+    shapes = tuple(sorted(model.projection_shapes().items()))
+    key = (shapes, model.dtype, tuple(buckets), torch.get_num_threads(), attention, tuple(notes))
+    plan = _MEASURED.get(key)
+    if plan is None:
+        plan = _measure(model, buckets=buckets, attention=attention, notes=notes)
+        _MEASURED[key] = plan
+    return plan
+
+
+def _measure(
+    model: LlamaModel, *, buckets: Sequence[int], attention: str, notes: Sequence[str]
+) -> KernelPlan:
+    from runtime.backends.cpu_features import CpuFeatures
+
+    projections: list[tuple[str, ProjectionChoice]] = []
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for name, modules in model.projection_groups().items():
+            weights = [module.hf_weight() for module in modules]
+            weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
+            choice, scores = measure_projection(weights, modules[0].parts, buckets)
+            logger.debug("kernel scores for %s: %s", name, scores)
+            projections.append((name, choice))
+    logger.info("measured projection kernels in %.2f s", time.perf_counter() - started)
+    return KernelPlan(
+        projections=tuple(projections),
+        decode_attention=attention,
+        buckets=tuple(buckets),
+        source="measured",
+        dtype=str(model.dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        cpu=CpuFeatures.probe().summary(),
+        notes=tuple(notes),
+    )
+
+
+def fixed_plan(
+    model: LlamaModel,
+    *,
+    buckets: Sequence[int],
+    attention: str,
+    source: str,
+    notes: Sequence[str] = (),
+) -> KernelPlan:
+    """The un-measured plan (the default forms), for devices where nothing is timed."""
+    on_cpu = model.device.type == "cpu"
+    projections = []
+    for name in model.projection_groups():
+        forms = _merge_buckets([(rows, default_form(rows, on_cpu)) for rows in buckets])
+        projections.append((name, ProjectionChoice("out_in", False, forms)))
+    from runtime.backends.cpu_features import CpuFeatures
+
+    return KernelPlan(
+        projections=tuple(projections),
+        decode_attention=attention,
+        buckets=tuple(buckets),
+        source=source,
+        dtype=str(model.dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        cpu=CpuFeatures.probe().summary() if on_cpu else model.device.type,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,276 @@
+"""Native CPU kernels the torch backend builds on first use (C, OpenMP, loaded with ctypes).
+
+Why native: decode attention over a paged KV cache needs each row's keys, which live on
+scattered pages. torch has no paged attention on CPU, so the torch path gathers the pages
+into a workspace first, copying every key and value once more per step. The kernel in
+`native/paged_decode_attention.c` reads the pages in place. `native/small_rows_matmul.c` is
+one more candidate form for decode projections (a weight-streaming product for a few rows);
+warmup keeps it only where it measures fastest.
+
+The library is compiled once per source, compiler and CPU (`-march=native`) into
+`$LLM_RUNTIME_NATIVE_CACHE` (default `~/.cache/llm-runtime/native`), under a file lock so
+concurrent processes build it once. Without a C compiler the kernel is unavailable and
+`unavailable_reason()` says why; callers fall back to the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = tuple(
+    Path(__file__).with_name("native") / name
+    for name in ("paged_decode_attention.c", "small_rows_matmul.c")
+)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_I64: type[ctypes.c_int64] = ctypes.c_int64
+_PTR: type[ctypes.c_void_p] = ctypes.c_void_p
+_ARGTYPES: list[Any] = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The native library cannot be built or loaded here (the message says why)."""
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("LLM_RUNTIME_NATIVE_CACHE")
+    if configured:
+        return Path(configured)
+    return Path.home() / ".cache" / "llm-runtime" / "native"
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise NativeKernelsUnavailable("no C compiler found (set CC or install gcc)")
+    return compiler
+
+
+def _cpu_identity() -> bytes:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return b""
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines))).encode()
+
+
+def _build(compiler: str) -> Path:
+    source = b"".join(path.read_bytes() for path in _SOURCES)
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, check=False, text=True
+    ).stdout
+    digest = hashlib.sha256(
+        source + " ".join(_FLAGS).encode() + version.encode() + _cpu_identity()
+    ).hexdigest()[:16]
+    directory = _cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"llm-runtime-kernels-{digest}.so"
+    if library.exists():
+        return library
+    with open(directory / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():
+            return library
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            staged = Path(scratch) / library.name
+            sources = [str(path) for path in _SOURCES]
+            command = [compiler, *_FLAGS, "-o", str(staged), *sources, "-lm"]
+            result = subprocess.run(command, capture_output=True, check=False, text=True)
+            if result.returncode != 0:
+                raise NativeKernelsUnavailable(
+                    f"compiling the native kernels failed ({' '.join(command)}): "
+                    f"{result.stderr.strip()[-400:]}"
+                )
+            os.replace(staged, library)
+    logger.info("built native kernels: %s", library)
+    return library
+
+
+class PagedDecodeAttention:
+    """`out[b] = softmax(q[b] K_b^T * scale) V_b` over row b's pages, read in place."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._kernels = {
+            torch.float32: library.paged_decode_attention_f32,
+            torch.bfloat16: library.paged_decode_attention_bf16,
+        }
+        for kernel in self._kernels.values():
+            kernel.argtypes = _ARGTYPES
+            kernel.restype = ctypes.c_int
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: torch.Tensor,
+        n_keys: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q `[B, kv, g, hd]`; caches `[blocks, kv, block_size, hd]`; pages `[B, W]`;
+        n_keys `[B]` (keys per row). Returns float32 `[B, kv, g, hd]`."""
+        batch, kv, _, head_dim = q.shape
+        blocks, cache_kv, block_size, cache_hd = k_cache.shape
+        if (cache_kv, cache_hd) != (kv, head_dim) or v_cache.shape != k_cache.shape:
+            raise ValueError(
+                f"q {list(q.shape)} does not fit the caches {list(k_cache.shape)} / "
+                f"{list(v_cache.shape)}"
+            )
+        kernel = self._kernels.get(k_cache.dtype)
+        if kernel is None or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"cache dtype {k_cache.dtype}: allowed are float32 and bfloat16")
+        contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+        if k_cache.device.type != "cpu" or not contiguous:
+            raise ValueError("the caches must be contiguous CPU tensors")
+        if pages.dim() != 2 or pages.shape[0] != batch or n_keys.shape != (batch,):
+            raise ValueError(
+                f"pages {list(pages.shape)} / n_keys {list(n_keys.shape)}: allowed are "
+                f"[{batch}, W] and [{batch}]"
+            )
+        width = pages.shape[1]
+        if batch and int(n_keys.max()) > width * block_size:
+            raise ValueError(f"n_keys exceed the {width} page(s) of {block_size} tokens per row")
+        if pages.numel() and (int(pages.min()) < -1 or int(pages.max()) >= blocks):
+            raise ValueError(f"pages hold entries outside -1 and [0, {blocks})")
+        return self.unchecked(q, k_cache, v_cache, pages, n_keys, scale)
+
+    def unchecked(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: torch.Tensor,
+        n_keys: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """`__call__` for inputs the caller has validated (the model's decode does, once per
+        step): a bad page id or key count here reads out of bounds."""
+        batch, kv, group, head_dim = q.shape
+        block_size = k_cache.shape[2]
+        kernel = self._kernels[k_cache.dtype]
+        q32 = q.to(torch.float32).contiguous()
+        pages64 = pages.to(torch.int64).contiguous()
+        keys64 = n_keys.to(torch.int64).contiguous()
+        width = pages64.shape[1]
+        out = torch.empty_like(q32)
+        failed = kernel(
+            q32.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            pages64.data_ptr(),
+            keys64.data_ptr(),
+            out.data_ptr(),
+            batch,
+            kv,
+            group,
+            head_dim,
+            block_size,
+            width,
+            float(scale),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("paged decode attention could not allocate its score buffers")
+        return out
+
+
+class SmallRowsMatmul:
+    """`rows @ W^T` for a few rows, streaming a contiguous `[out, in]` W once (float32 out)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._kernels = {
+            torch.float32: library.small_rows_matmul_f32,
+            torch.bfloat16: library.small_rows_matmul_bf16,
+        }
+        for kernel in self._kernels.values():
+            kernel.argtypes = [*[_PTR] * 3, *[_I64] * 3, ctypes.c_int]
+            kernel.restype = None
+
+    def __call__(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernels.get(weight.dtype)
+        if kernel is None or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(
+                f"weight {weight.dtype} {list(weight.shape)} on {weight.device}: allowed is a "
+                "2-D float32 or bfloat16 CPU tensor"
+            )
+        if rows.dim() != 2 or rows.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"rows has shape {list(rows.shape)}: allowed is [R, {weight.shape[1]}]"
+            )
+        return self.unchecked(weight.contiguous(), rows)
+
+    def unchecked(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`__call__` for a contiguous 2-D CPU weight and matching rows (a decode projection
+        calls this about 150 times a step, so it skips the checks)."""
+        n_out, n_in = weight.shape
+        x = (
+            rows
+            if rows.dtype == torch.float32 and rows.is_contiguous()
+            else rows.float().contiguous()
+        )
+        out = torch.empty(x.shape[0], n_out)
+        self._kernels[weight.dtype](
+            weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n_out, n_in, _threads()
+        )
+        return out
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+@attrs.frozen
+class NativeKernels:
+    """The loaded library's kernels."""
+
+    paged_decode_attention: PagedDecodeAttention
+    small_rows_matmul: SmallRowsMatmul
+
+
+@functools.cache
+def _load() -> NativeKernels | str:
+    try:
+        library = ctypes.CDLL(str(_build(_compiler())))
+        return NativeKernels(PagedDecodeAttention(library), SmallRowsMatmul(library))
+    except (NativeKernelsUnavailable, OSError) as error:
+        logger.warning("native CPU kernels unavailable: %s", error)
+        return str(error)
+
+
+def native_kernels() -> NativeKernels:
+    """The native kernels (built on first call); raises when they cannot be used here."""
+    loaded = _load()
+    if isinstance(loaded, str):
+        raise NativeKernelsUnavailable(loaded)
+    return loaded
+
+
+def paged_decode_attention() -> PagedDecodeAttention:
+    """The in-place paged decode attention kernel."""
+    return native_kernels().paged_decode_attention
+
+
+def small_rows_matmul() -> SmallRowsMatmul:
+    """The weight-streaming few-rows matrix product."""
+    return native_kernels().small_rows_matmul
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be used here, or None when they can."""
+    loaded = _load()
+    return loaded if isinstance(loaded, str) else None

@@ -1,0 +1,113 @@
+"""Decode attention that reads K/V pages in place equals the gather path and transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.llama import TINY_PRESETS, LlamaModel, allocate_kv_cache, greedy_generate
+from runtime.backends import native_kernels
+from tests.models.llama_oracle import hf_greedy, tiny_pair
+
+REASON = native_kernels.unavailable_reason()
+pytestmark = pytest.mark.skipif(
+    REASON is not None, reason=f"the native CPU kernels need a C compiler (gcc): {REASON}"
+)
+
+
+@pytest.fixture
+def attention_mode() -> Iterator[None]:
+    """Restore the (cached, shared) tiny models' decode attention after each test."""
+    models = [tiny_pair(preset)[0] for preset in sorted(TINY_PRESETS)]
+    yield
+    for model in models:
+        model.decode_attention = None
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, n_keys: torch.Tensor
+) -> torch.Tensor:
+    """Row by row: gather the row's keys (unmapped pages masked) and run SDPA."""
+    block = k.shape[2]
+    out = []
+    for row in range(q.shape[0]):
+        positions = torch.arange(int(n_keys[row]))
+        table = pages[row, positions // block]
+        mapped = table >= 0
+        keys = k[table.clamp(min=0), :, positions % block].transpose(0, 1).float()
+        values = v[table.clamp(min=0), :, positions % block].transpose(0, 1).float()
+        out.append(F.scaled_dot_product_attention(q[row], keys, values, attn_mask=mapped))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_gathered_sdpa_on_shuffled_and_unmapped_pages(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    blocks, kv, block, head_dim, group = 24, 2, 8, 16, 3
+    k = torch.randn(blocks, kv, block, head_dim, generator=generator).to(dtype)
+    v = torch.randn(blocks, kv, block, head_dim, generator=generator).to(dtype)
+    pages = torch.stack([torch.randperm(blocks, generator=generator)[:6] for _ in range(4)])
+    pages[2, 1] = -1  # an unmapped page inside row 2's range: its keys are masked out
+    n_keys = torch.tensor([1, 48, 20, 33])
+    q = torch.randn(4, kv, group, head_dim, generator=generator)
+    got = native_kernels.paged_decode_attention()(q, k, v, pages, n_keys, head_dim**-0.5)
+    torch.testing.assert_close(got, _reference(q, k, v, pages, n_keys), atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_refuses_pages_outside_the_cache() -> None:
+    k = torch.zeros(4, 1, 8, 16)
+    kernel = native_kernels.paged_decode_attention()
+    with pytest.raises(ValueError, match=r"outside -1 and \[0, 4\)"):
+        kernel(torch.zeros(1, 1, 1, 16), k, k, torch.tensor([[4]]), torch.tensor([3]), 1.0)
+    with pytest.raises(ValueError, match="n_keys exceed the 1 page"):
+        kernel(torch.zeros(1, 1, 1, 16), k, k, torch.tensor([[0]]), torch.tensor([9]), 1.0)
+
+
+def _mixed_decode(model: LlamaModel, mode: str) -> torch.Tensor:
+    """Decode logits of a mixed batch (inactive row, shuffled pages) in one attention mode."""
+    block, width = 8, 8
+    generator = torch.Generator().manual_seed(7)
+    model.set_kv_cache(None)
+    model.configure_paged_attention(block_size=block, max_num_blocks=40)
+    cache = allocate_kv_cache(model, 40)
+    for k, v in cache:
+        k.copy_(torch.randn(k.shape, generator=generator))
+        v.copy_(torch.randn(v.shape, generator=generator))
+    model.set_kv_cache(cache)
+    pages = torch.stack([torch.randperm(40, generator=generator)[:width] for _ in range(5)])
+    pages[4, 5:] = -1  # past row 4's position: never read
+    positions = torch.tensor([3, 60, -1, 17, 39])
+    tokens = torch.tensor([5, 9, 11, 2, 7])
+    model.decode_attention = mode
+    try:
+        return model.decode(tokens, positions=positions, page_table=pages.to(torch.int32))
+    finally:
+        model.set_kv_cache(None)
+
+
+@pytest.mark.usefixtures("attention_mode")
+@pytest.mark.parametrize("preset", sorted(TINY_PRESETS))
+def test_in_place_decode_equals_the_gather_path(preset: str) -> None:
+    model, _ = tiny_pair(preset)
+    in_place = _mixed_decode(model, "paged_inplace")
+    gathered = _mixed_decode(model, "gather")
+    assert torch.equal(in_place[2], torch.zeros_like(in_place[2]))  # inactive row
+    torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("attention_mode")
+@pytest.mark.parametrize("preset", sorted(TINY_PRESETS))
+def test_in_place_decode_greedy_matches_transformers(preset: str) -> None:
+    model, hf = tiny_pair(preset)
+    model.decode_attention = "paged_inplace"
+    lengths = (1, 9, 17, 40)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in lengths
+    ]
+    ours = greedy_generate(model, prompts, 24, block_size=8)
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == hf_greedy(hf, prompt, 24, ()), (preset, len(prompt))
