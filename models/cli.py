@@ -183,6 +183,15 @@ def _check_lane_arguments(args: argparse.Namespace) -> Any:
     )
     if problem:
         raise UsageError(problem)
+    if getattr(args, "lanes", 1) != 1 or getattr(args, "threads_per_lane", None) is not None:
+        from models.lane_loading import check_lane_arguments
+
+        try:
+            check_lane_arguments(
+                args.lanes, args.lane_transport, args.threads_per_lane, args.max_batch
+            )
+        except ValueError as error:
+            raise UsageError(error) from error
     model = _model_args(args.model)
     limit = getattr(args, "max_seq_len", None)
     if limit is not None and limit > model.max_seq_len:

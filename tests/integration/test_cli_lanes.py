@@ -76,6 +76,7 @@ def test_bad_lane_arguments_are_usage_errors(
     status, _, err = run(capsys, "generate", *SMALL, *argv)
     assert status == 2
     assert message in err
+    assert "--model" not in err  # refused at argument time, before anything loads
 
 
 def test_zero_lanes_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
