@@ -88,7 +88,9 @@ def test_two_lanes_equal_one_lane_of_the_same_capacity(trace_mode: str) -> None:
         got = run_requests(group)
         for want, have in zip(expected, got, strict=True):
             assert want.shape == have.shape
-            assert torch.equal(want, have)  # logits, bit for bit
+            # Kernel forms are chosen per row bucket at warmup (a lane of 2 rows may use a
+            # different matrix product than a lane of 4), so logits agree to float tolerance.
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
     finally:
         one.close()
         group.close()
