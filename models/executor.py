@@ -578,6 +578,22 @@ class ModelExecutor(LifecycleHost):
             )
         self._after_warmup()
 
+    @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED, *_SETUP)
+    def choose_kernels(self) -> Any:
+        """Choose this lane's kernels now (measured or replayed); their JSON, or None.
+
+        A lane group asks one lane and hands the answer to the others (`adopt_kernels`), so
+        a request computes with the same forms whichever lane serves it.
+        """
+        return self.warmup.choose_kernels()
+
+    @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED, *_SETUP)
+    def adopt_kernels(self, plan: Any) -> None:
+        """Use `plan` (another lane's `choose_kernels` JSON) at warmup instead of choosing."""
+        adopt = getattr(self.model, "adopt_kernels", None)
+        if plan is not None and callable(adopt) and self.warmup.kernel_choice is None:
+            adopt(plan)
+
     def warmup_model_prefill(
         self,
         *,

@@ -132,6 +132,7 @@ class LaneGroupExecutor(LifecycleHost):
         self._cleaned = [False] * len(lanes)
         self._reset_owed = [False] * len(lanes)
         self._kv_handles: list[Any] | None = None
+        self._kernels_shared = False
         self.requires_prefill_trace_warmup = True
         self.step_host_seconds = 0.0
         self.step_lane_seconds = 0.0
@@ -512,11 +513,26 @@ class LaneGroupExecutor(LifecycleHost):
                 "nothing was captured"
             )
 
+    def _share_kernels(self) -> None:
+        """Lane 0 chooses the kernels; every other lane replays its plan before it warms up.
+
+        Timing once keeps the lanes from timing against each other on shared cores, and a
+        request computes the same numbers whichever lane serves it.
+        """
+        if self._kernels_shared:
+            return
+        plan = self._fan_out("choose_kernels", lanes=[0])[0]
+        if plan is not None and len(self.lanes) > 1:
+            others = range(1, len(self.lanes))
+            self._fan_out("adopt_kernels", lambda index: {"plan": plan}, lanes=others)
+        self._kernels_shared = True
+
     def _warm(self, operation: str, kwargs: dict[str, Any]) -> None:
         caches = self._per_lane_cache(kwargs.pop("kv_cache", None))
         enable_trace = kwargs.get("enable_trace")
 
         def work() -> None:
+            self._share_kernels()
             self._fan_out(operation, lambda i: {**kwargs, "kv_cache": caches[i]})
             self._after_warmup(operation, enable_trace)
 
@@ -569,6 +585,7 @@ class LaneGroupExecutor(LifecycleHost):
         self.warmup_decode(**kwargs)
 
     def _do_compile(self) -> str:
+        self._share_kernels()
         self._fan_out("compile")
         self._refresh()
         self._check_same_readiness(self.facts, "after compile")

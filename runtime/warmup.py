@@ -331,6 +331,12 @@ class WarmupCoordinator:
         """Seconds spent deriving coverage from the planner (not compiling)."""
         self.kernel_choice: Any = None
 
+    def choose_kernels(self) -> Any:
+        """The model's kernel choice for this lane (made once, before anything compiles)."""
+        if self.kernel_choice is None:
+            self.kernel_choice = choose_model_kernels(self.config)
+        return self.kernel_choice
+
     # -- state ----------------------------------------------------------------------------------
 
     @property
@@ -467,8 +473,7 @@ class WarmupCoordinator:
             return  # capture already happened; coverage is fixed
         if sampling:
             self._ensure_sampling_buffers()
-        if self.kernel_choice is None:
-            self.kernel_choice = choose_model_kernels(self.config)
+        self.choose_kernels()
         cases = list(self._cases(operation, sampling))
         if trace and sampling:
             # Top-k registers first, within each probe, so siblings still share a forward.

@@ -45,6 +45,7 @@ from models.llama.kernels import (
     check_plan_fits,
     fixed_plan,
     measure_kernel_plan,
+    parse_kernel_plan,
     row_buckets,
 )
 from models.llama.layers import DecoderLayer, Projection, rope_tables
@@ -259,6 +260,10 @@ class LlamaModel(nn.Module):
                     "allowed here is 'gather'"
                 )
         self._replay_plan = plan
+
+    def adopt_kernels(self, data: Mapping[str, Any]) -> None:
+        """Replay another lane's kernel plan (its JSON), checked against this model now."""
+        self.replay_kernels(parse_kernel_plan(data, where="lane 0's kernel plan"))
 
     def choose_kernels(self, *, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
         """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.

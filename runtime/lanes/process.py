@@ -65,6 +65,8 @@ def _plain(value: Any) -> bool:
         return True
     if isinstance(value, tuple | list):
         return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
     return isinstance(value, LaneFacts) or attrs.has(type(value))
 
 
@@ -268,7 +270,10 @@ class ProcessLane:
         try:
             self._conn.send((method, kwargs))
         except (OSError, ValueError) as error:
-            self._broken = f"its pipe failed while sending {method}(): {error}"
+            self.process.join(1.0)  # a killed worker closes its pipe before it is reaped
+            self._broken = (
+                self._death_text(method) or f"its pipe failed while sending {method}(): {error}"
+            )
             raise LaneFailure(self.index, self._broken) from error
         self._outstanding = method
         return _ProcessCall(self, method)

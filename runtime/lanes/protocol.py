@@ -27,6 +27,8 @@ ACTIVATED = "activated"
 LANE_CALLS = frozenset(
     {
         "describe",
+        "choose_kernels",
+        "adopt_kernels",
         "configure_paged_kv_cache",
         "resolve_capacity",
         "seal",
@@ -166,6 +168,8 @@ def invoke(target: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
         raise ValueError(f"{method!r} is not a lane call; lane calls are {sorted(LANE_CALLS)}")
     if method == "describe":
         return describe(target, **kwargs)
+    if method in ("choose_kernels", "adopt_kernels") and not hasattr(target, method):
+        return None  # an executor without kernel choices shares nothing
     function: Callable[..., Any] = getattr(target, method)
     return function(**kwargs)
 

@@ -23,7 +23,11 @@ from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import LaneFailure, ProcessLane, spawn_process_lanes
 from tests.integration.executor_setup import tiny_executor
 from tests.runtime.lane_fakes import stuck_lane
-from tests.runtime.test_lane_group_real import decode_request, prefill_request, same
+from tests.runtime.test_lane_group_real import (
+    assert_same_to_tolerance,
+    decode_request,
+    prefill_request,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +63,15 @@ def test_process_lanes_equal_one_lane(
             steps.append(target.decode_forward(**request, **extra))
         outputs.append(steps)
     for want, have in zip(*outputs, strict=True):
-        assert same(want, have)
+        assert_same_to_tolerance(want, have)
     assert process_group.phase is Phase.SERVING
+
+
+def test_lanes_replay_lane_zeros_kernel_plan(process_group: LaneGroupExecutor) -> None:
+    """One lane times the kernels; the other replays that plan, so every lane computes alike."""
+    plans = [lane.facts.coverage_manifest.kernels for lane in process_group.lanes]
+    assert plans[0] is not None and plans[0]["source"] == "measured"
+    assert plans[1] == plans[0]
 
 
 def test_workers_use_their_own_threads_and_send_tensors_through_shared_memory(

@@ -1,0 +1,48 @@
+"""The caller-input checks the public boundaries share (one definition each).
+
+Public calls turn caller input into typed values with these; code below a boundary trusts
+those values and states invariants with assertions instead of re-checking.
+"""
+
+from __future__ import annotations
+
+from typing import TypeGuard
+
+import torch
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """A real int (bools are not integers here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: object) -> int:
+    """`value` as an int >= 1, or ValueError naming `name`."""
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """`value` as an int >= 0, or ValueError naming `name`."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def require_bool(name: str, value: object) -> bool:
+    """`value` if it is True or False, or TypeError naming `name` (1 and "yes" are refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def integer_tensor(name: str, value: object) -> torch.Tensor:
+    """`value` if it is a tensor of an integer dtype, or TypeError naming `name`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    return value
