@@ -42,7 +42,7 @@ case $stage in
 tests)
     step pytest_cuda 240 $PY -m pytest -q -p no:cacheprovider -o addopts="-ra" \
         tests/runtime/test_cuda_device.py tests/runtime/test_torch_device.py \
-        tests/models/test_graph_safe.py tests/models/test_sampling.py \
+        tests/models/test_graph_safe.py tests/runtime/test_device_sampler.py \
         tests/integration/test_cli.py
     ;;
 bench)

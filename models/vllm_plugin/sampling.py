@@ -46,9 +46,51 @@ def sampling_generator(params: SamplingParams, device: torch.device) -> torch.Ge
     """A seeded generator for a request with a seed (vLLM's own rule), else None."""
     if params.sampling_type != SamplingType.RANDOM_SEED:
         return None
+    seed = params.seed
+    assert seed is not None, "vLLM gives every RANDOM_SEED request a seed"
     generator = torch.Generator(device=device)
-    generator.manual_seed(int(params.seed))  # type: ignore[arg-type]
+    generator.manual_seed(int(seed))
     return generator
+
+
+def _sampling_columns(
+    params: Sequence[SamplingParams], greedy: Sequence[bool], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(temperature, top_p, top_k) of a batch with a random row; a limit nobody sets is None."""
+    temperature = torch.tensor(
+        [0.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)],
+        dtype=torch.float32,
+        device=device,
+    )
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    if any(p.top_p < 1.0 - _EPS for p in params):
+        top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
+    if any(0 < p.top_k < vocab_size for p in params):
+        top_k = torch.tensor(
+            [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+            dtype=torch.int32,
+        )
+    return temperature, top_p, top_k
+
+
+def _penalties_off(params: Sequence[SamplingParams]) -> bool:
+    """True when no row has a presence, frequency or repetition penalty."""
+    return all(
+        abs(p.presence_penalty) < _EPS
+        and abs(p.frequency_penalty) < _EPS
+        and abs(p.repetition_penalty - 1.0) < _EPS
+        for p in params
+    )
+
+
+def _prompt_tensor(prompts: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """Prompts as one int64 tensor, padded with `vocab_size` (vLLM's padding id for penalties)."""
+    width = max(len(p) for p in prompts)
+    tensor = torch.full((len(prompts), width), vocab_size, dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        tensor[row, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.int64)
+    return tensor
 
 
 def build_sampling_metadata(
@@ -63,32 +105,12 @@ def build_sampling_metadata(
     """Metadata for rows `0..len(params)-1`, in the order the logits are stacked."""
     greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
     all_greedy, all_random = all(greedy), not any(greedy)
-    temperature = top_p = top_k = None
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
     if not all_greedy:
-        temperature = torch.tensor(
-            [0.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)],
-            dtype=torch.float32,
-            device=device,
-        )
-        if any(p.top_p < 1.0 - _EPS for p in params):
-            top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
-        if any(0 < p.top_k < vocab_size for p in params):
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                dtype=torch.int32,
-            )
-    no_penalties = all(
-        abs(p.presence_penalty) < _EPS
-        and abs(p.frequency_penalty) < _EPS
-        and abs(p.repetition_penalty - 1.0) < _EPS
-        for p in params
-    )
-    prompt_tensor: torch.Tensor | None = None
-    if not no_penalties:
-        width = max(len(p) for p in prompts)
-        prompt_tensor = torch.full((len(prompts), width), vocab_size, dtype=torch.int64)
-        for row, prompt in enumerate(prompts):
-            prompt_tensor[row, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.int64)
+        temperature, top_p, top_k = _sampling_columns(params, greedy, vocab_size, device)
+    no_penalties = _penalties_off(params)
 
     def column(name: str, default: float) -> torch.Tensor:
         values = [float(getattr(p, name)) for p in params]
@@ -104,7 +126,7 @@ def build_sampling_metadata(
         generators={row: g for row, g in enumerate(generators) if g is not None},
         max_num_logprobs=max(logprobs) if logprobs else None,
         no_penalties=no_penalties,
-        prompt_token_ids=prompt_tensor,
+        prompt_token_ids=None if no_penalties else _prompt_tensor(prompts, vocab_size),
         frequency_penalties=column("frequency_penalty", 0.0),
         presence_penalties=column("presence_penalty", 0.0),
         repetition_penalties=column("repetition_penalty", 1.0),

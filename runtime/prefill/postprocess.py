@@ -17,12 +17,13 @@ import torch
 
 from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.plan import PrefillRequest
-from runtime.prefill.sampling_helpers import broadcast_active_row, fit_sampling_logits
+from runtime.prefill.sampling_helpers import fit_sampling_logits
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
     SamplingPath,
+    broadcast_active_row,
     prepare_sampling_params,
 )
 

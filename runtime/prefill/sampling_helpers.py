@@ -1,35 +1,24 @@
 """Prefill-only sampling glue on top of `runtime.sampling`.
 
-`runtime.sampling` owns request parameters, their device normalisation, slicing, placing and
-log-probability merging. What is left here is what only prefill needs: the request-owned token
-history of a planned request (rows picked from the public call, padded to the sampler batch),
-fitting a request's logits to the sampler batch, and broadcasting a single active row to every
-physical sampler row.
+`runtime.sampling` owns request parameters, their device normalisation, slicing, placing,
+broadcasting one active row, and log-probability merging. What is left here is what only
+prefill needs: the request-owned token history of a planned request (rows picked from the
+public call, padded to the sampler batch) and fitting a request's logits to the sampler batch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TypeVar
 
-import attrs
 import torch
 
-from runtime.sampling import PreparedSamplingParams
+from runtime.validation import integer_tensor, positive_int
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 NO_TOKEN = -1
 """History filler: "no token at this position" (the sampler ignores it)."""
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def default_prompt_history(tokens: torch.Tensor, prompt_lens: Sequence[int]) -> torch.Tensor:
@@ -70,8 +59,7 @@ def select_history_rows(
     """
     if not isinstance(value, torch.Tensor) or value.dim() != 2:
         raise ValueError(f"{name} must be a rank-2 [rows, length] tensor, got {value!r:.80}")
-    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
-        raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    integer_tensor(name, value)
     rows = int(value.shape[0])
     if rows == lane_capacity:
         picked = list(slots)
@@ -90,7 +78,7 @@ def select_history_rows(
 
 def pad_history_rows(history: torch.Tensor, rows: int) -> torch.Tensor:
     """`history [n, length]` extended to `rows` rows with `-1` (no token); n must be <= rows."""
-    _positive_int("rows", rows)
+    positive_int("rows", rows)
     present = int(history.shape[0])
     if present > rows:
         raise ValueError(f"history has {present} rows, more than the sampler batch of {rows}")
@@ -104,8 +92,7 @@ def fit_sampling_logits(logits: torch.Tensor, rows: int) -> torch.Tensor:
 
     Returns `logits` itself when it already has `rows` rows.
     """
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
-        raise ValueError(f"sampling rows must be a positive integer, got {rows!r}")
+    positive_int("sampling rows", rows)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     present = int(logits.shape[0])
@@ -116,47 +103,3 @@ def fit_sampling_logits(logits: torch.Tensor, rows: int) -> torch.Tensor:
     padded = torch.zeros((rows, int(logits.shape[1])), dtype=logits.dtype, device=logits.device)
     padded[:present] = logits
     return padded
-
-
-def _broadcast_history(value: torch.Tensor | None, row: int, rows: int) -> torch.Tensor | None:
-    if value is None:
-        return None
-    return value[row : row + 1].expand(rows, int(value.shape[1])).clone()
-
-
-def broadcast_active_row(prepared: PreparedSamplingParams) -> PreparedSamplingParams:
-    """Copy the single active row of `prepared` into every physical row (all become active).
-
-    A single-row prefill runs the sampler over the whole sampler batch; giving every row the
-    request's parameters means whichever row a device reads carries the request's values.
-    Values with more than one active row, or a batch of one, come back unchanged.
-    """
-    if not isinstance(prepared, PreparedSamplingParams):
-        raise TypeError(f"prepared must be PreparedSamplingParams, got {type(prepared).__name__}")
-    rows = prepared.batch_size
-    if prepared.active_rows != 1 or rows == 1:
-        return prepared
-    (row,) = prepared.active_row_indices
-
-    def repeat(values: tuple[_T, ...]) -> tuple[_T, ...]:
-        return (values[row],) * rows
-
-    return attrs.evolve(
-        prepared,
-        active_rows=rows,
-        top_k=repeat(prepared.top_k),
-        top_p=repeat(prepared.top_p),
-        inverse_temperature=repeat(prepared.inverse_temperature),
-        presence_penalty=repeat(prepared.presence_penalty),
-        frequency_penalty=repeat(prepared.frequency_penalty),
-        repetition_penalty=repeat(prepared.repetition_penalty),
-        seeds=repeat(prepared.seeds),
-        enable_log_probs=repeat(prepared.enable_log_probs),
-        num_logprobs=repeat(prepared.num_logprobs),
-        logprob_modes=repeat(prepared.logprob_modes),
-        greedy_mask=repeat(prepared.greedy_mask),
-        row_paths=repeat(prepared.row_paths),
-        active_mask=(True,) * rows,
-        prompt_tokens=_broadcast_history(prepared.prompt_tokens, row, rows),
-        output_tokens=_broadcast_history(prepared.output_tokens, row, rows),
-    )

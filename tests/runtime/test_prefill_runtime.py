@@ -25,13 +25,17 @@ from runtime.prefill.postprocess import PrefillPostprocessor
 from runtime.prefill.result_collector import InvocationResult
 from runtime.prefill.runtime import PrefillRuntime
 from runtime.prefill.sampling_helpers import (
-    broadcast_active_row,
     default_prompt_history,
     fit_sampling_logits,
     select_history_rows,
 )
 from runtime.prefill.sequence_runner import PrefillSequenceRunner
-from runtime.sampling import PreparedSamplingParams, SamplingParams, prepare_sampling_params
+from runtime.sampling import (
+    PreparedSamplingParams,
+    SamplingParams,
+    broadcast_active_row,
+    prepare_sampling_params,
+)
 from tests.runtime.prefill_setup import (
     BLOCK,
     CHUNK,

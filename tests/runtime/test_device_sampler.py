@@ -1,4 +1,4 @@
-"""The Llama device sampler: argmax exactness, seeds, penalties, log-probs, buffers, traces."""
+"""The device sampler: argmax exactness, seeds, penalties, log-probs, buffers, traces."""
 
 from __future__ import annotations
 
@@ -9,24 +9,26 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.llama.sampling import (
-    LlamaSampler,
+from runtime.sampling import (
+    DeviceSampler,
+    PreparedSamplingParams,
     SamplerConfig,
     SamplerPlan,
+    SamplingParams,
     apply_penalties,
+    prepare_sampling_params,
 )
-from runtime.sampling import PreparedSamplingParams, SamplingParams, prepare_sampling_params
 
 VOCAB = 32
 
 
-def make_sampler(batch: int = 4, top_k: int = 16, vocab: int = VOCAB) -> LlamaSampler:
-    sampler = LlamaSampler(SamplerConfig(max_batch_size=batch, max_top_k=top_k, vocab_size=vocab))
+def make_sampler(batch: int = 4, top_k: int = 16, vocab: int = VOCAB) -> DeviceSampler:
+    sampler = DeviceSampler(SamplerConfig(max_batch_size=batch, max_top_k=top_k, vocab_size=vocab))
     sampler.materialize("cpu")
     return sampler
 
 
-def prepared(sampler: LlamaSampler, batch: int, **kwargs: Any) -> PreparedSamplingParams:
+def prepared(sampler: DeviceSampler, batch: int, **kwargs: Any) -> PreparedSamplingParams:
     history = {k: kwargs.pop(k) for k in ("prompt_tokens", "output_tokens") if k in kwargs}
     return sampler.prepare(SamplingParams(**kwargs), batch, **history)
 
@@ -52,7 +54,7 @@ def test_sampler_config_validation(kwargs: dict[str, Any], error: type[Exception
 
 
 def test_buffers_materialize_release_idempotently() -> None:
-    sampler = LlamaSampler(SamplerConfig(max_batch_size=3, max_top_k=4, vocab_size=8))
+    sampler = DeviceSampler(SamplerConfig(max_batch_size=3, max_top_k=4, vocab_size=8))
     assert not sampler.materialized and dict(sampler.buffers) == {}
     with pytest.raises(RuntimeError, match=r"call materialize\(device\)"):
         sampler.sample(torch.zeros(1, 8), sampler.prepare(SamplingParams(), 1))
@@ -99,7 +101,7 @@ def test_stage_rejects_values_beyond_the_sampler() -> None:
     too_wide = prepare_sampling_params(wide, 2, max_device_top_k=8, allow_force_argmax=True)
     with pytest.raises(ValueError, match="exceeds the sampler's max_top_k 4"):
         sampler.stage(too_wide)
-    no_argmax = LlamaSampler(
+    no_argmax = DeviceSampler(
         SamplerConfig(max_batch_size=2, max_top_k=4, vocab_size=8, allow_force_argmax=False)
     )
     no_argmax.materialize("cpu")
@@ -165,7 +167,7 @@ def test_argmax_path_applies_penalties_first() -> None:
 
 
 def _seeded_token(
-    sampler: LlamaSampler, logits: torch.Tensor, seeds: list[int | None], positions: list[int]
+    sampler: DeviceSampler, logits: torch.Tensor, seeds: list[int | None], positions: list[int]
 ) -> torch.Tensor:
     rows = logits.shape[0]
     # A scalar temperature activates one row only: give every row its own temperature.
@@ -394,7 +396,7 @@ def test_restaged_buffers_drive_a_captured_run_like_a_fresh_sample() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replay_matches_eager() -> None:
-    sampler = LlamaSampler(SamplerConfig(max_batch_size=4, max_top_k=16, vocab_size=VOCAB))
+    sampler = DeviceSampler(SamplerConfig(max_batch_size=4, max_top_k=16, vocab_size=VOCAB))
     sampler.materialize("cuda")
     logits = torch.randn(4, VOCAB, device="cuda")
     positions = torch.arange(4, device="cuda")
@@ -516,8 +518,8 @@ def test_seeded_rows_do_not_depend_on_batch_position(
 # ---- buffers owned by a runtime device -----------------------------------------------------
 
 
-def _device_sampler() -> LlamaSampler:
-    return LlamaSampler(SamplerConfig(max_batch_size=4, max_top_k=8, vocab_size=VOCAB))
+def _device_sampler() -> DeviceSampler:
+    return DeviceSampler(SamplerConfig(max_batch_size=4, max_top_k=8, vocab_size=VOCAB))
 
 
 def test_buffers_from_a_runtime_device_are_counted_and_released_once() -> None:
