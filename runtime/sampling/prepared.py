@@ -82,6 +82,24 @@ def _check_history(instance: PreparedSamplingParams, name: str, value: object) -
         )
 
 
+_PER_ROW_FIELDS = (
+    "top_k",
+    "top_p",
+    "inverse_temperature",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seeds",
+    "enable_log_probs",
+    "num_logprobs",
+    "logprob_modes",
+    "greedy_mask",
+    "row_paths",
+    "active_mask",
+)
+"""The fields of `PreparedSamplingParams` that hold one entry per physical row."""
+
+
 @attrs.frozen(kw_only=True)
 class PreparedSamplingParams:
     """Sampling parameters normalised for the device sampler: one entry per physical row.
@@ -116,22 +134,27 @@ class PreparedSamplingParams:
 
     def __attrs_post_init__(self) -> None:
         """Invariants, so a hand-built or sliced value can never reach a device half-formed."""
+        self._check_lengths()
+        for row in range(self.batch_size):
+            self._check_row(row)
+        expected: PreparedPath = "argmax" if self.all_active_rows_argmax else "topk"
+        if self.sampling_path != expected:
+            raise ValueError(
+                f"sampling_path {self.sampling_path!r} disagrees with the row paths "
+                f"(expected {expected!r})"
+            )
+        _check_history(self, "prompt_tokens", self.prompt_tokens)
+        _check_history(self, "output_tokens", self.output_tokens)
+        if self.slot_remap is not None and len(self.slot_remap) != self.batch_size:
+            raise ValueError(
+                f"slot_remap has {len(self.slot_remap)} entries; expected batch_size "
+                f"{self.batch_size}"
+            )
+
+    def _check_lengths(self) -> None:
+        """One entry per row in every per-row field, and a consistent active-row count."""
         n = positive_int("batch_size", self.batch_size)
-        for name in (
-            "top_k",
-            "top_p",
-            "inverse_temperature",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "seeds",
-            "enable_log_probs",
-            "num_logprobs",
-            "logprob_modes",
-            "greedy_mask",
-            "row_paths",
-            "active_mask",
-        ):
+        for name in _PER_ROW_FIELDS:
             length = len(getattr(self, name))
             if length != n:
                 raise ValueError(
@@ -144,33 +167,23 @@ class PreparedSamplingParams:
                 f"active_mask marks {sum(self.active_mask)} rows but active_rows is "
                 f"{self.active_rows}"
             )
-        for row in range(n):
-            active = self.active_mask[row]
-            path = self.row_paths[row]
-            if (path == "inactive") == active:
-                raise ValueError(f"row {row}: path {path!r} disagrees with active={active}")
-            if self.greedy_mask[row] and (
-                self.top_k[row] != GREEDY_TOP_K
-                or self.top_p[row] != GREEDY_TOP_P
-                or self.inverse_temperature[row] != GREEDY_INVERSE_TEMPERATURE
-            ):
-                raise ValueError(f"row {row}: a greedy row must be k=1, p=0, inverse temp 1")
-            if active and not 1 <= self.top_k[row] <= self.max_device_top_k:
-                raise ValueError(
-                    f"row {row}: top_k={self.top_k[row]} is outside the device-supported range "
-                    f"[1, {self.max_device_top_k}]"
-                )
-        expected: PreparedPath = "argmax" if self.all_active_rows_argmax else "topk"
-        if self.sampling_path != expected:
+
+    def _check_row(self, row: int) -> None:
+        """A row's path matches its activity; greedy rows and top_k are in device form."""
+        active = self.active_mask[row]
+        path = self.row_paths[row]
+        if (path == "inactive") == active:
+            raise ValueError(f"row {row}: path {path!r} disagrees with active={active}")
+        if self.greedy_mask[row] and (
+            self.top_k[row] != GREEDY_TOP_K
+            or self.top_p[row] != GREEDY_TOP_P
+            or self.inverse_temperature[row] != GREEDY_INVERSE_TEMPERATURE
+        ):
+            raise ValueError(f"row {row}: a greedy row must be k=1, p=0, inverse temp 1")
+        if active and not 1 <= self.top_k[row] <= self.max_device_top_k:
             raise ValueError(
-                f"sampling_path {self.sampling_path!r} disagrees with the row paths "
-                f"(expected {expected!r})"
-            )
-        _check_history(self, "prompt_tokens", self.prompt_tokens)
-        _check_history(self, "output_tokens", self.output_tokens)
-        if self.slot_remap is not None and len(self.slot_remap) != n:
-            raise ValueError(
-                f"slot_remap has {len(self.slot_remap)} entries; expected batch_size {n}"
+                f"row {row}: top_k={self.top_k[row]} is outside the device-supported range "
+                f"[1, {self.max_device_top_k}]"
             )
 
     def _active(self) -> list[int]:

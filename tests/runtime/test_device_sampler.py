@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +34,20 @@ def make_sampler(batch: int = 4, top_k: int = 16, vocab: int = VOCAB) -> DeviceS
 def prepared(sampler: DeviceSampler, batch: int, **kwargs: Any) -> PreparedSamplingParams:
     history = {k: kwargs.pop(k) for k in ("prompt_tokens", "output_tokens") if k in kwargs}
     return sampler.prepare(SamplingParams(**kwargs), batch, **history)
+
+
+def test_runtime_sampling_imports_nothing_from_models() -> None:
+    """The sampler is model-independent: importing it loads no `models` module (models ->
+    runtime -> lifecycle), in a fresh interpreter so other tests' imports do not hide one."""
+    code = (
+        "import sys, runtime.sampling; "
+        "print([m for m in sys.modules if m == 'models' or m.startswith('models.')])"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert done.stdout.strip() == "[]"
 
 
 # ---- config and buffers -----------------------------------------------------------------
