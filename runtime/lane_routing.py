@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from runtime.sampling import SamplingParams, slice_sampling_params
+from runtime.validation import is_int
 
 MISSING_LOGPROB = 1.0
 
@@ -35,7 +36,7 @@ def _int_list(name: str, value: Any) -> list[int]:
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
         out: list[int] = []
         for item in value:
-            if isinstance(item, bool) or not isinstance(item, int):
+            if not is_int(item):
                 raise TypeError(f"{name} must hold integers, got {item!r}")
             out.append(item)
         return out

@@ -24,8 +24,14 @@ from typing import Any
 import attrs
 import torch
 
+from runtime.backends.accounting import (
+    AllocationCounters,
+    AllocationRegistry,
+    check_event_origin,
+    describe_tensor,
+)
 from runtime.backends.base import DeviceError, Event, TraceHandle
-from runtime.backends.torch_device import AllocationRegistry, describe_tensor
+from runtime.validation import is_int, non_negative_int
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +87,7 @@ def _trace_leaves(value: Any, path: str = "outputs") -> list[Any]:
     return [value]
 
 
-class TtnnDevice:
+class TtnnDevice(AllocationCounters):
     """The `Device` protocol over one ttnn device (command queue `cq_id`).
 
     `device`, when given, is an already opened ttnn device that this object borrows and never
@@ -100,8 +106,7 @@ class TtnnDevice:
         cq_id: int = 0,
         memory_config: str = "dram",
     ) -> None:
-        if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
-            raise ValueError(f"device_id must be an int >= 0, got {device_id!r}")
+        non_negative_int("device_id", device_id)
         if memory_config not in _MEMORY_CONFIGS:
             raise ValueError(
                 f"memory_config must be one of {', '.join(_MEMORY_CONFIGS)}, got {memory_config!r}"
@@ -146,26 +151,6 @@ class TtnnDevice:
         """ttnn tensors are converted through host torch tensors."""
         return torch.device("cpu")
 
-    @property
-    def live_allocations(self) -> int:
-        """Allocated and not yet deallocated tensors."""
-        return len(self._registry)
-
-    @property
-    def live_traces(self) -> int:
-        """Captured and not yet released traces."""
-        return len(self._traces)
-
-    @property
-    def allocations_total(self) -> int:
-        """Allocations ever registered."""
-        return self._registry.allocations_total
-
-    @property
-    def deallocations_total(self) -> int:
-        """Successful deallocations."""
-        return self._registry.deallocations_total
-
     def ttnn_dtype(self, dtype: torch.dtype) -> Any:
         """The ttnn dtype used for a torch dtype."""
         if dtype not in _TORCH_TO_TTNN_DTYPE:
@@ -196,7 +181,7 @@ class TtnnDevice:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         dims = tuple(shape)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        if any(not is_int(d) or d < 0 for d in dims):
             raise ValueError(f"shape must be a sequence of non-negative ints, got {dims!r}")
         tensor = self._to_device(torch.full(dims, fill, dtype=dtype))
         with self._lock:
@@ -254,13 +239,7 @@ class TtnnDevice:
 
     def event_synchronize(self, event: Event) -> None:
         """``ttnn.event_synchronize``."""
-        if not isinstance(event, Event):
-            raise TypeError(f"event must be an Event, got {type(event).__name__}")
-        if event.device_name != self._name:
-            raise DeviceError(
-                f"event {event.sequence} was recorded on {event.device_name!r}, not on "
-                f"{self._name!r}; synchronize it on the device that recorded it"
-            )
+        check_event_origin(event, self._name)
         self._ttnn.event_synchronize(event.handle)
 
     def _free_unowned(self, value: Any) -> None:
