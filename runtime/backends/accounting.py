@@ -1,13 +1,14 @@
 """Exact ownership accounting every backend shares: which tensors a device allocated.
 
 `AllocationRegistry` tracks live allocations by identity and remembers recent releases, so a
-double free is told apart from a foreign tensor; `AllocationCounters` gives a device class the
-counters the `Device` protocol reports from its registry and trace table.
+double free is told apart from a foreign tensor; `AccountedDevice` gives a device class the
+bookkeeping (lock, registry, traces, events) and the counters the `Device` protocol reports.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -100,11 +101,18 @@ class _StrongReference:
         return self.value
 
 
-class AllocationCounters:
-    """`live_allocations`, `live_traces` and the totals, read from `_registry` and `_traces`."""
+class AccountedDevice:
+    """The bookkeeping every backend's device keeps: its name, one lock, the registry of its
+    allocations, its live traces and its event sequence, with the counters the `Device`
+    protocol reports from them."""
 
-    _registry: AllocationRegistry
-    _traces: dict[int, TraceHandle]
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.RLock()
+        self._registry = AllocationRegistry(name)
+        self._traces: dict[int, TraceHandle] = {}
+        self._next_trace_id = 0
+        self._event_sequence = 0
 
     @property
     def live_allocations(self) -> int:
@@ -126,13 +134,31 @@ class AllocationCounters:
         """Successful deallocations."""
         return self._registry.deallocations_total
 
+    def describe_live_allocations(self) -> list[str]:
+        """Shape/dtype of every live allocation, oldest first, for leak reports."""
+        with self._lock:
+            return [describe_tensor(t) for t in self._registry.live_values()]
 
-def check_event_origin(event: Event, device_name: str) -> None:
-    """`event` is an `Event` recorded on the device named `device_name`."""
-    if not isinstance(event, Event):
-        raise TypeError(f"event must be an Event, got {type(event).__name__}")
-    if event.device_name != device_name:
-        raise DeviceError(
-            f"event {event.sequence} was recorded on {event.device_name!r}, not on "
-            f"{device_name!r}; synchronize it on the device that recorded it"
-        )
+    def is_owned(self, tensor: Any) -> bool:
+        """Whether `tensor` is a live allocation of this device (identity, not equality)."""
+        return self._registry.is_live(tensor)
+
+    def _register_trace(self, outputs: Any, handle: Any) -> TraceHandle:
+        """A new live trace of this device holding `outputs` and the backend's `handle`."""
+        with self._lock:
+            self._next_trace_id += 1
+            trace = TraceHandle(
+                device_name=self._name, trace_id=self._next_trace_id, outputs=outputs, handle=handle
+            )
+            self._traces[trace.trace_id] = trace
+        return trace
+
+    def _check_event_origin(self, event: Event) -> None:
+        """`event` is an `Event` recorded on this device."""
+        if not isinstance(event, Event):
+            raise TypeError(f"event must be an Event, got {type(event).__name__}")
+        if event.device_name != self._name:
+            raise DeviceError(
+                f"event {event.sequence} was recorded on {event.device_name!r}, not on "
+                f"{self._name!r}; synchronize it on the device that recorded it"
+            )

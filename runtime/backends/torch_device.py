@@ -16,19 +16,13 @@ pool, replayed with `graph.replay()`.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import attrs
 import torch
 
-from runtime.backends.accounting import (
-    AllocationCounters,
-    AllocationRegistry,
-    check_event_origin,
-    describe_tensor,
-)
+from runtime.backends.accounting import AccountedDevice
 from runtime.backends.base import DeviceError, Event, TraceHandle
 from runtime.validation import is_int, non_negative_int
 
@@ -82,7 +76,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class TorchDevice(AllocationCounters):
+class TorchDevice(AccountedDevice):
     """The `Device` protocol over torch, for ``cpu`` and ``cuda[:N]``.
 
     `graph_warmup_runs` eager runs of a traced function precede CUDA graph capture (on a side
@@ -116,18 +110,12 @@ class TorchDevice(AllocationCounters):
                     f"allowed: 0..{count - 1}"
                 )
             resolved = torch.device("cuda", index)
-            self._name = f"cuda:{index}"
         else:
             resolved = torch.device("cpu")
-            self._name = "cpu"
+        super().__init__(str(resolved))
         self._device = resolved
         self._is_cuda = resolved.type == "cuda"
         self._graph_warmup_runs = graph_warmup_runs
-        self._lock = threading.RLock()
-        self._registry = AllocationRegistry(self._name)
-        self._traces: dict[int, TraceHandle] = {}
-        self._next_trace_id = 0
-        self._event_sequence = 0
         self.traces_captured_total = 0
         self.traces_released_total = 0
 
@@ -154,15 +142,6 @@ class TorchDevice(AllocationCounters):
         """Bytes held by live allocations."""
         with self._lock:
             return sum(t.numel() * t.element_size() for t in self._registry.live_values())
-
-    def describe_live_allocations(self) -> list[str]:
-        """Shape/dtype of every live allocation, oldest first, for leak reports."""
-        with self._lock:
-            return [describe_tensor(t) for t in self._registry.live_values()]
-
-    def is_owned(self, tensor: Any) -> bool:
-        """Whether `tensor` is a live allocation of this device (identity, not equality)."""
-        return self._registry.is_live(tensor)
 
     # --- allocation and copies ----------------------------------------------------------------
 
@@ -255,7 +234,7 @@ class TorchDevice(AllocationCounters):
         return Event(device_name=self._name, sequence=sequence, handle=handle)
 
     def _check_event(self, event: Event) -> None:
-        check_event_origin(event, self._name)
+        self._check_event_origin(event)
         if not 0 < event.sequence <= self._event_sequence:
             raise DeviceError(
                 f"event sequence {event.sequence} was never recorded on {self._name!r} "
@@ -293,11 +272,7 @@ class TorchDevice(AllocationCounters):
                 outputs = fn()
             state = _TraceState(fn=fn, signature=_signature(outputs))
         with self._lock:
-            self._next_trace_id += 1
-            trace = TraceHandle(
-                device_name=self._name, trace_id=self._next_trace_id, outputs=outputs, handle=state
-            )
-            self._traces[trace.trace_id] = trace
+            trace = self._register_trace(outputs, state)
             self.traces_captured_total += 1
         logger.debug("captured trace %d on %s", trace.trace_id, self._name)
         return trace

@@ -17,19 +17,13 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from runtime.backends.accounting import (
-    AllocationCounters,
-    AllocationRegistry,
-    check_event_origin,
-    describe_tensor,
-)
+from runtime.backends.accounting import AccountedDevice
 from runtime.backends.base import DeviceError, Event, TraceHandle
 from runtime.validation import is_int, non_negative_int
 
@@ -87,7 +81,7 @@ def _trace_leaves(value: Any, path: str = "outputs") -> list[Any]:
     return [value]
 
 
-class TtnnDevice(AllocationCounters):
+class TtnnDevice(AccountedDevice):
     """The `Device` protocol over one ttnn device (command queue `cq_id`).
 
     `device`, when given, is an already opened ttnn device that this object borrows and never
@@ -119,15 +113,10 @@ class TtnnDevice(AllocationCounters):
                 l1_small_size=l1_small_size,
                 trace_region_size=trace_region_size,
             )
+        super().__init__(f"ttnn:{device_id}")
         self._device = device
-        self._name = f"ttnn:{device_id}"
         self._cq_id = cq_id
         self._memory_config = getattr(self._ttnn, _MEMORY_CONFIGS[memory_config])
-        self._lock = threading.RLock()
-        self._registry = AllocationRegistry(self._name)
-        self._traces: dict[int, TraceHandle] = {}
-        self._next_trace_id = 0
-        self._event_sequence = 0
         self._closed = False
 
     def __repr__(self) -> str:
@@ -162,10 +151,6 @@ class TtnnDevice(AllocationCounters):
         """Tile layout for floating point (compute) tensors, row-major for integer tensors."""
         name = "TILE_LAYOUT" if dtype.is_floating_point else "ROW_MAJOR_LAYOUT"
         return getattr(self._ttnn, name)
-
-    def is_owned(self, tensor: Any) -> bool:
-        """Whether `tensor` is a live allocation of this device."""
-        return self._registry.is_live(tensor)
 
     def _to_device(self, host: torch.Tensor) -> Any:
         return self._ttnn.from_torch(
@@ -239,7 +224,7 @@ class TtnnDevice(AllocationCounters):
 
     def event_synchronize(self, event: Event) -> None:
         """``ttnn.event_synchronize``."""
-        check_event_origin(event, self._name)
+        self._check_event_origin(event)
         self._ttnn.event_synchronize(event.handle)
 
     def _free_unowned(self, value: Any) -> None:
@@ -266,15 +251,7 @@ class TtnnDevice(AllocationCounters):
         except TypeError:
             self._ttnn.release_trace(self._device, trace_id)
             raise
-        with self._lock:
-            self._next_trace_id += 1
-            trace = TraceHandle(
-                device_name=self._name,
-                trace_id=self._next_trace_id,
-                outputs=outputs,
-                handle=_TtnnTraceState(trace_id=trace_id),
-            )
-            self._traces[trace.trace_id] = trace
+        trace = self._register_trace(outputs, _TtnnTraceState(trace_id=trace_id))
         logger.debug("captured ttnn trace %r as %d on %s", trace_id, trace.trace_id, self._name)
         return trace
 
@@ -328,7 +305,7 @@ class TtnnDevice(AllocationCounters):
                 self._name,
                 self.live_allocations,
                 self.live_traces,
-                [describe_tensor(t) for t in self._registry.live_values()][:8],
+                self.describe_live_allocations()[:8],
             )
         if self._owns_device:
             self._ttnn.close_device(self._device)
