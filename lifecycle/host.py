@@ -21,14 +21,7 @@ from lifecycle.phases import HOST_TABLE, LIVE_PHASES, Phase
 
 T = TypeVar("T")
 
-_PRE_SERVING = (
-    Phase.CONSTRUCTED,
-    Phase.CAPACITY_RESOLVED,
-    Phase.SEALED,
-    Phase.ALLOCATED,
-    Phase.COMPILED,
-    Phase.CAPTURED,
-)
+_PRE_SERVING = tuple(phase for phase in LIVE_PHASES if phase is not Phase.SERVING)
 FAULT_ADVICE = (
     "call close(): it retries every release and ends the host (TERMINAL), or leaves it "
     "CLOSING when something still cannot be released (close() again retries); then "

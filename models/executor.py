@@ -37,7 +37,8 @@ from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.runtime import PrefillRuntime
 from runtime.program_compiler import ProgramCompiler
 from runtime.trace_compiler import TraceCompiler
-from runtime.warmup import CoverageManifest, WarmupCoordinator, WarmupCoordinatorConfig
+from runtime.warmup import WarmupCoordinator, WarmupCoordinatorConfig
+from runtime.warmup_manifest import CoverageManifest
 
 logger = logging.getLogger(__name__)
 

@@ -12,28 +12,24 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from runtime.validation import is_int, positive_int
+
 SUPPORTED_PREFILL_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 MAX_BATCHED_PREFILL_TOKENS: int = 128 * 1024
 PAGE_TABLE_WIDTH_ALIGNMENT: int = 8
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def _check_buckets(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, tuple) or not value:
         raise TypeError(f"{attribute.name} must be a non-empty tuple, got {value!r}")
     for item in value:
-        _positive_int(attribute.name, item)
+        positive_int(attribute.name, item)
     if list(value) != sorted(set(value)):
         raise ValueError(f"{attribute.name} must be strictly increasing, got {value!r}")
 
 
 def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _positive_int(attribute.name, value)
+    positive_int(attribute.name, value)
 
 
 @attrs.frozen
@@ -78,7 +74,7 @@ class RuntimePolicy:
 
     def padded_prefill_length(self, n: int) -> int:
         """Padded length for `n` uncached tokens (`n >= 1`)."""
-        _positive_int("n", n)
+        positive_int("n", n)
         for bucket in self.prefill_padding_buckets:
             if n <= bucket:
                 return bucket
@@ -93,7 +89,7 @@ TRACE_MODES: tuple[TraceMode, ...] = ("none", "decode_only", "all")
 
 def require_positive_int(name: str, value: object) -> int:
     """Validate a positive int; bool is rejected because `True` silently means 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(
             f"{name} must be a positive integer (an int >= 1; bool is not accepted), "
             f"got {value!r} of type {type(value).__name__}"

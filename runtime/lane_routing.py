@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from runtime.sampling import SamplingParams, slice_sampling_params
+from runtime.validation import is_int
 
 MISSING_LOGPROB = 1.0
 
@@ -35,7 +36,7 @@ def _int_list(name: str, value: Any) -> list[int]:
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
         out: list[int] = []
         for item in value:
-            if isinstance(item, bool) or not isinstance(item, int):
+            if not is_int(item):
                 raise TypeError(f"{name} must hold integers, got {item!r}")
             out.append(item)
         return out
@@ -144,7 +145,129 @@ def per_lane_argument(name: str, value: Any, lanes: int) -> list[Any]:
     return list(value)
 
 
+# -- one request, split ---------------------------------------------------------------------------
+
+_HISTORY = ("prompt_tokens", "output_tokens")
+
+
+def split_prefill(
+    request: dict[str, Any], *, per_lane: int, lanes: int
+) -> tuple[dict[int, dict[str, Any]], dict[int, LaneRows]]:
+    """One global prefill as per-lane requests (only lanes with rows), and each lane's rows."""
+    request = dict(request)
+    tokens = request.pop("tokens")
+    routes = route_prefill_rows(
+        int(tokens.shape[0]), request.pop("empty_slots", None), per_lane=per_lane, lanes=lanes
+    )
+    caches = per_lane_argument("kv_cache", request.pop("kv_cache", None), lanes)
+    executions = per_lane_argument("execution", request.pop("execution", None), lanes)
+    per_lane_requests: dict[int, dict[str, Any]] = {}
+    for lane_rows in routes:
+        out = {"tokens": select_rows(tokens, lane_rows.rows)}
+        for name, value in request.items():
+            out[name] = _prefill_field(name, value, lane_rows, per_lane=per_lane, lanes=lanes)
+        out["empty_slots"] = list(lane_rows.local_slots)
+        _add_lane_defaults(out, caches[lane_rows.lane], executions[lane_rows.lane])
+        per_lane_requests[lane_rows.lane] = out
+    return per_lane_requests, {r.lane: r for r in routes}
+
+
+def _prefill_field(name: str, value: Any, lane_rows: LaneRows, *, per_lane: int, lanes: int) -> Any:
+    rows = lane_rows.rows
+    if name in ("page_table", "prompt_lens", "start_pos"):
+        return select_rows(value, rows)
+    if name == "sampling_params":
+        return slice_sampling(value, rows)
+    if name in _HISTORY:
+        return history_for_lane(
+            name, value, lane_rows, per_lane=per_lane, capacity=per_lane * lanes
+        )
+    if name == "slot_remap":
+        return remap_for_lane(value, lane_rows.lane, per_lane=per_lane, lanes=lanes)
+    return value
+
+
+def _add_lane_defaults(out: dict[str, Any], kv_cache: Any, execution: Any) -> None:
+    """A lane's own KV cache and execution choice, only where the caller gave one."""
+    if kv_cache is not None:
+        out["kv_cache"] = kv_cache
+    if execution is not None:
+        out["execution"] = execution
+
+
+def split_decode(
+    request: dict[str, Any], *, per_lane: int, lanes: int, compile_only: bool = False
+) -> list[dict[str, Any]]:
+    """Validate one global decode (fixed global batch) and split it into contiguous lane batches."""
+    request = dict(request)
+    global_batch = per_lane * lanes
+    for name in ("tokens", "start_pos", "page_table"):
+        value = request.get(name)
+        if value is None:
+            if compile_only:
+                continue
+            raise TypeError(f"decode_forward() needs {name}")
+        if int(value.shape[0]) != global_batch:
+            raise ValueError(
+                f"DP decode expects fixed global batch {global_batch}; {name} has "
+                f"{int(value.shape[0])} rows ({lanes} lanes x {per_lane})"
+            )
+    caches = per_lane_argument("kv_cache", request.pop("kv_cache", None), lanes)
+    executions = per_lane_argument("execution", request.pop("execution", None), lanes)
+    split: list[dict[str, Any]] = []
+    for lane in range(lanes):
+        rows = range(lane * per_lane, (lane + 1) * per_lane)
+        out = {
+            name: _decode_field(name, value, lane, rows, per_lane=per_lane, lanes=lanes)
+            for name, value in request.items()
+        }
+        _add_lane_defaults(out, caches[lane], executions[lane])
+        split.append(out)
+    return split
+
+
+def _decode_field(
+    name: str, value: Any, lane: int, rows: range, *, per_lane: int, lanes: int
+) -> Any:
+    if name in ("tokens", "start_pos", "page_table"):
+        return value[rows.start : rows.stop]
+    if name == "sampling_params":
+        return slice_sampling(value, rows)
+    if name in _HISTORY:
+        whole = value is not None and int(value.shape[0]) == per_lane * lanes
+        return value[rows.start : rows.stop] if whole else value
+    if name == "slot_remap":
+        return remap_for_lane(value, lane, per_lane=per_lane, lanes=lanes)
+    return value
+
+
+def one_per_lane(name: str, values: Any, lanes: int) -> list[Any]:
+    """A list or tuple with exactly one value per lane (e.g. each lane's raw output)."""
+    if not isinstance(values, list | tuple) or len(values) != lanes:
+        raise ValueError(
+            f"{name} needs one value per DP lane ({lanes}), got "
+            f"{type(values).__name__}"
+            + (f" of length {len(values)}" if isinstance(values, list | tuple) else "")
+        )
+    return list(values)
+
+
 # -- the way back -------------------------------------------------------------------------------
+
+
+def join_async_reads(outputs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Each lane's `(host_value, events)` as one list of hosts and one flat list of events."""
+    hosts: list[Any] = []
+    events: list[Any] = []
+    for index, output in enumerate(outputs):
+        if not isinstance(output, tuple) or len(output) != 2:
+            raise TypeError(
+                f"DP lane {index} async read returned {type(output).__name__}; "
+                "expected (host_value, events)"
+            )
+        hosts.append(output[0])
+        events.extend(output[1])
+    return hosts, events
 
 
 def _split_logprobs(output: Any) -> tuple[Any, Any, bool]:

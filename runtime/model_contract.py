@@ -41,7 +41,24 @@ KVCache = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 @runtime_checkable
-class PagedModel(Protocol):
+class PrefillModel(Protocol):
+    """The part of the contract prefill uses: the vocabulary and `prefill` (see `PagedModel`)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        *,
+        page_table: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        chunk_start: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class PagedModel(PrefillModel, Protocol):
     """The tensor-model contract.
 
     `prefill(tokens, *, page_table, prompt_lens, chunk_start)`:
@@ -60,9 +77,6 @@ class PagedModel(Protocol):
     def n_layers(self) -> int: ...
 
     @property
-    def vocab_size(self) -> int: ...
-
-    @property
     def max_seq_len(self) -> int: ...
 
     def attention_metadata(self) -> Sequence[AttentionMetadata]: ...
@@ -72,15 +86,6 @@ class PagedModel(Protocol):
     def set_kv_cache(self, cache: KVCache | None) -> None: ...
 
     def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]: ...
-
-    def prefill(
-        self,
-        tokens: torch.Tensor,
-        *,
-        page_table: torch.Tensor,
-        prompt_lens: torch.Tensor,
-        chunk_start: torch.Tensor,
-    ) -> torch.Tensor: ...
 
     def decode(
         self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor

@@ -49,17 +49,7 @@ DISCARDED_VLLM_KWARGS: tuple[str, ...] = ("page_tables_per_layer", "rope_deltas_
 IGNORED_VLLM_KWARGS: frozenset[str] = frozenset(FORWARDED_VLLM_KWARGS + DISCARDED_VLLM_KWARGS)
 """The only compatibility keywords the adapter accepts (the reference's five)."""
 
-_SAMPLING_FIELDS: tuple[str, ...] = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "enable_log_probs",
-    "num_logprobs",
-)
+_SAMPLING_FIELDS: tuple[str, ...] = tuple(field.name for field in attrs.fields(SamplingParams))
 
 
 class NormalizedPrefillKwargs(TypedDict):

@@ -12,11 +12,9 @@ activate all lanes together.
 from __future__ import annotations
 
 import contextlib
-import enum
-import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -24,11 +22,10 @@ import torch
 
 from lifecycle.journal import Journal, Outcome
 from runtime.config import PageTableLayout, TraceConfig, WarmupConfig
-from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
 from runtime.execution import EagerExecutor, TracedExecutor
-from runtime.identity import ProgramKey, TraceKey, key_material_of
 from runtime.prefill.runtime import STATIC_Q128_TOPK_SUPPORTED
 from runtime.program_compiler import CompiledProgram
+from runtime.validation import is_int, positive_int
 from runtime.warmup_coverage import (
     CoverageFilter,
     Operation,
@@ -36,9 +33,9 @@ from runtime.warmup_coverage import (
     WarmupCase,
     derive_decode_cases,
     derive_prefill_cases,
-    identity_field_counts,
     recipe_params,
 )
+from runtime.warmup_manifest import CoverageManifest, eager_manifest, traced_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -53,84 +50,30 @@ class WarmupPlan:
     decode: tuple[WarmupCase, ...]
 
 
-@attrs.frozen
-class CoverageAlias:
-    """A compiled program, the trace it replays through, and the fingerprints that keep
-    alias capture independent of request order (capture schema, post-processing workspace)."""
-
-    program_signature: Any
-    trace_signature: Any
-    schema_fingerprint: Any = None
-    workspace_fingerprint: Any = None
-
-
-@attrs.frozen
-class CoverageManifest:
-    """What warmup made available: eager programs, traced programs, traces, aliases, and
-    the kernels the model chose for them (its `choose_kernels` JSON, or None)."""
-
-    eager_program_signatures: tuple[Any, ...]
-    traced_source_program_signatures: tuple[Any, ...]
-    trace_signatures: tuple[Any, ...]
-    aliases: tuple[CoverageAlias, ...]
-    kernels: Any = None
-
-    def identity_fields(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Which identity fields (and values) produced how many programs and traces."""
-        groups: dict[str, list[Any]] = {
-            "prefill_programs": [],
-            "decode_programs": [],
-            "prefill_traces": [],
-            "decode_traces": [],
-        }
-        for signature in self.eager_program_signatures:
-            operation = "decode" if isinstance(signature, DecodeProgramSignature) else "prefill"
-            groups[f"{operation}_programs"].append(signature)
-        for signature in self.trace_signatures:
-            operation = "decode" if isinstance(signature, DecodeTraceSignature) else "prefill"
-            groups[f"{operation}_traces"].append(signature)
-        return {name: identity_field_counts(items) for name, items in groups.items()}
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready description (signatures as their key material)."""
-
-        def material(signature: Any) -> Any:
-            return _jsonable(key_material_of(signature))
-
-        return {
-            "identity_fields": self.identity_fields(),
-            "eager_programs": [material(s) for s in self.eager_program_signatures],
-            "traced_programs": [material(s) for s in self.traced_source_program_signatures],
-            "traces": [
-                {"trace_key": TraceKey.from_signature(s).digest, "signature": material(s)}
-                for s in self.trace_signatures
-            ],
-            "aliases": [
-                {
-                    "program": material(alias.program_signature),
-                    "trace_key": TraceKey.from_signature(alias.trace_signature).digest,
-                    "schema_fingerprint": _jsonable(alias.schema_fingerprint),
-                    "workspace_fingerprint": _jsonable(alias.workspace_fingerprint),
-                }
-                for alias in self.aliases
-            ],
-            "kernels": self.kernels,
-        }
-
-    def dumps(self) -> str:
-        """The manifest as indented JSON text."""
-        return json.dumps(self.to_json(), indent=2, sort_keys=True)
-
-
 def _unique_positive(name: str, values: object) -> tuple[int, ...]:
     if not isinstance(values, tuple) or not values:
         raise ValueError(f"{name} must be a non-empty tuple of positive integers, got {values!r}")
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{name} must contain positive integers, got {value!r}")
     if len(set(values)) != len(values):
         raise ValueError(f"{name} must be unique, got {values!r}")
     return values
+
+
+def _check_runtimes_agree(prefill: Any, decode: Any) -> None:
+    """Prefill and decode of one lane share model, layout, capacity and sampling policy."""
+    if prefill.model is not decode.model:
+        raise ValueError("prefill and decode runtimes must share one model")
+    if prefill.page_table_layout is not decode.page_table_layout:
+        raise ValueError("prefill and decode runtimes must share one page-table layout")
+    if prefill.max_batch_size != decode.lane_capacity:
+        raise ValueError(
+            f"prefill and decode runtimes must share one lane capacity: "
+            f"{prefill.max_batch_size} != {decode.lane_capacity}"
+        )
+    if prefill.device_sampling_enabled != decode.device_sampling_enabled:
+        raise ValueError("prefill and decode runtimes must share device-sampling policy")
 
 
 @attrs.frozen
@@ -182,20 +125,8 @@ class WarmupCoordinatorConfig:
         if not isinstance(trace, TraceConfig):
             raise TypeError(f"trace must be a TraceConfig, got {type(trace).__name__}")
         p, d = prefill.config, decode.config
-        if p.model is not d.model:
-            raise ValueError("prefill and decode runtimes must share one model")
-        if p.page_table_layout is not d.page_table_layout:
-            raise ValueError("prefill and decode runtimes must share one page-table layout")
-        if p.max_batch_size != d.lane_capacity:
-            raise ValueError(
-                f"prefill and decode runtimes must share one lane capacity: "
-                f"{p.max_batch_size} != {d.lane_capacity}"
-            )
-        if p.device_sampling_enabled != d.device_sampling_enabled:
-            raise ValueError("prefill and decode runtimes must share device-sampling policy")
-        if max_seq_len is not None and (
-            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2
-        ):
+        _check_runtimes_agree(p, d)
+        if max_seq_len is not None and (not is_int(max_seq_len) or max_seq_len < 2):
             raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
         lengths = _unique_positive(
             "prefill_sequence_lengths",
@@ -432,17 +363,12 @@ class WarmupCoordinator:
         self._check_hints("decode", can_sample_on_device, enable_trace)
         self._validate_bound_cache(kv_cache)
         lane = self.config.lane_batch_size
-        if (
-            isinstance(max_batch_size, bool)
-            or not isinstance(max_batch_size, int)
-            or not 1 <= max_batch_size <= lane
-        ):
+        if not is_int(max_batch_size) or not 1 <= max_batch_size <= lane:
             raise ValueError(
                 f"max_batch_size must be an int in 1..{lane} (the lane capacity; decode runs "
                 f"the whole lane), got {max_batch_size!r}"
             )
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        positive_int("num_blocks", num_blocks)
         self._run("decode", can_sample_on_device, enable_trace, num_blocks=num_blocks)
 
     def _check_hints(self, operation: Operation, sampling: bool, trace: bool) -> None:
@@ -572,55 +498,17 @@ class WarmupCoordinator:
         )
 
     def _resolve_manifest(self) -> CoverageManifest:
-        compiler = self._eager.program_compiler
-        eager = _dedupe(p.signature for p in self._required)
-        traced = _dedupe(p.signature for p in self._required_traced)
-        aliases: list[CoverageAlias] = []
-        missing: list[str] = []
-        traces: list[Any] = []
-        for program in _dedupe_programs(self._required_traced):
-            if program.key not in {p.key for p in compiler.compiled_programs}:
-                missing.append(program.key.digest)
-                continue
-            if self._traced is None:
-                continue
-            trace_key = self._traced.trace_compiler.trace_key_for_program(program.key)
-            if trace_key is None:
-                missing.append(program.key.digest)
-                continue
-            record = self._traced.trace_compiler.get(trace_key)
-            alias = self._traced.trace_compiler.alias_for_program(program.key)
-            assert record is not None and alias is not None
-            aliases.append(
-                CoverageAlias(
-                    program.signature,
-                    record.signature,
-                    schema_fingerprint=record.plan.schema_fingerprint,
-                    workspace_fingerprint=alias.workspace_fingerprint,
-                )
-            )
-            if all(key_material_of(t) != key_material_of(record.signature) for t in traces):
-                traces.append(record.signature)
-        if missing:
-            raise RuntimeError(
-                f"Coverage manifest is missing required compiled programs/trace aliases: {missing}"
-            )
-        if not aliases:
-            raise RuntimeError("Configured trace warmup registered no program-to-trace aliases")
-        return CoverageManifest(
-            eager_program_signatures=_sorted_signatures(eager),
-            traced_source_program_signatures=_sorted_signatures(traced),
-            trace_signatures=_sorted_signatures(traces),
-            aliases=tuple(
-                sorted(aliases, key=lambda a: ProgramKey.from_signature(a.program_signature).digest)
-            ),
+        return traced_manifest(
+            required=self._required,
+            required_traced=self._required_traced,
+            program_compiler=self._eager.program_compiler,
+            trace_compiler=None if self._traced is None else self._traced.trace_compiler,
             kernels=self.kernel_choice,
         )
 
     def eager_manifest(self) -> CoverageManifest:
         """The manifest of an untraced warmup (no traces, no aliases)."""
-        eager = _dedupe(p.signature for p in self._required)
-        return CoverageManifest(_sorted_signatures(eager), (), (), (), kernels=self.kernel_choice)
+        return eager_manifest(self._required, kernels=self.kernel_choice)
 
     @contextlib.contextmanager
     def defer_capture(self) -> Iterator[None]:
@@ -667,39 +555,3 @@ def choose_model_kernels(config: WarmupCoordinatorConfig) -> Any:
     return choose(
         decode_rows=config.lane_batch_size, prefill_rows=max(config.prefill_sequence_lengths)
     )
-
-
-def _jsonable(value: Any) -> Any:
-    """JSON text for key material and fingerprints (signatures become their key material)."""
-    if isinstance(value, tuple | list):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, enum.Enum):
-        return value.value
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if hasattr(value, "key_material"):
-        return _jsonable(key_material_of(value))
-    return repr(value)
-
-
-def _dedupe(signatures: Iterator[Any] | Any) -> tuple[Any, ...]:
-    seen: list[Any] = []
-    keys: set[Any] = set()
-    for signature in signatures:
-        material = key_material_of(signature)
-        if material not in keys:
-            keys.add(material)
-            seen.append(signature)
-    return tuple(seen)
-
-
-def _sorted_signatures(signatures: Sequence[Any]) -> tuple[Any, ...]:
-    """Signatures in digest order, so the manifest does not depend on warmup order."""
-    return tuple(sorted(signatures, key=lambda s: ProgramKey.from_signature(s).digest))
-
-
-def _dedupe_programs(programs: Sequence[CompiledProgram]) -> list[CompiledProgram]:
-    seen: dict[Any, CompiledProgram] = {}
-    for program in programs:
-        seen.setdefault(program.key, program)
-    return list(seen.values())

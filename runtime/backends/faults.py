@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from runtime.backends.base import Device, DoubleDeallocationError, Event, TraceHandle
+from runtime.validation import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def _check_operation(instance: object, attribute: attrs.Attribute[Any], value: A
 def _check_nth(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"nth must be a 1-based positive int or None, got {value!r}")
 
 

@@ -101,6 +101,12 @@ def _build(compiler: str) -> Path:
     return library
 
 
+PagedDecodeInputs = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
+]
+"""`(q, k_cache, v_cache, pages, n_keys, scale)` of one paged decode attention call."""
+
+
 class PagedDecodeAttention:
     """`out[b] = softmax(q[b] K_b^T * scale) V_b` over row b's pages, read in place."""
 
@@ -113,17 +119,11 @@ class PagedDecodeAttention:
             kernel.argtypes = _ARGTYPES
             kernel.restype = ctypes.c_int
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        pages: torch.Tensor,
-        n_keys: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """q `[B, kv, g, hd]`; caches `[blocks, kv, block_size, hd]`; pages `[B, W]`;
-        n_keys `[B]` (keys per row). Returns float32 `[B, kv, g, hd]`."""
+    def __call__(self, *inputs: *PagedDecodeInputs) -> torch.Tensor:
+        """`unchecked` after checking its inputs: q `[B, kv, g, hd]`; caches
+        `[blocks, kv, block_size, hd]`; pages `[B, W]`; n_keys `[B]` (keys per row).
+        Returns float32 `[B, kv, g, hd]`."""
+        q, k_cache, v_cache, pages, n_keys, _scale = inputs
         batch, kv, _, head_dim = q.shape
         blocks, cache_kv, block_size, cache_hd = k_cache.shape
         if (cache_kv, cache_hd) != (kv, head_dim) or v_cache.shape != k_cache.shape:
@@ -147,7 +147,7 @@ class PagedDecodeAttention:
             raise ValueError(f"n_keys exceed the {width} page(s) of {block_size} tokens per row")
         if pages.numel() and (int(pages.min()) < -1 or int(pages.max()) >= blocks):
             raise ValueError(f"pages hold entries outside -1 and [0, {blocks})")
-        return self.unchecked(q, k_cache, v_cache, pages, n_keys, scale)
+        return self.unchecked(*inputs)
 
     def unchecked(
         self,

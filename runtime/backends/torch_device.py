@@ -15,106 +15,22 @@ pool, replayed with `graph.replay()`.
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import attrs
 import torch
 
-from runtime.backends.base import DeviceError, DoubleDeallocationError, Event, TraceHandle
+from runtime.backends.accounting import AccountedDevice
+from runtime.backends.base import DeviceError, Event, TraceHandle
+from runtime.validation import is_int, non_negative_int
 
 logger = logging.getLogger(__name__)
-
-_MAX_TOMBSTONES = 4096
-_MISSING = object()
 
 # torch's stubs leave these constructors untyped; give them the types they have.
 _new_cuda_event = cast(Callable[[], torch.cuda.Event], torch.cuda.Event)
 _new_cuda_stream = cast(Callable[[torch.device], torch.cuda.Stream], torch.cuda.Stream)
-
-
-def describe_tensor(tensor: Any) -> str:
-    """A short description naming shape and dtype, for error messages."""
-    shape = getattr(tensor, "shape", None)
-    dtype = getattr(tensor, "dtype", None)
-    shape_text = tuple(shape) if shape is not None else "?"
-    return f"{type(tensor).__name__}(shape={shape_text}, dtype={dtype})"
-
-
-class AllocationRegistry:
-    """Live allocations by identity, plus recent releases to tell a double free from a foreign
-    tensor.
-
-    Releases are remembered by weak reference where the tensor type allows it (otherwise a
-    bounded number are kept strongly), so an id reused by a new object is never mistaken for a
-    released tensor.
-    """
-
-    def __init__(self, device_name: str) -> None:
-        self.device_name = device_name
-        self._live: dict[int, Any] = {}
-        self._released: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
-        self.allocations_total = 0
-        self.deallocations_total = 0
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def live_values(self) -> list[Any]:
-        """The live allocations, oldest first."""
-        return list(self._live.values())
-
-    def add(self, tensor: Any) -> None:
-        """Register a fresh allocation."""
-        self._live[id(tensor)] = tensor
-        self._released.pop(id(tensor), None)
-        self.allocations_total += 1
-
-    def is_live(self, tensor: Any) -> bool:
-        """Whether `tensor` (this exact object) is a live allocation."""
-        return self._live.get(id(tensor), _MISSING) is tensor
-
-    def check_releasable(self, tensor: Any, operation: str = "deallocate") -> None:
-        """Raise unless `tensor` is live: `DoubleDeallocationError` if it was released here
-        before, `DeviceError` if it never belonged to this device."""
-        if self.is_live(tensor):
-            return
-        reference = self._released.get(id(tensor))
-        if reference is not None and reference() is tensor and tensor is not None:
-            raise DoubleDeallocationError(
-                f"{operation}: {describe_tensor(tensor)} was already deallocated on "
-                f"{self.device_name}; an owner must release a tensor exactly once"
-            )
-        raise DeviceError(
-            f"{operation}: {describe_tensor(tensor)} is not an allocation of "
-            f"{self.device_name}; only tensors returned by allocate()/from_host() on this "
-            "device may be passed (borrowed tensors are released by their owner)"
-        )
-
-    def remove(self, tensor: Any) -> None:
-        """Forget a live allocation after the backend released it."""
-        del self._live[id(tensor)]
-        try:
-            reference: Callable[[], Any] = weakref.ref(tensor)
-        except TypeError:
-            reference = _StrongReference(tensor)
-        self._released[id(tensor)] = reference
-        self._released.move_to_end(id(tensor))
-        while len(self._released) > _MAX_TOMBSTONES:
-            self._released.popitem(last=False)
-        self.deallocations_total += 1
-
-
-@attrs.define(eq=False)
-class _StrongReference:
-    value: Any
-
-    def __call__(self) -> Any:
-        return self.value
 
 
 @attrs.define(eq=False)
@@ -152,7 +68,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     if isinstance(shape, str | bytes) or not isinstance(shape, Sequence):
         raise ValueError(f"shape must be a sequence of non-negative ints, got {shape!r}")
     for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        if not is_int(dim) or dim < 0:
             raise ValueError(
                 f"shape must be a sequence of non-negative ints (bool not accepted), "
                 f"got {tuple(shape)!r}"
@@ -160,7 +76,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class TorchDevice:
+class TorchDevice(AccountedDevice):
     """The `Device` protocol over torch, for ``cpu`` and ``cuda[:N]``.
 
     `graph_warmup_runs` eager runs of a traced function precede CUDA graph capture (on a side
@@ -178,10 +94,7 @@ class TorchDevice:
             raise ValueError(
                 f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r} (type {resolved.type!r})"
             )
-        if isinstance(graph_warmup_runs, bool) or not isinstance(graph_warmup_runs, int):
-            raise ValueError(f"graph_warmup_runs must be an int >= 0, got {graph_warmup_runs!r}")
-        if graph_warmup_runs < 0:
-            raise ValueError(f"graph_warmup_runs must be an int >= 0, got {graph_warmup_runs!r}")
+        non_negative_int("graph_warmup_runs", graph_warmup_runs)
         if resolved.type == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError(
@@ -197,18 +110,12 @@ class TorchDevice:
                     f"allowed: 0..{count - 1}"
                 )
             resolved = torch.device("cuda", index)
-            self._name = f"cuda:{index}"
         else:
             resolved = torch.device("cpu")
-            self._name = "cpu"
+        super().__init__(str(resolved))
         self._device = resolved
         self._is_cuda = resolved.type == "cuda"
         self._graph_warmup_runs = graph_warmup_runs
-        self._lock = threading.RLock()
-        self._registry = AllocationRegistry(self._name)
-        self._traces: dict[int, TraceHandle] = {}
-        self._next_trace_id = 0
-        self._event_sequence = 0
         self.traces_captured_total = 0
         self.traces_released_total = 0
 
@@ -231,39 +138,10 @@ class TorchDevice:
         return self._device
 
     @property
-    def live_allocations(self) -> int:
-        """Allocated and not yet deallocated tensors."""
-        return len(self._registry)
-
-    @property
-    def live_traces(self) -> int:
-        """Captured and not yet released traces."""
-        return len(self._traces)
-
-    @property
-    def allocations_total(self) -> int:
-        """Allocations ever registered (allocate and new from_host tensors)."""
-        return self._registry.allocations_total
-
-    @property
-    def deallocations_total(self) -> int:
-        """Successful deallocations."""
-        return self._registry.deallocations_total
-
-    @property
     def live_bytes(self) -> int:
         """Bytes held by live allocations."""
         with self._lock:
             return sum(t.numel() * t.element_size() for t in self._registry.live_values())
-
-    def describe_live_allocations(self) -> list[str]:
-        """Shape/dtype of every live allocation, oldest first, for leak reports."""
-        with self._lock:
-            return [describe_tensor(t) for t in self._registry.live_values()]
-
-    def is_owned(self, tensor: Any) -> bool:
-        """Whether `tensor` is a live allocation of this device (identity, not equality)."""
-        return self._registry.is_live(tensor)
 
     # --- allocation and copies ----------------------------------------------------------------
 
@@ -356,13 +234,7 @@ class TorchDevice:
         return Event(device_name=self._name, sequence=sequence, handle=handle)
 
     def _check_event(self, event: Event) -> None:
-        if not isinstance(event, Event):
-            raise TypeError(f"event must be an Event, got {type(event).__name__}")
-        if event.device_name != self._name:
-            raise DeviceError(
-                f"event {event.sequence} was recorded on {event.device_name!r}, not on "
-                f"{self._name!r}; synchronize it on the device that recorded it"
-            )
+        self._check_event_origin(event)
         if not 0 < event.sequence <= self._event_sequence:
             raise DeviceError(
                 f"event sequence {event.sequence} was never recorded on {self._name!r} "
@@ -400,11 +272,7 @@ class TorchDevice:
                 outputs = fn()
             state = _TraceState(fn=fn, signature=_signature(outputs))
         with self._lock:
-            self._next_trace_id += 1
-            trace = TraceHandle(
-                device_name=self._name, trace_id=self._next_trace_id, outputs=outputs, handle=state
-            )
-            self._traces[trace.trace_id] = trace
+            trace = self._register_trace(outputs, state)
             self.traces_captured_total += 1
         logger.debug("captured trace %d on %s", trace.trace_id, self._name)
         return trace

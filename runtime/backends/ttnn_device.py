@@ -17,15 +17,15 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+from runtime.backends.accounting import AccountedDevice
 from runtime.backends.base import DeviceError, Event, TraceHandle
-from runtime.backends.torch_device import AllocationRegistry, describe_tensor
+from runtime.validation import is_int, non_negative_int
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _trace_leaves(value: Any, path: str = "outputs") -> list[Any]:
     return [value]
 
 
-class TtnnDevice:
+class TtnnDevice(AccountedDevice):
     """The `Device` protocol over one ttnn device (command queue `cq_id`).
 
     `device`, when given, is an already opened ttnn device that this object borrows and never
@@ -100,8 +100,7 @@ class TtnnDevice:
         cq_id: int = 0,
         memory_config: str = "dram",
     ) -> None:
-        if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
-            raise ValueError(f"device_id must be an int >= 0, got {device_id!r}")
+        non_negative_int("device_id", device_id)
         if memory_config not in _MEMORY_CONFIGS:
             raise ValueError(
                 f"memory_config must be one of {', '.join(_MEMORY_CONFIGS)}, got {memory_config!r}"
@@ -114,15 +113,10 @@ class TtnnDevice:
                 l1_small_size=l1_small_size,
                 trace_region_size=trace_region_size,
             )
+        super().__init__(f"ttnn:{device_id}")
         self._device = device
-        self._name = f"ttnn:{device_id}"
         self._cq_id = cq_id
         self._memory_config = getattr(self._ttnn, _MEMORY_CONFIGS[memory_config])
-        self._lock = threading.RLock()
-        self._registry = AllocationRegistry(self._name)
-        self._traces: dict[int, TraceHandle] = {}
-        self._next_trace_id = 0
-        self._event_sequence = 0
         self._closed = False
 
     def __repr__(self) -> str:
@@ -146,26 +140,6 @@ class TtnnDevice:
         """ttnn tensors are converted through host torch tensors."""
         return torch.device("cpu")
 
-    @property
-    def live_allocations(self) -> int:
-        """Allocated and not yet deallocated tensors."""
-        return len(self._registry)
-
-    @property
-    def live_traces(self) -> int:
-        """Captured and not yet released traces."""
-        return len(self._traces)
-
-    @property
-    def allocations_total(self) -> int:
-        """Allocations ever registered."""
-        return self._registry.allocations_total
-
-    @property
-    def deallocations_total(self) -> int:
-        """Successful deallocations."""
-        return self._registry.deallocations_total
-
     def ttnn_dtype(self, dtype: torch.dtype) -> Any:
         """The ttnn dtype used for a torch dtype."""
         if dtype not in _TORCH_TO_TTNN_DTYPE:
@@ -177,10 +151,6 @@ class TtnnDevice:
         """Tile layout for floating point (compute) tensors, row-major for integer tensors."""
         name = "TILE_LAYOUT" if dtype.is_floating_point else "ROW_MAJOR_LAYOUT"
         return getattr(self._ttnn, name)
-
-    def is_owned(self, tensor: Any) -> bool:
-        """Whether `tensor` is a live allocation of this device."""
-        return self._registry.is_live(tensor)
 
     def _to_device(self, host: torch.Tensor) -> Any:
         return self._ttnn.from_torch(
@@ -196,7 +166,7 @@ class TtnnDevice:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         dims = tuple(shape)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        if any(not is_int(d) or d < 0 for d in dims):
             raise ValueError(f"shape must be a sequence of non-negative ints, got {dims!r}")
         tensor = self._to_device(torch.full(dims, fill, dtype=dtype))
         with self._lock:
@@ -254,13 +224,7 @@ class TtnnDevice:
 
     def event_synchronize(self, event: Event) -> None:
         """``ttnn.event_synchronize``."""
-        if not isinstance(event, Event):
-            raise TypeError(f"event must be an Event, got {type(event).__name__}")
-        if event.device_name != self._name:
-            raise DeviceError(
-                f"event {event.sequence} was recorded on {event.device_name!r}, not on "
-                f"{self._name!r}; synchronize it on the device that recorded it"
-            )
+        self._check_event_origin(event)
         self._ttnn.event_synchronize(event.handle)
 
     def _free_unowned(self, value: Any) -> None:
@@ -287,15 +251,7 @@ class TtnnDevice:
         except TypeError:
             self._ttnn.release_trace(self._device, trace_id)
             raise
-        with self._lock:
-            self._next_trace_id += 1
-            trace = TraceHandle(
-                device_name=self._name,
-                trace_id=self._next_trace_id,
-                outputs=outputs,
-                handle=_TtnnTraceState(trace_id=trace_id),
-            )
-            self._traces[trace.trace_id] = trace
+        trace = self._register_trace(outputs, _TtnnTraceState(trace_id=trace_id))
         logger.debug("captured ttnn trace %r as %d on %s", trace_id, trace.trace_id, self._name)
         return trace
 
@@ -349,7 +305,7 @@ class TtnnDevice:
                 self._name,
                 self.live_allocations,
                 self.live_traces,
-                [describe_tensor(t) for t in self._registry.live_values()][:8],
+                self.describe_live_allocations()[:8],
             )
         if self._owns_device:
             self._ttnn.close_device(self._device)

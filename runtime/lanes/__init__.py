@@ -1,4 +1,6 @@
-"""Lane transports for `runtime.lane_group.LaneGroupExecutor`: in-process and one process each."""
+"""The parts of `runtime.lane_group.LaneGroupExecutor`: its lane transports (in-process,
+one process each) and their shared protocol, the fan-out of one call over the lanes, the
+barrier rules between lanes, and the group's read-only view of its lanes' facts."""
 
 from runtime.lanes.inprocess import InProcessLane
 from runtime.lanes.process import ProcessLane, RemoteKVCache, RemoteRef, spawn_process_lanes

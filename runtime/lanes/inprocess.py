@@ -12,28 +12,20 @@ import logging
 import time
 from typing import Any
 
-from runtime.lanes.protocol import (
-    CompletedCall,
-    LaneFacts,
-    describe,
-    invoke,
-    journal_rows,
-    keep_tokenizer,
-)
+from runtime.lanes.protocol import CompletedCall, LaneBase, LaneFacts, LaneTarget, keep_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class InProcessLane:
+class InProcessLane(LaneBase):
     """A lane executor living in this process (it owns its device, KV cache and traces)."""
 
     def __init__(self, executor: Any, *, index: int) -> None:
-        self.index = index
+        super().__init__(index)
         self.executor = executor
-        self._closed = False
-        self._journal_seen = 0
+        self._target = LaneTarget(executor)
         self._last: CompletedCall | None = None
-        self._facts = describe(executor, with_tokenizer=True)
+        self._facts: LaneFacts = self._target.run("describe", {"with_tokenizer": True})
 
     def __repr__(self) -> str:
         return f"InProcessLane({self.index}, {self._facts.device_name})"
@@ -43,13 +35,8 @@ class InProcessLane:
         return self._facts
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def live_allocations(self) -> int:
-        device = getattr(self.executor, "device", None)
-        return int(getattr(device, "live_allocations", 0))
+        return self._target.live_allocations
 
     @property
     def last_call_seconds(self) -> float:
@@ -61,7 +48,7 @@ class InProcessLane:
             if method == "decode_forward" and kwargs.get("read_from_device", True):
                 call = self._launch_decode(kwargs)
             else:
-                value = invoke(self.executor, method, kwargs)
+                value = self._target.run(method, kwargs)
                 if method == "describe":
                     value = keep_tokenizer(value, self._facts)
                     self._facts = value
@@ -76,7 +63,7 @@ class InProcessLane:
         """Launch and start the read now; `wait` completes it (on the lane's events)."""
         target = self.executor
         if not callable(getattr(target, "read_decode_output", None)):
-            return CompletedCall(invoke(target, "decode_forward", kwargs))
+            return CompletedCall(self._target.run("decode_forward", kwargs))
         raw = target.decode_forward(**{**kwargs, "read_from_device": False})
         host, _events = target.read_decode_output(raw, async_read=True)
         # A traced output has no lease to remember its kind: sampling params mean tokens.
@@ -86,14 +73,10 @@ class InProcessLane:
         )
 
     def drain_journal(self) -> list[dict[str, Any]]:
-        rows, self._journal_seen = journal_rows(
-            getattr(self.executor, "journal", None), self._journal_seen
-        )
-        return rows
+        return self._target.new_journal_rows()
 
     def close(self) -> None:
         if self._closed:
             return
-        close = getattr(self.executor, "close", None) or self.executor.cleanup
-        close()
+        self._target.close()
         self._closed = True

@@ -24,14 +24,14 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from runtime.lanes.protocol import (
+    LaneBase,
     LaneFacts,
     LaneFailure,
+    LaneTarget,
     RemoteLaneError,
-    describe,
-    invoke,
-    journal_rows,
     keep_tokenizer,
 )
+from runtime.validation import positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +82,11 @@ def _export(value: Any) -> Any:
 
 
 class _WorkerState:
-    def __init__(self, index: int, target: Any) -> None:
+    def __init__(self, index: int, target: LaneTarget) -> None:
         self.index = index
         self.target = target
         self.store: dict[int, Any] = {}
         self.next_key = 1
-        self.journal_seen = 0
 
     def keep(self, value: Any) -> RemoteRef:
         key = self.next_key
@@ -110,7 +109,7 @@ class _WorkerState:
 
     def run(self, method: str, kwargs: dict[str, Any]) -> Any:
         kwargs = {name: self.resolve(value) for name, value in kwargs.items()}
-        value = invoke(self.target, method, kwargs)
+        value = self.target.run(method, kwargs)
         if method == "allocate_kv_cache":
             return RemoteKVCache(self.index)
         if method == "read_decode_output" and kwargs.get("async_read"):
@@ -133,8 +132,8 @@ def _worker_main(
     torch.set_num_threads(threads)
     parent = os.getppid()
     try:
-        state = _WorkerState(index, factory())
-        conn.send(("ready", describe(state.target, with_tokenizer=True), []))
+        state = _WorkerState(index, LaneTarget(factory()))
+        conn.send(("ready", state.target.run("describe", {"with_tokenizer": True}), []))
     except BaseException as error:
         conn.send(("error", _remote(index, error), []))
         return
@@ -150,26 +149,16 @@ def _worker_main(
         try:
             if method == _CLOSE:
                 state.store.clear()
-                close = getattr(state.target, "close", None) or state.target.cleanup
-                close()
-                rows, state.journal_seen = journal_rows(
-                    getattr(state.target, "journal", None), state.journal_seen
-                )
-                live = int(getattr(getattr(state.target, "device", None), "live_allocations", 0))
-                conn.send(("closed", live, rows))
+                state.target.close()
+                rows = state.target.new_journal_rows()
+                conn.send(("closed", state.target.live_allocations, rows))
                 return
             clock = time.perf_counter()
             value = state.run(method, kwargs)
             seconds = time.perf_counter() - clock
-            rows, state.journal_seen = journal_rows(
-                getattr(state.target, "journal", None), state.journal_seen
-            )
-            conn.send(("ok", value, rows, seconds))
+            conn.send(("ok", value, state.target.new_journal_rows(), seconds))
         except BaseException as error:
-            rows, state.journal_seen = journal_rows(
-                getattr(state.target, "journal", None), state.journal_seen
-            )
-            conn.send(("error", _remote(index, error), rows))
+            conn.send(("error", _remote(index, error), state.target.new_journal_rows()))
 
 
 def _remote(index: int, error: BaseException) -> RemoteLaneError:
@@ -190,7 +179,7 @@ class _ProcessCall:
         return self.lane._finish(self.method, timeout_s)
 
 
-class ProcessLane:
+class ProcessLane(LaneBase):
     """A lane executor in its own spawned worker process."""
 
     def __init__(
@@ -203,10 +192,8 @@ class ProcessLane:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
     ) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        self.index = index
-        self.threads = threads
+        super().__init__(index)
+        self.threads = positive_int("threads", threads)
         self.call_timeout_s = call_timeout_s
         self.close_timeout_s = close_timeout_s
         context = torch_mp.get_context("spawn")
@@ -222,7 +209,6 @@ class ProcessLane:
         self._facts: LaneFacts | None = None
         self._outstanding: str | None = None
         self._broken: str | None = None
-        self._closed = False
         self._journal: list[dict[str, Any]] = []
         self.final_live_allocations: int | None = None
         self.last_call_seconds = 0.0
@@ -248,10 +234,6 @@ class ProcessLane:
         if self._facts is None:
             return self.wait_ready()
         return self._facts
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def live_allocations(self) -> int:

@@ -34,6 +34,7 @@ LANE_CALLS = frozenset(
         "seal",
         "allocate",
         "allocate_kv_cache",
+        "check_kv_memory",
         "compile",
         "compile_prefill",
         "compile_decode",
@@ -50,6 +51,9 @@ LANE_CALLS = frozenset(
         "process_decode_output_host",
     }
 )
+
+_OPTIONAL_CALLS = frozenset({"choose_kernels", "adopt_kernels", "check_kv_memory"})
+"""Lane calls an executor may lack (then they do nothing)."""
 
 
 class LaneFailure(RuntimeError):
@@ -103,6 +107,9 @@ class LaneFacts:
     max_prefill_chunk_size: int | None = None
     coverage_manifest: Any = None
     torch_threads: int = 0
+    kv_bytes_per_block: int | None = None
+    fault_attempts: tuple[tuple[str, int], ...] = ()
+    faults_injected: int = 0
 
 
 def _readiness(target: Any) -> str:
@@ -127,6 +134,7 @@ def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
     sampler_config = getattr(getattr(model, "sampling", None), "config", None)
     warmup = getattr(target, "warmup", None)
     complete = getattr(warmup, "operation_complete", None)
+    kv_manager = getattr(target, "kv_cache_manager", None)
     return LaneFacts(
         max_batch_size=int(getattr(target, "max_batch_size", 0)),
         phase=str(getattr(target, "phase", "SERVING")),
@@ -138,7 +146,7 @@ def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
         decode_traced=bool(getattr(trace, "decode_enabled", False)),
         device_sampling_enabled=bool(getattr(config, "device_sampling_enabled", False)),
         page_table_layout=getattr(target, "page_table_layout", None),
-        paged_kv_cache_config=getattr(getattr(target, "kv_cache_manager", None), "config", None),
+        paged_kv_cache_config=getattr(kv_manager, "config", None),
         live_allocations=int(getattr(device, "live_allocations", 0)),
         vocab_size=getattr(model, "vocab_size", None),
         max_seq_len=getattr(config, "max_seq_len", None) or getattr(model, "max_seq_len", None),
@@ -152,6 +160,9 @@ def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
         max_prefill_chunk_size=getattr(config, "max_prefill_chunk_size", None),
         coverage_manifest=getattr(target, "coverage_manifest", None),
         torch_threads=torch.get_num_threads(),
+        kv_bytes_per_block=getattr(kv_manager, "bytes_per_block", None),
+        fault_attempts=tuple((getattr(device, "attempts", None) or {}).items()),
+        faults_injected=int(getattr(device, "injected_total", 0)),
     )
 
 
@@ -168,8 +179,8 @@ def invoke(target: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
         raise ValueError(f"{method!r} is not a lane call; lane calls are {sorted(LANE_CALLS)}")
     if method == "describe":
         return describe(target, **kwargs)
-    if method in ("choose_kernels", "adopt_kernels") and not hasattr(target, method):
-        return None  # an executor without kernel choices shares nothing
+    if method in _OPTIONAL_CALLS and not hasattr(target, method):
+        return None  # e.g. an executor without kernel choices shares nothing
     function: Callable[..., Any] = getattr(target, method)
     return function(**kwargs)
 
@@ -212,6 +223,45 @@ class Lane(Protocol):
     def close(self) -> None:
         """Release everything the lane owns; retryable when it raised, a no-op once done."""
         ...
+
+
+class LaneBase:
+    """What every transport's lane keeps: its index and whether `close()` succeeded."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class LaneTarget:
+    """The executing side of a lane, the same for both transports: one lane executor, driven
+    by call name, whose journal is forwarded in increments and whose close is retryable."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self._journal_seen = 0
+
+    def run(self, method: str, kwargs: Mapping[str, Any]) -> Any:
+        return invoke(self.executor, method, kwargs)
+
+    def new_journal_rows(self) -> list[dict[str, Any]]:
+        """The executor's journal entries recorded since the last call (picklable rows)."""
+        rows, self._journal_seen = journal_rows(
+            getattr(self.executor, "journal", None), self._journal_seen
+        )
+        return rows
+
+    @property
+    def live_allocations(self) -> int:
+        return int(getattr(getattr(self.executor, "device", None), "live_allocations", 0))
+
+    def close(self) -> None:
+        close = getattr(self.executor, "close", None) or self.executor.cleanup
+        close()
 
 
 @attrs.define

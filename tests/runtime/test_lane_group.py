@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lifecycle import Phase, PhaseError
-from runtime.lane_group import OUTPUT_THREAD_PREFIX, LaneGroupExecutor
+from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, LaneFailure
+from runtime.lanes.fanout import OUTPUT_THREAD_PREFIX
 from runtime.sampling import SamplingParams
 from tests.runtime.lane_fakes import FakeLane, fake_group, serving_group
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lifecycle import Phase
+from models.executor import KVCapacityError
 from models.generation.generator import GenerationParams, Generator
 from runtime.backends.faults import FaultCall, FaultPlan
 from runtime.lane_group import LaneGroupExecutor
@@ -180,3 +181,20 @@ def test_a_lane_whose_device_fails_mid_decode_takes_the_group_down_cleanly() -> 
     assert group.live_allocations == 0
     group.close()  # a no-op
     assert group.phase is Phase.TERMINAL
+
+
+def test_group_reports_kv_bytes_and_checks_memory_like_its_lanes() -> None:
+    """A group of real lanes answers `kv_cache_bytes` / `check_kv_memory` / `device` itself."""
+    group = inprocess_group(2, 2)
+    try:
+        lanes = group.executors
+        assert group.kv_cache_bytes(3) == sum(lane.kv_cache_bytes(3) for lane in lanes)
+        group.check_kv_memory(2)  # a couple of tiny blocks fit on the host
+        with pytest.raises(KVCapacityError, match="at most") as refused:
+            group.check_kv_memory(10**12)  # far beyond any host: the lane's own refusal
+        assert any("DP lane 0" in note for note in refused.value.__notes__)
+        assert group.device.names == ("cpu", "cpu")
+        assert group.device.injected_total == 0
+        assert group.phase is Phase.CONSTRUCTED
+    finally:
+        group.close()
