@@ -18,6 +18,7 @@ import torch
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout, RuntimePolicy
 from runtime.output_reader import OutputReader
+from runtime.prefill.batch import PlanLimits
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,21 @@ class PrefillRuntimeConfig:
             allow_force_argmax=capabilities.allow_force_argmax,
             max_device_top_k=capabilities.max_device_top_k,
             sampling_batch_size=capabilities.sampling_batch_size,
+        )
+
+    def plan_limits(self) -> PlanLimits:
+        """The planner's limits under this config (batching off when the config says so)."""
+        layout = self.page_table_layout
+        return PlanLimits(
+            block_size=layout.block_size,
+            max_batch_size=self.max_batch_size,
+            max_prefill_chunk_size=self.max_prefill_chunk_size,
+            max_prefill_batch_size=self.max_prefill_batch_size,
+            supports_batched_prefill=self.supports_batched_prefill,
+            disable_batched_prefill=self.disable_batched_prefill,
+            max_actual_width=layout.raw_capacity_width,
+            canonical_width=layout.prefill_width,
+            policy=self.policy,
         )
 
     def with_page_table_layout(self, layout: PageTableLayout) -> PrefillRuntimeConfig:

@@ -17,7 +17,8 @@ import torch
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
 from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.inputs import ReleaseTransient
-from runtime.prefill.plan import PrefillRequest, restore_source_order
+from runtime.prefill.plan import restore_source_order
+from runtime.prefill.request import PrefillRequest
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.sampling import LogProbRowPayload, merge_log_probs
 

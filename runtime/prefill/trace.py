@@ -30,8 +30,8 @@ from runtime.prefill.inputs import (
     PrefillInputStager,
     ReleaseTransient,
 )
-from runtime.prefill.plan import PrefillChunk
 from runtime.prefill.postprocess import PrefillPostprocessor
+from runtime.prefill.request import PrefillChunk
 from runtime.prefill.result_collector import InvocationResult
 from runtime.prefill.sequence_runner import run_prefill_body
 from runtime.prefill.signatures import (
