@@ -51,7 +51,11 @@ from runtime.prefill.signatures import (
     build_program_signatures,
     build_trace_signature,
 )
-from runtime.prefill.trace import PrefillCapturePlan, PrefillTraceLifecycle
+from runtime.prefill.trace import (
+    PrefillCapturePlan,
+    PrefillTraceLifecycle,
+    persistent_device_inputs,
+)
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -414,17 +418,22 @@ class PrefillRuntime:
     def refresh_trace(
         self,
         prepared: PreparedPrefill,
-        persistent: Any,
-        workspace: Any,
+        persistent: object,
+        workspace: object,
         chunk: PrefillChunk | None = None,
     ) -> None:
-        """Refresh the persistent inputs for `chunk` (default: first) before a replay."""
+        """Refresh the persistent inputs for `chunk` (default: first) before a replay.
+
+        `persistent` is the trace's `PersistentInputs` (or the `PrefillDeviceInputs` in it).
+        """
         self._require_usable("refresh_trace")
-        self._trace.refresh(prepared, persistent, workspace, chunk)
+        self._trace.check_replay(prepared, workspace, "refresh_trace")
+        self._trace.refresh(prepared, persistent_device_inputs(persistent), chunk)
 
     def finish_trace(
-        self, prepared: PreparedPrefill, output: Any, workspace: Any
+        self, prepared: PreparedPrefill, output: Any, workspace: object
     ) -> InvocationResult:
         """Finish a request after its final replay (logits, or sampled into the workspace)."""
         self._require_usable("finish_trace")
-        return self._trace.finish(prepared, output, workspace)
+        checked = self._trace.check_replay(prepared, workspace, "finish_trace")
+        return self._trace.finish(prepared, output, checked)
