@@ -20,6 +20,7 @@ from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of,
 from runtime.prefill.batch import PrefillArguments, PrefillBatch
 from runtime.prefill.request import PrefillChunk
 from runtime.prefill.result_collector import InvocationResult, PrefillOutput
+from runtime.prefill.runtime import PrefillRuntime
 from runtime.prefill.signatures import PrefillProgramSignature, PreparedPrefill
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
 from runtime.sampling import SamplingParams
@@ -398,9 +399,10 @@ class TracedExecutor:
         return self.eager_executor.program_compiler
 
     @property
-    def prefill(self) -> Any:
+    def prefill(self) -> PrefillRuntime:
         """The prefill runtime of the eager executor."""
-        return self.eager_executor.prefill
+        runtime: PrefillRuntime = self.eager_executor.prefill
+        return runtime
 
     @property
     def decode(self) -> Any:

@@ -8,8 +8,7 @@ instead of surfacing as a wrong shape in the middle of a prefill.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -22,8 +21,6 @@ from runtime.output_reader import OutputReader
 from runtime.prefill.batch import PlanLimits
 from runtime.prefill.checks import require_plain_bool
 from runtime.validation import is_int, positive_int
-
-logger = logging.getLogger(__name__)
 
 TraceCapability = Callable[[int, int], bool]
 """`can_enable_trace(invocation_length, cached_tokens) -> bool`."""
@@ -188,14 +185,12 @@ class PrefillRuntimeConfig:
     ) -> PrefillRuntimeConfig:
         """Validate every collaborator and value once; see the module docstring."""
         _check_limits(policy, max_batch_size, max_prefill_chunk_size, max_prefill_batch_size)
-        if supports_batched_prefill is not None:
-            require_plain_bool("supports_batched_prefill", supports_batched_prefill)
-        for name, value in (
-            ("disable_batched_prefill", disable_batched_prefill),
-            ("batched_prefill_batched_extract", batched_prefill_batched_extract),
-            ("device_sampling_enabled", device_sampling_enabled),
-        ):
-            require_plain_bool(name, value)
+        switches = {
+            "disable_batched_prefill": disable_batched_prefill,
+            "batched_prefill_batched_extract": batched_prefill_batched_extract,
+            "device_sampling_enabled": device_sampling_enabled,
+        }
+        _check_switches(supports_batched_prefill, switches)
         if not callable(can_enable_trace):
             raise TypeError(
                 f"can_enable_trace must be callable (length, cached) -> bool, got "
@@ -292,6 +287,14 @@ def _check_limits(
             f"max_prefill_batch_size must be one of {policy.supported_prefill_batch_sizes}, "
             f"got {max_prefill_batch_size}"
         )
+
+
+def _check_switches(supports_batched_prefill: object, switches: Mapping[str, object]) -> None:
+    """`supports_batched_prefill` is a bool or None (the legacy rule); the others are bools."""
+    if supports_batched_prefill is not None:
+        require_plain_bool("supports_batched_prefill", supports_batched_prefill)
+    for name, value in switches.items():
+        require_plain_bool(name, value)
 
 
 def _check_collaborators(

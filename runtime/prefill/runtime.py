@@ -431,7 +431,7 @@ class PrefillRuntime:
         self._trace.refresh(prepared, persistent_device_inputs(persistent), chunk)
 
     def finish_trace(
-        self, prepared: PreparedPrefill, output: Any, workspace: object
+        self, prepared: PreparedPrefill, output: object, workspace: object
     ) -> InvocationResult:
         """Finish a request after its final replay (logits, or sampled into the workspace)."""
         self._require_usable("finish_trace")

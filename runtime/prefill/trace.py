@@ -13,7 +13,6 @@ allocated inside the captured function.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +42,6 @@ from runtime.prefill.signatures import (
 )
 from runtime.sampling import SamplingPath
 from runtime.trace_compiler import InputRefreshPolicy, PersistentInputs, TraceCapturePlan
-
-logger = logging.getLogger(__name__)
 
 WorkspaceFingerprint = tuple[str, SamplingPath, int, bool]
 
