@@ -197,6 +197,7 @@ def _batched_request(
 ) -> PrefillRequest:
     """One padded wave of `bucket` (uncached rows); `shape` is (padded rows, padded length)."""
     padded, seq = shape
+    assert not any(batch.cached_tokens[row] for row in bucket), "waves are uncached"
     width = limits.canonical_width or -(-seq // limits.block_size)
     prompts, cached = batch.prompt_lens, batch.cached_tokens
     return planned(
@@ -327,6 +328,7 @@ def _single_requests(
     block, canonical = limits.block_size, limits.canonical_width
     prompt_lens, cached_of, slots = batch.prompt_lens, batch.cached_tokens, batch.slots
     shared = _SharedPieces(source, limits, prompt_lens)
+    columns = int(batch.page_table.shape[1])
     requests: list[PrefillRequest] = []
     for row in order:
         prompt, cached, padded = prompt_lens[row], cached_of[row], padded_of[row]
@@ -336,9 +338,11 @@ def _single_requests(
                 f"row {row}: cached {cached} + padded {padded} tokens exceeds the canonical "
                 f"page-table capacity of {width} blocks x {block} tokens = {width * block}"
             )
+        allocated = -(-prompt // block)
+        assert allocated <= columns, "check_batch: the page table holds every planned row"
         chunked = padded > limits.max_prefill_chunk_size or cached > 0
         chunks = (
-            shared.chunked(row, -(-prompt // block), cached, uncached[row], padded)
+            shared.chunked(row, allocated, cached, uncached[row], padded)
             if chunked
             else shared.whole(padded)
         )
@@ -369,6 +373,7 @@ def plan_batch(batch: PrefillBatch, limits: PlanLimits) -> tuple[PrefillRequest,
     Fully cached rows are dropped. Batching is also off when `DISABLE_BATCHED_PREFILL` is
     true-ish (see `batched_prefill_disabled_by_env`).
     """
+    assert len(batch.cached_tokens) == len(batch.slots) == batch.batch_size, "one per row"
     source = PlanSource(batch.tokens, batch.page_table, limits.block_size)
     uncached = [
         prompt - cached
