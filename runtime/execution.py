@@ -13,12 +13,10 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, Unpack
 
-import attrs
-
 from runtime.decode_staging import DecodeInvocationResult
 from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of, signature_digest
 from runtime.prefill.batch import PrefillArguments, PrefillBatch
-from runtime.prefill.request import PrefillChunk
+from runtime.prefill.replay import PrefillReplayEvidence, replay_prepared
 from runtime.prefill.result_collector import InvocationResult, PrefillOutput
 from runtime.prefill.runtime import PrefillRuntime
 from runtime.prefill.signatures import PrefillProgramSignature, PreparedPrefill
@@ -81,22 +79,6 @@ def _gate_remedies(operation: str) -> str:
         "closes; (3) if the lane was warmed with its defaults, this is a coverage bug: report "
         "the signature above."
     )
-
-
-@attrs.frozen
-class PrefillReplayEvidence:
-    """What one traced prefill request replayed (for bring-up logs and tests)."""
-
-    operation: str
-    variant: str
-    sampling_path: str
-    active_batch_size: int
-    padded_batch_size: int
-    padded_sequence_length: int
-    lane: int
-    program_key: str
-    trace_key: str
-    replay_steps: int
 
 
 def _model_name(model: object) -> str:
@@ -499,7 +481,7 @@ class TracedExecutor:
 
         def results() -> Iterator[tuple[PreparedPrefill, InvocationResult]]:
             for item in prepared:
-                result, replayed = self._replay_prefill(item, lane)
+                result, replayed = replay_prepared(self.prefill, self.trace_compiler, item, lane)
                 evidence.append(replayed)
                 yield item, result
 
@@ -508,48 +490,6 @@ class TracedExecutor:
         )
         self.recent_prefill_replay_evidence = tuple(evidence)
         return value
-
-    def _replay_prefill(
-        self, item: PreparedPrefill, lane: int
-    ) -> tuple[InvocationResult, PrefillReplayEvidence]:
-        """Replay each chunk of one request through its one trace, then finish the request."""
-        keys = {self.program_compiler.key_for(s) for s in item.program_signatures}
-        if len(keys) != 1:
-            raise RuntimeError(
-                "Traced chunk replay requires one shared program geometry per prepared "
-                f"request, got {len(keys)}"
-            )
-        key = next(iter(keys))
-        workspace = self.trace_compiler.workspace_for_program(key)
-        output: object = None
-        request = item.request
-        for chunk in request.chunks:
-            refresh = self._prefill_refresh(item, workspace, chunk)
-            output = self.trace_compiler.replay(key, refresh, reset_batch=True)
-        result: InvocationResult = self.prefill.finish_trace(item, output, workspace)
-        trace_key = self.trace_compiler.trace_key_for_program(key)
-        return result, PrefillReplayEvidence(
-            operation="prefill",
-            variant=item.program_signatures[0].operation_variant,
-            sampling_path=item.sampling_path,
-            active_batch_size=len(request.source_rows),
-            padded_batch_size=request.padded_batch_size,
-            padded_sequence_length=request.padded_sequence_length,
-            lane=lane,
-            program_key=key.digest,
-            trace_key=trace_key.digest if trace_key else "unavailable",
-            replay_steps=len(request.chunks),
-        )
-
-    def _prefill_refresh(
-        self, item: PreparedPrefill, workspace: object, chunk: PrefillChunk
-    ) -> Callable[[TraceArtifact, RefreshDecision], None]:
-        """The refresh of one chunk's replay: its inputs into the trace's persistent ones."""
-
-        def refresh(artifact: TraceArtifact, decision: RefreshDecision) -> None:
-            self.prefill.refresh_trace(item, artifact.persistent_inputs.values, workspace, chunk)
-
-        return refresh
 
     def _require_prefill_traced(self) -> None:
         if not self.prefill_traced:
