@@ -1,7 +1,9 @@
 """`PrefillRuntime`: the prefill facade a model executor drives.
 
-`prepare` plans a public prefill call once (immutable requests and chunks), classifies each
-request's sampling path and derives its program and trace identities. `invoke` runs one
+`batch` checks a public prefill call's keywords once into a `PrefillBatch` (every caller
+error is raised there); `prepare_batch` plans it (immutable requests and chunks), classifies
+each request's sampling path and derives its program and trace identities (`prepare` does
+both). `invoke` runs one
 prepared request eagerly; `capture_plan`, `refresh_trace` and `finish_trace` are the traced
 counterparts around `TraceCompiler.replay`; `assemble` reads the results back in source-row
 order. Every transient the runtime cannot release immediately lands in one retryable orphan
