@@ -27,7 +27,8 @@ from runtime.model_contract import AttentionMetadata, PagedAttentionConfig
 from runtime.output_reader import OutputReader
 from runtime.paged_kv_cache import PagedKVCacheManager
 from runtime.prefill.inputs import host_inputs
-from runtime.prefill.plan import PrefillRequest, plan_prefill_requests
+from runtime.prefill.plan import plan_prefill_requests
+from runtime.prefill.request import PrefillRequest
 
 LANE = 32
 BLOCK = 32

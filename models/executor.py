@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import attrs
 import torch
@@ -33,9 +33,13 @@ from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
 from runtime.execution import EagerExecutor, TracedExecutor
 from runtime.output_reader import OutputReader
 from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.prefill.batch import IntVector, PrefillArguments
 from runtime.prefill.config import PrefillRuntimeConfig
+from runtime.prefill.result_collector import PrefillOutput
 from runtime.prefill.runtime import PrefillRuntime
-from runtime.program_compiler import ProgramCompiler
+from runtime.prefill.signatures import PreparedPrefill
+from runtime.program_compiler import CompiledProgram, ProgramCompiler
+from runtime.sampling import SamplingParams
 from runtime.trace_compiler import TraceCompiler
 from runtime.warmup import WarmupCoordinator, WarmupCoordinatorConfig
 from runtime.warmup_manifest import CoverageManifest
@@ -122,9 +126,9 @@ class ModelExecutorConfig:
 class PreflightedPrefill:
     """A traced prefill whose traces are all captured; run by execute_preflighted_prefill."""
 
-    prepared: tuple[Any, ...]
+    prepared: tuple[PreparedPrefill, ...]
     batch_size: int
-    sampling_params: Any
+    sampling_params: SamplingParams | None
     lane: int
 
 
@@ -441,12 +445,15 @@ class ModelExecutor(LifecycleHost):
         sampler.materialize(self.device)
 
     @guarded(*_SETUP)
-    def compile_prefill(self, **request: Any) -> Any:
+    def compile_prefill(
+        self, *, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
+    ) -> tuple[CompiledProgram, ...]:
         """Compile the programs of one prefill call (eager; traced lanes also register)."""
-        self._validate_cache_argument(request.pop("kv_cache", None))
+        self._validate_cache_argument(kv_cache)
         target = self.traced_executor if self.config.trace.prefill_enabled else None
         with self._faulting("compile_prefill"):
-            return (target or self.eager_executor).compile_prefill(**request)
+            batch = self.eager_executor.prefill_batch("compile_prefill", arguments)
+            return (target or self.eager_executor).compile_prefill_batch(batch)
 
     @guarded(*_SETUP)
     def compile_decode(self, **request: Any) -> Any:
@@ -688,34 +695,21 @@ class ModelExecutor(LifecycleHost):
     def prefill_forward(
         self,
         *,
-        tokens: torch.Tensor,
-        page_table: torch.Tensor,
-        kv_cache: Any = None,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        empty_slots: Any = None,
-        sampling_params: Any = None,
-        prompt_tokens: Any = None,
-        output_tokens: Any = None,
-        slot_remap: Any = None,
+        kv_cache: object = None,
         execution: str | None = None,
-    ) -> Any:
-        """Prefill a batch of prompts; rows come back in source order."""
+        **arguments: Unpack[PrefillArguments],
+    ) -> PrefillOutput:
+        """Prefill a batch of prompts; rows come back in source order.
+
+        The keywords are `PrefillArguments` (tokens, page_table, prompt_lens, start_pos,
+        empty_slots, sampling_params, prompt_tokens, output_tokens, slot_remap).
+        """
         self._validate_cache_argument(kv_cache)
-        self._check_sampling(sampling_params)
-        target = self._target("prefill", execution)
+        self._check_sampling(arguments.get("sampling_params"))
+        target: EagerExecutor | TracedExecutor = self._target("prefill", execution)
         try:
-            return target.prefill_forward(
-                tokens=tokens,
-                page_table=page_table,
-                prompt_lens=prompt_lens,
-                start_pos=start_pos,
-                empty_slots=empty_slots,
-                sampling_params=sampling_params,
-                prompt_tokens=prompt_tokens,
-                output_tokens=output_tokens,
-                slot_remap=slot_remap,
-            )
+            batch = self.eager_executor.prefill_batch("prefill_forward", arguments)
+            return target.prefill_forward_batch(batch)
         except BaseException as error:  # inline: this is the per-step path
             self._fault_if_holding("prefill_forward", error)
             raise
@@ -775,26 +769,25 @@ class ModelExecutor(LifecycleHost):
             raise
 
     @guarded(P.SERVING)
-    def preflight_prefill(self, *, tokens: torch.Tensor, lane: int = 0, **request: Any) -> Any:
+    def preflight_prefill(
+        self, *, lane: int = 0, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
+    ) -> PreflightedPrefill:
         """Prepare a traced prefill and check its traces; nothing runs (lane-group preflight)."""
-        self._validate_cache_argument(request.pop("kv_cache", None))
-        self._check_sampling(request.get("sampling_params"))
-        traced = self._target("prefill", "traced")
-        prepared = traced.preflight_prefill(
-            self.eager_executor.prepare_prefill(tokens=tokens, **request)
-        )
-        return PreflightedPrefill(
-            tuple(prepared), int(tokens.shape[0]), request.get("sampling_params"), lane
-        )
+        self._validate_cache_argument(kv_cache)
+        self._check_sampling(arguments.get("sampling_params"))
+        traced: TracedExecutor = self._target("prefill", "traced")
+        batch = self.eager_executor.prefill_batch("preflight_prefill", arguments)
+        prepared = traced.preflight_prefill(self.eager_executor.prepare_prefill(batch))
+        return PreflightedPrefill(prepared, batch.batch_size, batch.sampling_params, lane)
 
     @guarded(P.SERVING)
-    def execute_preflighted_prefill(self, *, preflighted: Any) -> Any:
+    def execute_preflighted_prefill(self, *, preflighted: PreflightedPrefill) -> PrefillOutput:
         """Replay a request `preflight_prefill` accepted (rows in source order)."""
         if not isinstance(preflighted, PreflightedPrefill):
             raise TypeError(
                 f"preflighted must come from preflight_prefill(), got {type(preflighted).__name__}"
             )
-        traced = self._target("prefill", "traced")
+        traced: TracedExecutor = self._target("prefill", "traced")
         return traced.execute_prepared_prefill(
             preflighted.prepared,
             batch_size=preflighted.batch_size,
@@ -802,11 +795,15 @@ class ModelExecutor(LifecycleHost):
             lane=preflighted.lane,
         )
 
-    def can_trace_prefill(self, **request: Any) -> bool:
+    def can_trace_prefill(
+        self, *, tokens: object, prompt_lens: IntVector = None, start_pos: IntVector = None
+    ) -> bool:
         """Whether prefill of this geometry could replay a trace (a capability query)."""
         if self.traced_executor is None or not self.config.trace.prefill_enabled:
             return False
-        return bool(self.prefill_runtime.can_trace(**request))
+        return self.prefill_runtime.can_trace(
+            tokens=tokens, prompt_lens=prompt_lens, start_pos=start_pos
+        )
 
     def runtime_summary(self) -> dict[str, Any]:
         """Counters from the execution objects."""

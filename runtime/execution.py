@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
-
-import attrs
+from typing import Any, NoReturn, Unpack
 
 from runtime.decode_staging import DecodeInvocationResult
 from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of, signature_digest
+from runtime.prefill.batch import PrefillArguments, PrefillBatch
+from runtime.prefill.replay import PrefillReplayEvidence, replay_prepared
+from runtime.prefill.result_collector import InvocationResult, PrefillOutput
+from runtime.prefill.runtime import PrefillRuntime
+from runtime.prefill.signatures import PrefillProgramSignature, PreparedPrefill
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
+from runtime.sampling import SamplingParams
 from runtime.trace_compiler import (
     RefreshDecision,
     TraceArtifact,
@@ -51,7 +55,7 @@ def _compact(signature: Any) -> str:
     return ", ".join(f"{name}={value}" for name, value in pairs if value is not None)
 
 
-def _request_fields(prepared: Any) -> str:
+def _request_fields(prepared: PreparedPrefill) -> str:
     """The request facts behind a prefill signature: rows, prompt lengths, cached tokens."""
     request = prepared.request
     return (
@@ -75,22 +79,6 @@ def _gate_remedies(operation: str) -> str:
         "closes; (3) if the lane was warmed with its defaults, this is a coverage bug: report "
         "the signature above."
     )
-
-
-@attrs.frozen
-class PrefillReplayEvidence:
-    """What one traced prefill request replayed (for bring-up logs and tests)."""
-
-    operation: str
-    variant: str
-    sampling_path: str
-    active_batch_size: int
-    padded_batch_size: int
-    padded_sequence_length: int
-    lane: int
-    program_key: str
-    trace_key: str
-    replay_steps: int
 
 
 def _model_name(model: object) -> str:
@@ -159,11 +147,18 @@ class EagerExecutor:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def prepare_prefill(self, **request: Any) -> tuple[Any, ...]:
-        """Plan and classify a prefill call once."""
-        return tuple(self.prefill.prepare(**request))
+    def prefill_batch(self, operation: str, arguments: PrefillArguments) -> PrefillBatch:
+        """The keywords of public call `operation` as a checked batch (every caller error)."""
+        batch: PrefillBatch = self.prefill.batch(arguments, operation=operation)
+        return batch
 
-    def compile_prefill_prepared(self, prepared: Sequence[Any]) -> tuple[CompiledProgram, ...]:
+    def prepare_prefill(self, batch: PrefillBatch) -> tuple[PreparedPrefill, ...]:
+        """Plan and classify a checked prefill call once."""
+        return tuple(self.prefill.prepare_batch(batch))
+
+    def compile_prefill_prepared(
+        self, prepared: Sequence[PreparedPrefill]
+    ) -> tuple[CompiledProgram, ...]:
         """Compile every program signature of already prepared requests."""
         programs: list[CompiledProgram] = []
         for item in prepared:
@@ -178,81 +173,42 @@ class EagerExecutor:
                 )
         return tuple(programs)
 
-    def _compile_invoke(self, prepared: Any) -> Callable[[Any], Any]:
-        def invoke(context: Any) -> Any:
-            return self.prefill.invoke(prepared, count_tokens=False)
+    def _compile_invoke(self, prepared: PreparedPrefill) -> Callable[[object], InvocationResult]:
+        def invoke(context: object) -> InvocationResult:
+            result: InvocationResult = self.prefill.invoke(prepared, count_tokens=False)
+            return result
 
         return invoke
 
-    def compile_prefill(
-        self,
-        *,
-        tokens: Any,
-        page_table: Any,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        empty_slots: Any = None,
-        sampling_params: Any = None,
-        prompt_tokens: Any = None,
-        output_tokens: Any = None,
-        slot_remap: Any = None,
-        **unexpected: Any,
-    ) -> tuple[CompiledProgram, ...]:
+    def compile_prefill(self, **arguments: Unpack[PrefillArguments]) -> tuple[CompiledProgram, ...]:
         """Compile the programs a prefill call needs (run once each, outputs released)."""
-        _reject_kv_cache(unexpected, "compile_prefill")
-        prepared = self.prepare_prefill(
-            tokens=tokens,
-            page_table=page_table,
-            prompt_lens=prompt_lens,
-            start_pos=start_pos,
-            empty_slots=empty_slots,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-        )
-        return self.compile_prefill_prepared(prepared)
+        return self.compile_prefill_batch(self.prefill_batch("compile_prefill", arguments))
 
-    def prefill_forward(
-        self,
-        *,
-        tokens: Any,
-        page_table: Any,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        empty_slots: Any = None,
-        sampling_params: Any = None,
-        prompt_tokens: Any = None,
-        output_tokens: Any = None,
-        slot_remap: Any = None,
-        **unexpected: Any,
-    ) -> Any:
+    def compile_prefill_batch(self, batch: PrefillBatch) -> tuple[CompiledProgram, ...]:
+        """`compile_prefill` of a checked batch."""
+        return self.compile_prefill_prepared(self.prepare_prefill(batch))
+
+    def prefill_forward(self, **arguments: Unpack[PrefillArguments]) -> PrefillOutput:
         """Run prefill eagerly; after capture, only already-compiled signatures may run."""
-        _reject_kv_cache(unexpected, "prefill_forward")
-        prepared = self.prepare_prefill(
-            tokens=tokens,
-            page_table=page_table,
-            prompt_lens=prompt_lens,
-            start_pos=start_pos,
-            empty_slots=empty_slots,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-        )
+        return self.prefill_forward_batch(self.prefill_batch("prefill_forward", arguments))
+
+    def prefill_forward_batch(self, batch: PrefillBatch) -> PrefillOutput:
+        """`prefill_forward` of a checked batch (rows come back in source order)."""
+        prepared = self.prepare_prefill(batch)
         self.preflight_prefill(prepared)
 
-        def results() -> Iterator[tuple[Any, Any]]:
+        def results() -> Iterator[tuple[PreparedPrefill, InvocationResult]]:
             for item in prepared:
                 result = self.prefill.invoke(item)
                 self._eager_prefill_count += 1
                 yield item, result
 
-        return self.prefill.assemble(
-            results(), batch_size=int(tokens.shape[0]), sampling_params=sampling_params
+        output: PrefillOutput = self.prefill.assemble(
+            results(), batch_size=batch.batch_size, sampling_params=batch.sampling_params
         )
+        return output
 
-    def preflight_prefill(self, prepared: Sequence[Any]) -> None:
+    def preflight_prefill(self, prepared: Sequence[PreparedPrefill]) -> None:
         """Once the gate closed, every signature must be compiled; checked before any run."""
         if not self.program_compiler.gate_closed:
             return
@@ -425,9 +381,10 @@ class TracedExecutor:
         return self.eager_executor.program_compiler
 
     @property
-    def prefill(self) -> Any:
+    def prefill(self) -> PrefillRuntime:
         """The prefill runtime of the eager executor."""
-        return self.eager_executor.prefill
+        runtime: PrefillRuntime = self.eager_executor.prefill
+        return runtime
 
     @property
     def decode(self) -> Any:
@@ -446,10 +403,15 @@ class TracedExecutor:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def compile_prefill(self, **request: Any) -> tuple[CompiledProgram, ...]:
+    def compile_prefill(self, **arguments: Unpack[PrefillArguments]) -> tuple[CompiledProgram, ...]:
         """Compile eagerly, then register a capture plan for each new program."""
-        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "compile_prefill")
-        prepared = self.eager_executor.prepare_prefill(**request)
+        return self.compile_prefill_batch(
+            self.eager_executor.prefill_batch("compile_prefill", arguments)
+        )
+
+    def compile_prefill_batch(self, batch: PrefillBatch) -> tuple[CompiledProgram, ...]:
+        """`compile_prefill` of a checked batch."""
+        prepared = self.eager_executor.prepare_prefill(batch)
         programs = self.eager_executor.compile_prefill_prepared(prepared)
         by_key = {program.key: program for program in programs}
         for item in prepared:
@@ -464,7 +426,7 @@ class TracedExecutor:
                 )
         return programs
 
-    def preflight_prefill(self, prepared: Sequence[Any]) -> tuple[Any, ...]:
+    def preflight_prefill(self, prepared: Sequence[PreparedPrefill]) -> tuple[PreparedPrefill, ...]:
         """Check every prepared request has a captured trace before anything runs."""
         for item in prepared:
             if item.trace_signature is None:
@@ -484,7 +446,9 @@ class TracedExecutor:
         listed = "; ".join(f"{key.digest[:16]}={signature!r}" for key, signature in coverage)
         return f"[{listed}]"
 
-    def _miss_prefill(self, item: Any, signature: Any, reason: str) -> None:
+    def _miss_prefill(
+        self, item: PreparedPrefill, signature: PrefillProgramSignature | None, reason: str
+    ) -> NoReturn:
         self._coverage_misses += 1
         trace_signature = item.trace_signature
         trace_digest = (
@@ -506,79 +470,47 @@ class TracedExecutor:
 
     def execute_prepared_prefill(
         self,
-        prepared: Sequence[Any],
+        prepared: Sequence[PreparedPrefill],
         *,
         batch_size: int,
-        sampling_params: Any = None,
+        sampling_params: SamplingParams | None = None,
         lane: int = 0,
-    ) -> Any:
+    ) -> PrefillOutput:
         """Replay preflighted requests chunk by chunk and assemble in source-row order."""
         evidence: list[PrefillReplayEvidence] = []
 
-        def results() -> Iterator[tuple[Any, Any]]:
+        def results() -> Iterator[tuple[PreparedPrefill, InvocationResult]]:
             for item in prepared:
-                keys = {self.program_compiler.key_for(s) for s in item.program_signatures}
-                if len(keys) != 1:
-                    raise RuntimeError(
-                        "Traced chunk replay requires one shared program geometry per prepared "
-                        f"request, got {len(keys)}"
-                    )
-                key = next(iter(keys))
-                workspace = self.trace_compiler.workspace_for_program(key)
-                output: Any = None
-                steps = 0
-                for chunk in item.request.chunks:
-
-                    def refresh(
-                        artifact: TraceArtifact,
-                        decision: RefreshDecision,
-                        item: Any = item,
-                        workspace: Any = workspace,
-                        chunk: Any = chunk,
-                    ) -> None:
-                        self.prefill.refresh_trace(
-                            item, artifact.persistent_inputs.values, workspace, chunk
-                        )
-
-                    output = self.trace_compiler.replay(key, refresh, reset_batch=True)
-                    steps += 1
-                result = self.prefill.finish_trace(item, output, workspace)
-                trace_key = self.trace_compiler.trace_key_for_program(key)
-                evidence.append(
-                    PrefillReplayEvidence(
-                        operation="prefill",
-                        variant=item.program_signatures[0].operation_variant,
-                        sampling_path=item.sampling_path,
-                        active_batch_size=len(item.request.source_rows),
-                        padded_batch_size=item.request.padded_batch_size,
-                        padded_sequence_length=item.request.padded_sequence_length,
-                        lane=lane,
-                        program_key=key.digest,
-                        trace_key=trace_key.digest if trace_key else "unavailable",
-                        replay_steps=steps,
-                    )
-                )
+                result, replayed = replay_prepared(self.prefill, self.trace_compiler, item, lane)
+                evidence.append(replayed)
                 yield item, result
 
-        value = self.prefill.assemble(
+        value: PrefillOutput = self.prefill.assemble(
             results(), batch_size=batch_size, sampling_params=sampling_params
         )
         self.recent_prefill_replay_evidence = tuple(evidence)
         return value
 
-    def prefill_forward(self, **request: Any) -> Any:
-        """Prepare, preflight every request, then replay (mode 'all' only)."""
+    def _require_prefill_traced(self) -> None:
         if not self.prefill_traced:
             raise TraceCoverageError(
                 f"prefill is not traced in trace_mode={self.trace_mode}; call "
                 f"eager_executor.prefill_forward() for intentionally eager prefill. {_REMEDIES}"
             )
-        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "prefill_forward")
-        prepared = self.preflight_prefill(self.eager_executor.prepare_prefill(**request))
+
+    def prefill_forward(self, **arguments: Unpack[PrefillArguments]) -> PrefillOutput:
+        """Prepare, preflight every request, then replay (mode 'all' only)."""
+        self._require_prefill_traced()
+        return self.prefill_forward_batch(
+            self.eager_executor.prefill_batch("prefill_forward", arguments)
+        )
+
+    def prefill_forward_batch(self, batch: PrefillBatch) -> PrefillOutput:
+        """`prefill_forward` of a checked batch."""
+        self._require_prefill_traced()
+        prepared = self.preflight_prefill(self.eager_executor.prepare_prefill(batch))
         return self.execute_prepared_prefill(
-            prepared,
-            batch_size=int(request["tokens"].shape[0]),
-            sampling_params=request.get("sampling_params"),
+            prepared, batch_size=batch.batch_size, sampling_params=batch.sampling_params
         )
 
     # -- decode ---------------------------------------------------------------------------------

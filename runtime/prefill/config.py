@@ -8,54 +8,22 @@ instead of surfacing as a wrong shape in the middle of a prefill.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
 
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout, RuntimePolicy
+from runtime.model_contract import PagedModel
 from runtime.output_reader import OutputReader
-
-logger = logging.getLogger(__name__)
+from runtime.prefill.batch import PlanLimits
+from runtime.prefill.checks import require_plain_bool
+from runtime.validation import is_int, positive_int
 
 TraceCapability = Callable[[int, int], bool]
 """`can_enable_trace(invocation_length, cached_tokens) -> bool`."""
-
-
-@runtime_checkable
-class PrefillModel(Protocol):
-    """The part of the tensor-model contract prefill uses (see `runtime.model_contract`)."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def prefill(
-        self,
-        tokens: torch.Tensor,
-        *,
-        page_table: torch.Tensor,
-        prompt_lens: torch.Tensor,
-        chunk_start: torch.Tensor,
-    ) -> torch.Tensor: ...
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be bool, got {type(value).__name__} {value!r}")
-    return value
 
 
 @attrs.frozen
@@ -94,10 +62,10 @@ def resolve_sampler_capabilities(
     allow = getattr(sampler_config, "allow_force_argmax", None)
     if not isinstance(allow, bool):
         raise TypeError(f"model.sampling.config.allow_force_argmax must be bool, got {allow!r}")
-    top_k = _positive_int(
+    top_k = positive_int(
         "model.sampling.config.max_top_k", getattr(sampler_config, "max_top_k", None)
     )
-    rows = _positive_int(
+    rows = positive_int(
         "model.sampling.config.max_batch_size", getattr(sampler_config, "max_batch_size", None)
     )
     widest_wave = min(max_batch_size, max_prefill_batch_size)
@@ -156,7 +124,7 @@ class PrefillRuntimeConfig:
     fields mirror `model.sampling.config` and are re-derived on every construction.
     """
 
-    model: PrefillModel
+    model: PagedModel
     device: Device
     output_reader: OutputReader
     page_table_layout: PageTableLayout
@@ -216,49 +184,20 @@ class PrefillRuntimeConfig:
         trace_capture_prime_sequence_lengths: tuple[int, ...] = (),
     ) -> PrefillRuntimeConfig:
         """Validate every collaborator and value once; see the module docstring."""
-        if not isinstance(policy, RuntimePolicy):
-            raise TypeError(f"policy must be a RuntimePolicy, got {type(policy).__name__}")
-        _positive_int("max_batch_size", max_batch_size)
-        _positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
-        _positive_int("max_prefill_batch_size", max_prefill_batch_size)
-        if max_batch_size > policy.decode_lane_capacity_limit:
-            raise ValueError(
-                f"max_batch_size {max_batch_size} exceeds the policy's lane capacity limit "
-                f"{policy.decode_lane_capacity_limit}"
-            )
-        if max_prefill_chunk_size % policy.chunk_size_multiple:
-            raise ValueError(
-                f"max_prefill_chunk_size must be a multiple of the policy's chunk_size_multiple "
-                f"({policy.chunk_size_multiple}), got {max_prefill_chunk_size}"
-            )
-        if max_prefill_batch_size not in policy.supported_prefill_batch_sizes:
-            raise ValueError(
-                f"max_prefill_batch_size must be one of {policy.supported_prefill_batch_sizes}, "
-                f"got {max_prefill_batch_size}"
-            )
-        if supports_batched_prefill is not None:
-            _bool("supports_batched_prefill", supports_batched_prefill)
-        _bool("disable_batched_prefill", disable_batched_prefill)
-        _bool("batched_prefill_batched_extract", batched_prefill_batched_extract)
-        _bool("device_sampling_enabled", device_sampling_enabled)
+        _check_limits(policy, max_batch_size, max_prefill_chunk_size, max_prefill_batch_size)
+        switches = {
+            "disable_batched_prefill": disable_batched_prefill,
+            "batched_prefill_batched_extract": batched_prefill_batched_extract,
+            "device_sampling_enabled": device_sampling_enabled,
+        }
+        _check_switches(supports_batched_prefill, switches)
         if not callable(can_enable_trace):
             raise TypeError(
                 f"can_enable_trace must be callable (length, cached) -> bool, got "
                 f"{type(can_enable_trace).__name__}"
             )
         primes = _prime_lengths(trace_capture_prime_sequence_lengths, max_prefill_chunk_size)
-        if not isinstance(page_table_layout, PageTableLayout):
-            raise TypeError(
-                f"page_table_layout must be a PageTableLayout, got "
-                f"{type(page_table_layout).__name__}"
-            )
-        if not isinstance(device, Device):
-            raise TypeError(f"device must implement the Device protocol, got {device!r}")
-        if not isinstance(output_reader, OutputReader):
-            raise TypeError(
-                f"output_reader must be an OutputReader, got {type(output_reader).__name__}"
-            )
-        _check_model(model, device)
+        _check_collaborators(model, device, output_reader, page_table_layout)
         capabilities = resolve_sampler_capabilities(
             model,
             device_sampling_enabled=device_sampling_enabled,
@@ -286,6 +225,21 @@ class PrefillRuntimeConfig:
             sampling_batch_size=capabilities.sampling_batch_size,
         )
 
+    def plan_limits(self) -> PlanLimits:
+        """The planner's limits under this config (batching off when the config says so)."""
+        layout = self.page_table_layout
+        return PlanLimits(
+            block_size=layout.block_size,
+            max_batch_size=self.max_batch_size,
+            max_prefill_chunk_size=self.max_prefill_chunk_size,
+            max_prefill_batch_size=self.max_prefill_batch_size,
+            supports_batched_prefill=self.supports_batched_prefill,
+            disable_batched_prefill=self.disable_batched_prefill,
+            max_actual_width=layout.raw_capacity_width,
+            canonical_width=layout.prefill_width,
+            policy=self.policy,
+        )
+
     def with_page_table_layout(self, layout: PageTableLayout) -> PrefillRuntimeConfig:
         """A copy using `layout` (late capacity); this config is unchanged."""
         check_layout_within(layout, self.page_table_layout_ceiling)
@@ -299,7 +253,7 @@ def _prime_lengths(value: object, max_prefill_chunk_size: int) -> tuple[int, ...
             f"{value!r}"
         )
     for length in value:
-        if not _is_int(length) or not 0 < length <= max_prefill_chunk_size:
+        if not is_int(length) or not 0 < length <= max_prefill_chunk_size:
             raise ValueError(
                 f"trace_capture_prime_sequence_lengths entries must be positive integers "
                 f"<= max_prefill_chunk_size ({max_prefill_chunk_size}), got {length!r}"
@@ -309,6 +263,56 @@ def _prime_lengths(value: object, max_prefill_chunk_size: int) -> tuple[int, ...
     return value
 
 
+def _check_limits(
+    policy: object, max_batch_size: int, max_prefill_chunk_size: int, max_prefill_batch_size: int
+) -> None:
+    """The lane's sizes against the policy (the reference's lane and chunk rules)."""
+    if not isinstance(policy, RuntimePolicy):
+        raise TypeError(f"policy must be a RuntimePolicy, got {type(policy).__name__}")
+    positive_int("max_batch_size", max_batch_size)
+    positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
+    positive_int("max_prefill_batch_size", max_prefill_batch_size)
+    if max_batch_size > policy.decode_lane_capacity_limit:
+        raise ValueError(
+            f"max_batch_size {max_batch_size} exceeds the policy's lane capacity limit "
+            f"{policy.decode_lane_capacity_limit}"
+        )
+    if max_prefill_chunk_size % policy.chunk_size_multiple:
+        raise ValueError(
+            f"max_prefill_chunk_size must be a multiple of the policy's chunk_size_multiple "
+            f"({policy.chunk_size_multiple}), got {max_prefill_chunk_size}"
+        )
+    if max_prefill_batch_size not in policy.supported_prefill_batch_sizes:
+        raise ValueError(
+            f"max_prefill_batch_size must be one of {policy.supported_prefill_batch_sizes}, "
+            f"got {max_prefill_batch_size}"
+        )
+
+
+def _check_switches(supports_batched_prefill: object, switches: Mapping[str, object]) -> None:
+    """`supports_batched_prefill` is a bool or None (the legacy rule); the others are bools."""
+    if supports_batched_prefill is not None:
+        require_plain_bool("supports_batched_prefill", supports_batched_prefill)
+    for name, value in switches.items():
+        require_plain_bool(name, value)
+
+
+def _check_collaborators(
+    model: object, device: object, output_reader: object, page_table_layout: object
+) -> None:
+    if not isinstance(page_table_layout, PageTableLayout):
+        raise TypeError(
+            f"page_table_layout must be a PageTableLayout, got {type(page_table_layout).__name__}"
+        )
+    if not isinstance(device, Device):
+        raise TypeError(f"device must implement the Device protocol, got {device!r}")
+    if not isinstance(output_reader, OutputReader):
+        raise TypeError(
+            f"output_reader must be an OutputReader, got {type(output_reader).__name__}"
+        )
+    _check_model(model, device)
+
+
 def _check_model(model: object, device: Device) -> None:
     if not callable(getattr(model, "prefill", None)):
         raise TypeError(
@@ -316,7 +320,7 @@ def _check_model(model: object, device: Device) -> None:
             f"{type(model).__name__} does not"
         )
     vocab = getattr(model, "vocab_size", None)
-    if not _is_int(vocab) or vocab <= 0:
+    if not is_int(vocab) or vocab <= 0:
         raise TypeError(f"model.vocab_size must be a positive int, got {vocab!r}")
     model_device = getattr(model, "device", None)
     if isinstance(model_device, torch.device) and not _same_device(

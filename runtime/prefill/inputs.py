@@ -23,7 +23,7 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures
 from runtime.backends.base import Device
-from runtime.prefill.plan import PrefillChunk, PrefillRequest, chunk_tokens
+from runtime.prefill.request import PrefillChunk, PrefillRequest, chunk_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ _PARALLEL_GRAIN = 32768
 below it: on a shared machine a multi-threaded fill can wait milliseconds for a second core."""
 
 _BLOCK_ELEMENTS = _PARALLEL_GRAIN // 2
-"""Elements per block of rows a multi-row build handles at once (see `_gather_rows`)."""
+"""Elements per block of rows a multi-row build handles at once (see `_build_rows`)."""
 
 _Geometry = tuple[int, int, int, int]
 """(storage offset, row stride, column stride, columns) of a borrowed matrix."""
@@ -159,12 +159,24 @@ def _build_rows(
     fill: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """`shape` of `dtype`: row i holds `lengths[i]` values of `matrix[rows[i]]` from column
-    `starts[i]`, then `fill`; padding rows are all `fill`. One row takes the strided-view
-    path, several the blocked gather."""
+    """A new `shape` tensor of `dtype`: row i holds `lengths[i]` values of `matrix[rows[i]]`
+    from column `starts[i]`, then `fill`; padding rows (`i >= len(rows)`) are all `fill`.
+
+    One row takes the strided-view path. Several are gathered a block of rows at a time: a
+    fixed number of ops per block whatever the row count, each below `_PARALLEL_GRAIN`
+    elements, so the whole build runs on the calling thread.
+    """
     if len(rows) == 1 and shape[0] == 1:
         return _padded_row(matrix, geometry, rows[0], starts[0], lengths[0], shape[1], fill, dtype)
-    return _gather_rows(matrix, rows, starts, lengths, shape, fill, dtype)
+    batch, width = shape
+    out = torch.empty(shape, dtype=dtype)
+    step = max(1, _BLOCK_ELEMENTS // max(1, width))
+    for first in range(0, batch, step):
+        last = first + step
+        _gather_block(
+            matrix, rows[first:last], starts[first:last], lengths[first:last], out[first:last], fill
+        )
+    return out
 
 
 def _padded_row(
@@ -193,32 +205,6 @@ def _padded_row(
     return torch.constant_pad_nd(window, (0, width - taken), fill)
 
 
-def _gather_rows(
-    matrix: torch.Tensor,
-    rows: Sequence[int],
-    starts: Sequence[int],
-    lengths: Sequence[int],
-    shape: Shape,
-    fill: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """A new `shape` tensor of `dtype`: row i is `matrix[rows[i], starts[i]:][:lengths[i]]`,
-    then `fill`; rows beyond `rows` are all `fill`.
-
-    A fixed number of ops per block of rows whatever the row count, and each op stays below
-    `_PARALLEL_GRAIN` elements, so the whole build runs on the calling thread.
-    """
-    batch, width = shape
-    out = torch.empty(shape, dtype=dtype)
-    step = max(1, _BLOCK_ELEMENTS // max(1, width))
-    for first in range(0, batch, step):
-        last = first + step
-        _gather_block(
-            matrix, rows[first:last], starts[first:last], lengths[first:last], out[first:last], fill
-        )
-    return out
-
-
 def _gather_block(
     matrix: torch.Tensor,
     rows: Sequence[int],
@@ -227,7 +213,7 @@ def _gather_block(
     target: torch.Tensor,
     fill: int,
 ) -> None:
-    """Write `_gather_rows`'s rows into `target` (rows beyond `rows` get `fill`)."""
+    """Write one block of `_build_rows`'s rows into `target` (rows beyond `rows` get `fill`)."""
     active, width = len(rows), int(target.shape[1])
     if active < target.shape[0]:
         target[active:].fill_(fill)

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from runtime.prefill.config import PrefillRuntimeConfig
-from runtime.prefill.plan import PrefillRequest
+from runtime.prefill.request import PrefillRequest
 from runtime.prefill.sampling_helpers import fit_sampling_logits
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.sampling import (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
 import attrs
 import torch
@@ -17,9 +17,11 @@ import torch
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
 from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.inputs import ReleaseTransient
-from runtime.prefill.plan import PrefillRequest, restore_source_order
+from runtime.prefill.plan import restore_source_order
+from runtime.prefill.request import PrefillRequest
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.sampling import LogProbRowPayload, merge_log_probs
+from runtime.validation import positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +41,6 @@ class InvocationResult:
 
     value: Any
     owned: tuple[Any, ...] = attrs.field(default=(), converter=_owned_tuple)
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _host_rows(name: str, value: object, request: PrefillRequest, minimum: int) -> torch.Tensor:
@@ -81,8 +79,7 @@ class PrefillResultAssembler:
         consumed from a sequence are released too; an iterator's remaining results stay with
         the caller.
         """
-        if not _is_int(batch_size) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         sampled = sampling_params is not None
         requests: list[PrefillRequest] = []
         rows: list[list[torch.Tensor]] = []

@@ -1,7 +1,9 @@
 """`PrefillRuntime`: the prefill facade a model executor drives.
 
-`prepare` plans a public prefill call once (immutable requests and chunks), classifies each
-request's sampling path and derives its program and trace identities. `invoke` runs one
+`batch` checks a public prefill call's keywords once into a `PrefillBatch` (every caller
+error is raised there); `prepare_batch` plans it (immutable requests and chunks), classifies
+each request's sampling path and derives its program and trace identities (`prepare` does
+both). `invoke` runs one
 prepared request eagerly; `capture_plan`, `refresh_trace` and `finish_trace` are the traced
 counterparts around `TraceCompiler.replay`; `assemble` reads the results back in source-row
 order. Every transient the runtime cannot release immediately lands in one retryable orphan
@@ -12,22 +14,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
+import attrs
 import torch
 
 from lifecycle.errors import raise_cleanup_failures
 from runtime.config import PageTableLayout
+from runtime.prefill.batch import (
+    IntVector,
+    PlanLimits,
+    PrefillArguments,
+    PrefillBatch,
+    PrefillRowArguments,
+    check_batch,
+    check_prefill_keywords,
+)
 from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.inputs import PrefillInputStager
-from runtime.prefill.plan import (
-    PrefillChunk,
-    PrefillRequest,
-    batched_prefill_disabled_by_env,
-    plan_prefill_requests,
-    prefill_chunk_size,
-)
+from runtime.prefill.plan import plan_batch, prefill_chunk_size
 from runtime.prefill.postprocess import PrefillPostprocessor, classify_sampling_path
+from runtime.prefill.request import PrefillChunk, PrefillRequest
 from runtime.prefill.result_collector import (
     InvocationResult,
     PrefillOutput,
@@ -46,7 +53,11 @@ from runtime.prefill.signatures import (
     build_program_signatures,
     build_trace_signature,
 )
-from runtime.prefill.trace import PrefillCapturePlan, PrefillTraceLifecycle
+from runtime.prefill.trace import (
+    PrefillCapturePlan,
+    PrefillTraceLifecycle,
+    persistent_device_inputs,
+)
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -59,8 +70,6 @@ logger = logging.getLogger(__name__)
 
 STATIC_Q128_TOPK_SUPPORTED = False
 """The torch runtime has no static-tile top-k sampler; program identities never bake a tile."""
-
-IntVector = torch.Tensor | Sequence[int] | None
 
 
 def _trace_vector(value: object, batch: int, default: int) -> list[int] | None:
@@ -86,6 +95,7 @@ class PrefillRuntime:
         if not isinstance(config, PrefillRuntimeConfig):
             raise TypeError(f"config must be a PrefillRuntimeConfig, got {type(config).__name__}")
         self._config = config
+        self._limits = config.plan_limits()
         self._orphans: list[TensorResourceOrphan] = []
         self._stager = PrefillInputStager(
             device=config.device, release_transient=self._release_transient
@@ -142,6 +152,7 @@ class PrefillRuntime:
         """Adopt a late (smaller or equal) page-table layout; block size is fixed."""
         config = self._config.with_page_table_layout(layout)
         self._config = config
+        self._limits = config.plan_limits()
         self._postprocessor.configure(config)
         self._assembler.configure(config)
         self._trace.configure(config)
@@ -186,35 +197,36 @@ class PrefillRuntime:
                 return False
         return True
 
-    def prepare(
-        self,
-        *,
-        tokens: torch.Tensor,
-        page_table: torch.Tensor,
-        prompt_lens: IntVector = None,
-        start_pos: IntVector = None,
-        empty_slots: IntVector = None,
-        sampling_params: SamplingParams | None = None,
-        prompt_tokens: torch.Tensor | None = None,
-        output_tokens: torch.Tensor | None = None,
-        slot_remap: IntVector = None,
-    ) -> tuple[PreparedPrefill, ...]:
-        """Plan one prefill call; fully cached rows produce no request.
+    @property
+    def plan_limits(self) -> PlanLimits:
+        """The lane geometry every call is checked and planned against (from the config)."""
+        return self._limits
 
-        `start_pos` is each row's cached (block-aligned) prefix. With `sampling_params`,
+    def batch(self, arguments: PrefillArguments, *, operation: str = "prepare") -> PrefillBatch:
+        """The caller's arguments as a checked `PrefillBatch`: every caller error raises here.
+
+        Checks the keyword names (as `operation()`), the sampling request against this
+        runtime's device sampling, then the rows against its lane geometry.
+        """
+        check_prefill_keywords(operation, arguments)
+        self._postprocessor.validate_sampling_request(arguments.get("sampling_params"))
+        return check_batch(arguments, self._limits, arguments)
+
+    def prepare(self, **arguments: Unpack[PrefillArguments]) -> tuple[PreparedPrefill, ...]:
+        """Check and plan one prefill call (`prepare_batch` of `batch(arguments)`)."""
+        self._require_usable("prepare")
+        return self.prepare_batch(self.batch(arguments))
+
+    def prepare_batch(self, batch: PrefillBatch) -> tuple[PreparedPrefill, ...]:
+        """Plan one checked call; fully cached rows produce no request.
+
+        `cached_tokens` is each row's cached (block-aligned) prefix. With `sampling_params`,
         `prompt_tokens` defaults to the prompt itself and `slot_remap` goes to the first
         request only.
         """
         self._require_usable("prepare")
-        self._postprocessor.validate_sampling_request(sampling_params)
-        requests = self.plan(
-            tokens=tokens,
-            page_table=page_table,
-            prompt_lens=prompt_lens,
-            start_pos=start_pos,
-            empty_slots=empty_slots,
-            sampled=sampling_params is not None,
-        )
+        sampling_params = batch.sampling_params
+        requests = self.plan_batch(batch, sampled=sampling_params is not None)
         prepared: list[PreparedPrefill] = []
         for index, request in enumerate(requests):
             raw: SamplingParams | None = None
@@ -224,53 +236,31 @@ class PrefillRuntime:
                 sampling = self.prepare_request_sampling(
                     request,
                     raw,
-                    tokens,
-                    prompt_tokens=prompt_tokens,
-                    output_tokens=output_tokens,
-                    slot_remap=slot_remap if index == 0 else None,
+                    batch.tokens,
+                    prompt_tokens=batch.prompt_tokens,
+                    output_tokens=batch.output_tokens,
+                    slot_remap=batch.slot_remap if index == 0 else None,
                 )
             prepared.append(self.identify(request, raw, sampling))
         logger.debug("prepared %d prefill request(s)", len(prepared))
         return tuple(prepared)
 
     def plan(
-        self,
-        *,
-        tokens: torch.Tensor,
-        page_table: torch.Tensor,
-        prompt_lens: IntVector = None,
-        start_pos: IntVector = None,
-        empty_slots: IntVector = None,
-        sampled: bool = False,
+        self, *, sampled: bool = False, **arguments: Unpack[PrefillRowArguments]
     ) -> tuple[PrefillRequest, ...]:
         """The planner call `prepare` makes (warmup coverage derives identities from it).
 
         `sampled` says whether sampling parameters come with the call: without batched
         extraction they turn batching off.
         """
-        config = self._config
-        layout = config.page_table_layout
-        disable = (
-            config.disable_batched_prefill
-            or batched_prefill_disabled_by_env()
-            or (sampled and not config.batched_prefill_batched_extract)
-        )
-        return plan_prefill_requests(
-            tokens=tokens,
-            page_table=page_table,
-            block_size=layout.block_size,
-            max_batch_size=config.max_batch_size,
-            max_prefill_chunk_size=config.max_prefill_chunk_size,
-            prompt_lens=prompt_lens,
-            start_pos=start_pos,
-            empty_slots=empty_slots,
-            supports_batched_prefill=config.supports_batched_prefill,
-            disable_batched_prefill=disable,
-            max_prefill_batch_size=config.max_prefill_batch_size,
-            max_actual_page_table_width=layout.raw_capacity_width,
-            canonical_page_table_width=layout.prefill_width,
-            policy=config.policy,
-        )
+        return self.plan_batch(check_batch(arguments, self._limits), sampled=sampled)
+
+    def plan_batch(self, batch: PrefillBatch, *, sampled: bool) -> tuple[PrefillRequest, ...]:
+        """Plan a checked call (batching off for sampled calls without batched extraction)."""
+        limits = self._limits
+        if sampled and not self._config.batched_prefill_batched_extract:
+            limits = attrs.evolve(limits, disable_batched_prefill=True)
+        return plan_batch(batch, limits)
 
     def prepare_request_sampling(
         self,
@@ -344,28 +334,18 @@ class PrefillRuntime:
         is off and the slot range is the row count, since a single row's plan depends on
         neither. A row the planner refuses makes the whole call raise `ValueError`.
         """
-        config = self._config
-        layout = config.page_table_layout
         rows = len(prompt_lens)
         width = max(prompt_lens)
         # Zero probes, never read: one zero row viewed as every row.
-        return plan_prefill_requests(
+        arguments = PrefillRowArguments(
             tokens=torch.zeros(1, width, dtype=torch.long).expand(rows, width),
-            page_table=torch.zeros(1, -(-width // layout.block_size), dtype=torch.int32).expand(
-                rows, -1
-            ),
-            block_size=layout.block_size,
-            max_batch_size=rows,
-            max_prefill_chunk_size=config.max_prefill_chunk_size,
-            prompt_lens=list(prompt_lens),
-            start_pos=list(cached_tokens),
-            supports_batched_prefill=config.supports_batched_prefill,
-            disable_batched_prefill=True,
-            max_prefill_batch_size=config.max_prefill_batch_size,
-            max_actual_page_table_width=layout.raw_capacity_width,
-            canonical_page_table_width=layout.prefill_width,
-            policy=config.policy,
+            page_table=torch.zeros(
+                1, -(-width // self._limits.block_size), dtype=torch.int32
+            ).expand(rows, -1),
         )
+        arguments["prompt_lens"], arguments["start_pos"] = list(prompt_lens), list(cached_tokens)
+        limits = attrs.evolve(self._limits, max_batch_size=rows, disable_batched_prefill=True)
+        return plan_batch(check_batch(arguments, limits), limits)
 
     def identify(
         self,
@@ -440,17 +420,22 @@ class PrefillRuntime:
     def refresh_trace(
         self,
         prepared: PreparedPrefill,
-        persistent: Any,
-        workspace: Any,
+        persistent: object,
+        workspace: object,
         chunk: PrefillChunk | None = None,
     ) -> None:
-        """Refresh the persistent inputs for `chunk` (default: first) before a replay."""
+        """Refresh the persistent inputs for `chunk` (default: first) before a replay.
+
+        `persistent` is the trace's `PersistentInputs` (or the `PrefillDeviceInputs` in it).
+        """
         self._require_usable("refresh_trace")
-        self._trace.refresh(prepared, persistent, workspace, chunk)
+        self._trace.check_replay(prepared, workspace, "refresh_trace")
+        self._trace.refresh(prepared, persistent_device_inputs(persistent), chunk)
 
     def finish_trace(
-        self, prepared: PreparedPrefill, output: Any, workspace: Any
+        self, prepared: PreparedPrefill, output: object, workspace: object
     ) -> InvocationResult:
         """Finish a request after its final replay (logits, or sampled into the workspace)."""
         self._require_usable("finish_trace")
-        return self._trace.finish(prepared, output, workspace)
+        checked = self._trace.check_replay(prepared, workspace, "finish_trace")
+        return self._trace.finish(prepared, output, checked)

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
-from runtime.prefill.config import PrefillModel
+from runtime.model_contract import PagedModel
 from runtime.prefill.inputs import PrefillDeviceInputs, PrefillInputStager, ReleaseTransient
 from runtime.prefill.postprocess import PrefillPostprocessor
 from runtime.prefill.result_collector import InvocationResult
@@ -23,7 +23,7 @@ from runtime.prefill.signatures import PreparedPrefill
 logger = logging.getLogger(__name__)
 
 
-def run_prefill_body(model: PrefillModel, inputs: PrefillDeviceInputs) -> Any:
+def run_prefill_body(model: PagedModel, inputs: PrefillDeviceInputs) -> Any:
     """One model invocation over staged (or persistent) inputs: last-token logits `[B, V]`."""
     return model.prefill(
         inputs.tokens,
@@ -39,7 +39,7 @@ class PrefillSequenceRunner:
     def __init__(
         self,
         *,
-        model: PrefillModel,
+        model: PagedModel,
         input_stager: PrefillInputStager,
         postprocessor: PrefillPostprocessor,
         release_transient: ReleaseTransient,
@@ -49,7 +49,7 @@ class PrefillSequenceRunner:
         self._postprocessor = postprocessor
         self._release = release_transient
 
-    def configure_model(self, model: PrefillModel) -> None:
+    def configure_model(self, model: PagedModel) -> None:
         """Follow a config swap (the model is borrowed and normally never changes)."""
         self._model = model
 

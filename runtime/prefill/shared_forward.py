@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from runtime.prefill.plan import PrefillRequest
+from runtime.prefill.request import PrefillRequest
 
 
 def _geometry(request: PrefillRequest) -> tuple[Any, ...]:

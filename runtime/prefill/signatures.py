@@ -15,7 +15,7 @@ from typing import Literal, TypeGuard, get_args
 import attrs
 
 from runtime.identity import KeyMaterial
-from runtime.prefill.plan import PrefillRequest
+from runtime.prefill.request import PrefillRequest
 from runtime.sampling import SamplingPath
 
 PrefillVariant = Literal["regular-single", "regular-batched", "chunked"]

@@ -13,7 +13,6 @@ allocated inside the captured function.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +29,8 @@ from runtime.prefill.inputs import (
     PrefillInputStager,
     ReleaseTransient,
 )
-from runtime.prefill.plan import PrefillChunk
 from runtime.prefill.postprocess import PrefillPostprocessor
+from runtime.prefill.request import PrefillChunk
 from runtime.prefill.result_collector import InvocationResult
 from runtime.prefill.sequence_runner import run_prefill_body
 from runtime.prefill.signatures import (
@@ -43,8 +42,6 @@ from runtime.prefill.signatures import (
 )
 from runtime.sampling import SamplingPath
 from runtime.trace_compiler import InputRefreshPolicy, PersistentInputs, TraceCapturePlan
-
-logger = logging.getLogger(__name__)
 
 WorkspaceFingerprint = tuple[str, SamplingPath, int, bool]
 
@@ -195,20 +192,15 @@ class PrefillTraceLifecycle:
             raise
         return PrefillReplayWorkspace(path, tokens, log_probs)
 
-    def refresh(
-        self,
-        prepared: PreparedPrefill,
-        persistent: Any,
-        workspace: Any,
-        chunk: PrefillChunk | None = None,
-    ) -> None:
-        """Copy the inputs of `chunk` (default: the first) of `prepared` into `persistent`."""
-        _require_trace(prepared, "refresh_trace")
-        self._check_workspace(prepared, workspace)
-        inputs = persistent_device_inputs(persistent)
-        self._stager.refresh(self._stager.host_inputs(prepared.request, chunk), inputs)
+    def check_replay(
+        self, prepared: PreparedPrefill, workspace: object, operation: str
+    ) -> PrefillReplayWorkspace:
+        """The workspace of a replay of `prepared` (`operation` names the public call).
 
-    def _check_workspace(self, prepared: PreparedPrefill, workspace: object) -> None:
+        ValueError when `prepared` has no trace family; TypeError for a foreign workspace;
+        RuntimeError when sampling parameters changed the compiled sampling path.
+        """
+        _require_trace(prepared, operation)
         if not isinstance(workspace, PrefillReplayWorkspace):
             raise TypeError(
                 f"workspace must be a PrefillReplayWorkspace, got {type(workspace).__name__}"
@@ -226,16 +218,23 @@ class PrefillTraceLifecycle:
                 f"log-probs, the request is {prepared.sampling_path!r}"
                 f"{' with' if needs_log_probs else ' without'} log-probs"
             )
+        return workspace
 
-    def finish(self, prepared: PreparedPrefill, output: Any, workspace: Any) -> InvocationResult:
+    def refresh(
+        self, prepared: PreparedPrefill, inputs: PrefillDeviceInputs, chunk: PrefillChunk | None
+    ) -> None:
+        """Copy the inputs of `chunk` (default: the first) of `prepared` into `inputs`."""
+        self._stager.refresh(self._stager.host_inputs(prepared.request, chunk), inputs)
+
+    def finish(
+        self, prepared: PreparedPrefill, output: Any, workspace: PrefillReplayWorkspace
+    ) -> InvocationResult:
         """Finish the request's final replay: its logits, or sampled into the workspace.
 
-        The trace output and the workspace buffers are not the caller's to release; only
-        eager post-processing intermediates are.
+        `workspace` passed `check_replay`. The trace output and the workspace buffers are not
+        the caller's to release; only eager post-processing intermediates are.
         """
-        _require_trace(prepared, "finish_trace")
-        self._check_workspace(prepared, workspace)
-        assert isinstance(workspace, PrefillReplayWorkspace)
+        assert prepared.trace_signature is not None, "check_replay refuses untraced requests"
         if prepared.sampling_path == "logits":
             return InvocationResult(output, ())
         sampled = self._postprocessor.sample(prepared, output)

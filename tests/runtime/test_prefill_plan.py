@@ -11,13 +11,12 @@ import torch
 
 from runtime.config import RuntimePolicy
 from runtime.prefill.plan import (
-    PrefillChunk,
-    PrefillRequest,
     batched_prefill_disabled_by_env,
     plan_prefill_requests,
     prefill_chunk_size,
     restore_source_order,
 )
+from runtime.prefill.request import PrefillChunk, PrefillRequest
 
 BLOCK = 32
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from runtime.config import RuntimePolicy
 from runtime.prefill.inputs import host_inputs
-from runtime.prefill.plan import PrefillChunk, PrefillRequest, plan_prefill_requests
+from runtime.prefill.plan import plan_prefill_requests
+from runtime.prefill.request import PrefillChunk, PrefillRequest
 from tests.runtime.test_prefill_plan_properties import Case, cases, ceil_div
 
 BLOCK = 32

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.config import RuntimePolicy
-from runtime.prefill.plan import PrefillRequest, plan_prefill_requests, restore_source_order
+from runtime.prefill.plan import plan_prefill_requests, restore_source_order
+from runtime.prefill.request import PrefillRequest
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 
 from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
 from runtime.identity import ProgramKey, TraceKey
-from runtime.prefill.plan import PrefillRequest
+from runtime.prefill.request import PrefillRequest
 from runtime.prefill.signatures import (
     PrefillProgramSignature,
     PrefillTraceSignature,
