@@ -28,6 +28,7 @@ from lifecycle.errors import attach_cleanup_failures
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout
 from runtime.decode_batch import (
+    LaneInputs,
     PreparedDecode,
     SlotRemap,
     assert_lane_batch,
@@ -59,7 +60,7 @@ from runtime.decode_staging import (
     unwrap_persistent,
 )
 from runtime.lifecycles import ReadState
-from runtime.sampling import SamplingParams
+from runtime.sampling import PreparedSamplingParams, SamplingParams
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
 from runtime.validation import require_bool
@@ -185,7 +186,18 @@ class DecodeRuntime:
             layout=config.page_table_layout,
             device_feedback=device_feedback,
         )
-        # Below here nothing is the caller's fault: the batch is checked.
+        return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
+
+    def _checked_step(
+        self,
+        lane: LaneInputs,
+        params: SamplingParams | None,
+        sampling: PreparedSamplingParams | None,
+        counts: torch.Tensor,
+        reset_batch: bool,
+        device_feedback: bool,
+    ) -> PreparedDecode:
+        """The frozen step of checked inputs: nothing below here is the caller's fault."""
         normalized = self._normalizer.normalize(
             lane.page_table, counts, device_feedback=device_feedback
         )
@@ -201,6 +213,7 @@ class DecodeRuntime:
             device_feedback=device_feedback,
             page_table_changed=last is None or not torch.equal(normalized, last),
         )
+        config = self._config
         assert_lane_batch(prepared, config.lane_capacity, config.page_table_layout.decode_width)
         return prepared
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import torch
@@ -121,7 +121,34 @@ def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
         raise TypeError(f"{operation}() got an unexpected keyword argument {name!r}")
 
 
-class EagerExecutor:
+class _CompilesDecodeSteps(Protocol):
+    """What the warm-up decode entry needs of an executor."""
+
+    @property
+    def decode(self) -> DecodeRuntime: ...
+
+    def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram: ...
+
+
+class _WarmupDecodeEntry:
+    """Warm-up builds its decode steps by keyword (`runtime.warmup`); both executors take
+    them the same way: the step is checked at the decode boundary, then compiled their way."""
+
+    def compile_decode(
+        self: _CompilesDecodeSteps,
+        *,
+        tokens: torch.Tensor,
+        start_pos: torch.Tensor,
+        page_table: torch.Tensor,
+        sampling_params: SamplingParams | None = None,
+    ) -> CompiledProgram:
+        """Check one warm-up step (`DecodeRuntime.prepare`), then `compile_decode_batch` it."""
+        return self.compile_decode_batch(
+            self.decode.prepare(tokens, start_pos, page_table, sampling_params=sampling_params)
+        )
+
+
+class EagerExecutor(_WarmupDecodeEntry):
     """Compiles and runs eager requests over the prefill and decode runtimes."""
 
     def __init__(
@@ -317,19 +344,6 @@ class EagerExecutor:
             release_output=_result_owned,
         )
 
-    def compile_decode(
-        self,
-        *,
-        tokens: torch.Tensor,
-        start_pos: torch.Tensor,
-        page_table: torch.Tensor,
-        sampling_params: SamplingParams | None = None,
-    ) -> CompiledProgram:
-        """Warm-up's entry (it builds its steps by keyword): check one step, compile it."""
-        return self.compile_decode_batch(
-            self.decode.prepare(tokens, start_pos, page_table, sampling_params=sampling_params)
-        )
-
     def decode_forward(self, prepared: PreparedDecode, *, read_from_device: bool = True) -> Any:
         """Run one checked decode step eagerly (only compiled signatures once the gate closed)."""
         if self.program_compiler.gate_closed:
@@ -357,7 +371,7 @@ class EagerExecutor:
         }
 
 
-class TracedExecutor:
+class TracedExecutor(_WarmupDecodeEntry):
     """Registers and replays traces over the exact eager executor; misses raise."""
 
     def __init__(
@@ -555,19 +569,6 @@ class TracedExecutor:
                 plan.to_trace_capture_plan(program.key, self.decode.trace_signature(prepared))
             )
         return program
-
-    def compile_decode(
-        self,
-        *,
-        tokens: torch.Tensor,
-        start_pos: torch.Tensor,
-        page_table: torch.Tensor,
-        sampling_params: SamplingParams | None = None,
-    ) -> CompiledProgram:
-        """Warm-up's entry (it builds its steps by keyword): check one step, compile it."""
-        return self.compile_decode_batch(
-            self.decode.prepare(tokens, start_pos, page_table, sampling_params=sampling_params)
-        )
 
     def decode_forward(self, prepared: PreparedDecode, *, read_from_device: bool = True) -> Any:
         """Replay the captured decode trace of a checked step, or raise `TraceCoverageError`."""
