@@ -1,8 +1,9 @@
-"""The decode runtime: validate, normalise, stage, run and read one decode step of a lane.
+"""The decode runtime: prepare, stage, run and read one decode step of a lane.
 
-`DecodeRuntimeConfig.resolve` checks the collaborators once (model, device, output reader,
-lane capacity, page-table layout, sampling capability) and fixes the construction-time
-page-table ceilings. `DecodeRuntime` then serves the seed's decode call chains:
+Its static policy is a `DecodeRuntimeConfig` (`runtime.decode_config`, checked once).
+`prepare` is the decode boundary: it checks the caller's step with `runtime.decode_batch`
+and returns a frozen `PreparedDecode` that everything below trusts. `DecodeRuntime` then
+serves the seed's decode call chains:
 
 * eager: `prepare` -> `invoke` -> `consume` (blocking read, or an external lease);
 * asynchronous reads: `consume(read_from_device=False)` -> `read_decode_output(async_read=True)`
@@ -44,6 +45,7 @@ from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignatu
 from runtime.decode_staging import (
     DecodeCapturePlan,
     DecodeDeviceInputs,
+    DecodeHostOutput,
     DecodeInvocationResult,
     DecodeOutputLease,
     DecodePersistentInputs,
@@ -333,7 +335,9 @@ class DecodeRuntime:
             self._leases_by_host[id(pending.value)] = lease
         return pending.value, list(pending.events)
 
-    def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
+    def process_decode_output_host(
+        self, host_value: object, *, is_tokens: bool = False
+    ) -> DecodeHostOutput:
         """Complete an asynchronous read, release its lease, normalise the host value.
 
         `is_tokens` may be left False for a leased output: the lease knows its kind.
@@ -525,12 +529,12 @@ class DecodeRuntime:
         raise error
 
     def _normalize_then_raise(
-        self, host: Any, is_tokens: bool, failures: list[BaseException], operation: str
-    ) -> Any:
+        self, host: object, is_tokens: bool, failures: list[BaseException], operation: str
+    ) -> DecodeHostOutput:
         config = self._config
         try:
             if is_tokens:
-                out: Any = normalize_tokens(host, lane_capacity=config.lane_capacity)
+                out: DecodeHostOutput = normalize_tokens(host, lane_capacity=config.lane_capacity)
             else:
                 out = normalize_logits(
                     host, lane_capacity=config.lane_capacity, vocab_size=config.vocab_size

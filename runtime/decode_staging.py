@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 import torch
@@ -31,6 +31,10 @@ from runtime.trace_compiler import (
 )
 
 logger = logging.getLogger(__name__)
+
+DecodeHostOutput: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A read decode step: float32 logits `[lane, 1, vocab]`, int64 tokens `[lane]`, or
+`(tokens, float32 log_probs [lane])`."""
 
 DECODE_REFRESH_POLICY = InputRefreshPolicy(every_replay=("sampling",))
 """Decode replays refresh sampling inputs every time; everything else per the decision."""
@@ -241,7 +245,7 @@ class PageTableNormalizer:
 # --------------------------------------------------------------------------------------------
 
 
-def normalize_logits(host: Any, *, lane_capacity: int, vocab_size: int) -> torch.Tensor:
+def normalize_logits(host: object, *, lane_capacity: int, vocab_size: int) -> torch.Tensor:
     """Host logits `[>=lane, >=vocab]` -> float32 `[lane, 1, vocab]`."""
     if not isinstance(host, torch.Tensor):
         raise TypeError(f"decode logits must be a torch.Tensor on host, got {type(host).__name__}")
@@ -255,12 +259,12 @@ def normalize_logits(host: Any, *, lane_capacity: int, vocab_size: int) -> torch
     return logits.reshape(lane_capacity, 1, vocab_size)
 
 
-def normalize_tokens(host: Any, *, lane_capacity: int) -> torch.Tensor | tuple[Any, ...]:
+def normalize_tokens(host: object, *, lane_capacity: int) -> DecodeHostOutput:
     """Host sampled output -> int64 `[lane]` tokens, or `(tokens, float32 [lane] log_probs)`.
 
     Accepts a bare token tensor or a `(tokens, log_probs | None)` tuple.
     """
-    log_probs: Any = None
+    log_probs: object = None
     if isinstance(host, tuple | list):
         if len(host) != 2:
             raise TypeError(
@@ -276,7 +280,7 @@ def normalize_tokens(host: Any, *, lane_capacity: int) -> torch.Tensor | tuple[A
     return out_tokens, _lane_values(log_probs, "log_probs", lane_capacity, torch.float32)
 
 
-def _lane_values(value: Any, name: str, lane_capacity: int, dtype: torch.dtype) -> torch.Tensor:
+def _lane_values(value: object, name: str, lane_capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """The first `lane_capacity` values of a decode output, flattened, as `dtype`."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"decode {name} must be a torch.Tensor, got {type(value).__name__}")
