@@ -290,7 +290,11 @@ class DecodeRuntime:
         """
         if not isinstance(result, DecodeInvocationResult):
             raise TypeError(f"result must be a DecodeInvocationResult, got {type(result).__name__}")
-        require_bool("read_from_device", read_from_device)
+        try:
+            require_bool("read_from_device", read_from_device)
+        except TypeError as error:  # the output is not handed out: release it, lose nothing
+            attach_cleanup_failures(error, self._release_owned(result.owned))
+            raise
         if not read_from_device:
             if result.owned is not None:
                 self._register_lease(result)
