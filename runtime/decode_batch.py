@@ -128,10 +128,11 @@ class LaneInputs:
     tokens: torch.Tensor
     positions: torch.Tensor
     page_table: torch.Tensor
+    active: torch.Tensor = attrs.field(init=False)
+    """bool `[lane]`: rows with a position >= 0 (computed once)."""
 
-    @property
-    def active(self) -> torch.Tensor:
-        """bool `[lane]`: rows with a position >= 0."""
+    @active.default
+    def _active(self) -> torch.Tensor:
         return self.positions >= 0
 
 
