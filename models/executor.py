@@ -30,6 +30,7 @@ from runtime.config import (
     require_positive_int,
 )
 from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from runtime.decode_batch import SlotRemap
 from runtime.execution import EagerExecutor, TracedExecutor
 from runtime.output_reader import OutputReader
 from runtime.paged_kv_cache import PagedKVCacheManager
@@ -41,6 +42,7 @@ from runtime.prefill.signatures import PreparedPrefill
 from runtime.program_compiler import CompiledProgram, ProgramCompiler
 from runtime.sampling import SamplingParams
 from runtime.trace_compiler import TraceCompiler
+from runtime.validation import require_bool
 from runtime.warmup import WarmupCoordinator, WarmupCoordinatorConfig
 from runtime.warmup_manifest import CoverageManifest
 
@@ -456,12 +458,16 @@ class ModelExecutor(LifecycleHost):
             return (target or self.eager_executor).compile_prefill_batch(batch)
 
     @guarded(*_SETUP)
-    def compile_decode(self, **request: Any) -> Any:
-        """Compile the decode program of one call (traced lanes also register a plan)."""
-        self._validate_cache_argument(request.pop("kv_cache", None))
+    def compile_decode(self, *, kv_cache: Any = None, **request: Any) -> CompiledProgram:
+        """Compile the decode program of one call (traced lanes also register a plan).
+
+        `request` takes `DecodeRuntime.prepare`'s arguments by name; the step is checked there.
+        """
+        self._validate_cache_argument(kv_cache)
         target = self.traced_executor if self.config.trace.decode_enabled else None
         with self._faulting("compile_decode"):
-            return (target or self.eager_executor).compile_decode(**request)
+            prepared = self.decode_runtime.prepare(**request)
+            return (target or self.eager_executor).compile_decode_batch(prepared)
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         try:
@@ -722,30 +728,35 @@ class ModelExecutor(LifecycleHost):
         start_pos: torch.Tensor,
         page_table: torch.Tensor,
         kv_cache: Any = None,
-        sampling_params: Any = None,
-        prompt_tokens: Any = None,
-        output_tokens: Any = None,
-        slot_remap: Any = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_tokens: torch.Tensor | None = None,
+        output_tokens: torch.Tensor | None = None,
+        slot_remap: SlotRemap | None = None,
         reset_batch: bool = False,
         read_from_device: bool = True,
         execution: str | None = None,
     ) -> Any:
-        """One decode step over the whole lane (negative positions are inactive rows)."""
+        """One decode step over the whole lane (negative positions are inactive rows).
+
+        The step is checked once, by `DecodeRuntime.prepare`, before any device work; the
+        eager or traced executor runs the checked `PreparedDecode`.
+        """
         self._validate_cache_argument(kv_cache)
         self._check_sampling(sampling_params)
+        require_bool("read_from_device", read_from_device)
         target = self._target("decode", execution)
         try:
-            return target.decode_forward(
-                tokens=tokens,
-                start_pos=start_pos,
-                page_table=page_table,
+            prepared = self.decode_runtime.prepare(
+                tokens,
+                start_pos,
+                page_table,
                 sampling_params=sampling_params,
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,
                 slot_remap=slot_remap,
                 reset_batch=reset_batch,
-                read_from_device=read_from_device,
             )
+            return target.decode_forward(prepared, read_from_device=read_from_device)
         except BaseException as error:  # inline: this is the per-step path
             self._fault_if_holding("decode_forward", error)
             raise

@@ -1,8 +1,9 @@
-"""The decode runtime: validate, normalise, stage, run and read one decode step of a lane.
+"""The decode runtime: prepare, stage, run and read one decode step of a lane.
 
-`DecodeRuntimeConfig.resolve` checks the collaborators once (model, device, output reader,
-lane capacity, page-table layout, sampling capability) and fixes the construction-time
-page-table ceilings. `DecodeRuntime` then serves the seed's decode call chains:
+Its static policy is a `DecodeRuntimeConfig` (`runtime.decode_config`, checked once).
+`prepare` is the decode boundary: it checks the caller's step with `runtime.decode_batch`
+and returns a frozen `PreparedDecode` that everything below trusts. `DecodeRuntime` then
+serves the seed's decode call chains:
 
 * eager: `prepare` -> `invoke` -> `consume` (blocking read, or an external lease);
 * asynchronous reads: `consume(read_from_device=False)` -> `read_decode_output(async_read=True)`
@@ -20,25 +21,35 @@ positions in place) is used only by compile and traced replay, as in the referen
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
-import attrs
 import torch
 
 from lifecycle.errors import attach_cleanup_failures
 from runtime.backends.base import Device
-from runtime.config import PageTableLayout, RuntimePolicy
+from runtime.config import PageTableLayout
+from runtime.decode_batch import (
+    LaneInputs,
+    PreparedDecode,
+    SlotRemap,
+    assert_lane_batch,
+    check_lane_inputs,
+    check_sampling_arguments,
+    check_token_ids,
+    page_table_copy_counts,
+    prepare_lane_sampling,
+    require_prepared,
+)
+from runtime.decode_config import DecodeRuntimeConfig
 from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
 from runtime.decode_staging import (
     DecodeCapturePlan,
     DecodeDeviceInputs,
+    DecodeHostOutput,
     DecodeInvocationResult,
     DecodeOutputLease,
     DecodePersistentInputs,
     PageTableNormalizer,
-    PreparedDecode,
-    check_host_tensor,
     check_trace_sampling,
     normalize_logits,
     normalize_tokens,
@@ -51,16 +62,10 @@ from runtime.decode_staging import (
     unwrap_persistent,
 )
 from runtime.lifecycles import ReadState
-from runtime.output_reader import OutputReader
-from runtime.sampling import (
-    PreparedSamplingParams,
-    SamplingParams,
-    SamplingPath,
-    prepare_sampling_params,
-    slice_prepared_sampling_params,
-)
+from runtime.sampling import PreparedSamplingParams, SamplingParams
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
+from runtime.validation import require_bool
 
 __all__ = [
     "DecodeCapturePlan",
@@ -76,298 +81,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ORPHAN_REFUSAL = "DecodeRuntime has unreleased transient resources; clean up this runtime"
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _require_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-    return value
-
-
-@attrs.frozen
-class _SamplerFacts:
-    """What the runtime reads from `model.sampling.config` once."""
-
-    allow_force_argmax: bool
-    max_device_top_k: int
-    sampling_batch_size: int
-    vocab_size: int
-
-
-def _sampler_facts(model: Any) -> _SamplerFacts:
-    """Check that `model.sampling` is a usable device sampler and read its static facts."""
-    sampler = getattr(model, "sampling", None)
-    if not (callable(getattr(sampler, "stage", None)) and callable(getattr(sampler, "run", None))):
-        raise TypeError(
-            "device_sampling_enabled=True requires model.sampling with callable stage() and "
-            f"run() (e.g. model.sampling = LlamaSampler(...)); got {type(sampler).__name__}"
-        )
-    config = getattr(sampler, "config", None)
-    allow = getattr(config, "allow_force_argmax", None)
-    if not isinstance(allow, bool):
-        raise TypeError(f"model.sampling.config.allow_force_argmax must be a bool, got {allow!r}")
-    facts: dict[str, int] = {}
-    for name in ("max_top_k", "max_batch_size", "vocab_size"):
-        value = getattr(config, name, None)
-        if not _is_int(value) or value <= 0:
-            raise ValueError(
-                f"model.sampling.config.{name} must be a positive integer, got {value!r}"
-            )
-        facts[name] = value
-    return _SamplerFacts(
-        allow_force_argmax=allow,
-        max_device_top_k=facts["max_top_k"],
-        sampling_batch_size=facts["max_batch_size"],
-        vocab_size=facts["vocab_size"],
-    )
-
-
-def _validate_config(config: DecodeRuntimeConfig) -> None:
-    """Every rule of `DecodeRuntimeConfig`, run by `resolve` and on direct construction."""
-    if not isinstance(config.output_reader, OutputReader):
-        raise TypeError(
-            f"output_reader must be an OutputReader, got {type(config.output_reader).__name__}"
-        )
-    if not isinstance(config.device, Device):
-        raise TypeError(
-            f"device must implement the Device protocol, got {type(config.device).__name__}"
-        )
-    if config.output_reader.device is not config.device:
-        raise ValueError(
-            f"device {config.device.name!r} must be the same device as the output reader's "
-            f"({config.output_reader.device.name!r}); construct the OutputReader with this device"
-        )
-    if not isinstance(config.policy, RuntimePolicy):
-        raise TypeError(f"policy must be a RuntimePolicy, got {type(config.policy).__name__}")
-    lane = config.lane_capacity
-    if not _is_int(lane) or lane <= 0:
-        raise ValueError(f"lane_capacity must be a positive integer, got {lane!r}")
-    limit = config.policy.decode_lane_capacity_limit
-    if lane > limit:
-        raise ValueError(
-            f"lane_capacity {lane} exceeds the decode lane capacity limit {limit} "
-            f"(RuntimePolicy.decode_lane_capacity_limit); allowed: 1..{limit}"
-        )
-    for name in (
-        "device_sampling_enabled",
-        "force_greedy_top_k",
-        "allow_force_argmax",
-        "position_feedback_capable",
-    ):
-        _require_bool(name, getattr(config, name))
-    layout = config.page_table_layout
-    if not isinstance(layout, PageTableLayout):
-        raise TypeError(f"page_table_layout must be a PageTableLayout, got {type(layout).__name__}")
-    _check_layout_within_ceilings(
-        layout,
-        block_size=layout.block_size,
-        max_raw_capacity_width=config.max_raw_capacity_width,
-        max_decode_page_table_width=config.max_decode_page_table_width,
-    )
-    model = config.model
-    if not callable(getattr(model, "decode", None)):
-        raise TypeError(
-            f"model must provide decode(tokens, *, positions, page_table) (see "
-            f"runtime.model_contract.PagedModel), got {type(model).__name__}"
-        )
-    vocab = getattr(model, "vocab_size", None)
-    if not _is_int(vocab) or vocab <= 0:
-        raise ValueError(f"model.vocab_size must be a positive integer, got {vocab!r}")
-    if config.vocab_size != vocab:
-        raise ValueError(
-            f"vocab_size {config.vocab_size!r} does not match model.vocab_size {vocab}"
-        )
-    capable = callable(getattr(model, "increment_positions", None))
-    if config.position_feedback_capable != capable:
-        raise ValueError(
-            f"position_feedback_capable={config.position_feedback_capable} does not match the "
-            f"model (callable increment_positions: {capable})"
-        )
-    _validate_sampling_facts(config)
-
-
-def _validate_sampling_facts(config: DecodeRuntimeConfig) -> None:
-    if not config.device_sampling_enabled:
-        if config.allow_force_argmax or config.max_device_top_k is not None:
-            raise ValueError(
-                "allow_force_argmax and max_device_top_k come from model.sampling and must be "
-                "False/None while device sampling is disabled"
-            )
-        if config.sampling_batch_size is not None:
-            raise ValueError("sampling_batch_size must be None while device sampling is disabled")
-        return
-    facts = _sampler_facts(config.model)
-    derived = (facts.allow_force_argmax, facts.max_device_top_k, facts.sampling_batch_size)
-    given = (config.allow_force_argmax, config.max_device_top_k, config.sampling_batch_size)
-    if derived != given:
-        raise ValueError(
-            f"(allow_force_argmax, max_device_top_k, sampling_batch_size) {given} do not match "
-            f"model.sampling.config {derived}"
-        )
-    if facts.sampling_batch_size < config.lane_capacity:
-        raise ValueError(
-            f"model.sampling.config.max_batch_size {facts.sampling_batch_size} is smaller than "
-            f"lane_capacity {config.lane_capacity}; the sampler must hold every lane row"
-        )
-    if facts.vocab_size != config.vocab_size:
-        raise ValueError(
-            f"model.sampling.config.vocab_size {facts.vocab_size} does not match "
-            f"model.vocab_size {config.vocab_size}"
-        )
-
-
-def _check_layout_within_ceilings(
-    layout: PageTableLayout,
-    *,
-    block_size: int,
-    max_raw_capacity_width: int,
-    max_decode_page_table_width: int,
-) -> None:
-    if layout.block_size != block_size:
-        raise ValueError(
-            f"page-table layout block_size {layout.block_size} differs from the configured "
-            f"block_size {block_size}; late capacity may not change the block size"
-        )
-    if layout.raw_capacity_width > max_raw_capacity_width:
-        raise ValueError(
-            f"page-table layout raw_capacity_width {layout.raw_capacity_width} exceeds the "
-            f"construction-time ceiling {max_raw_capacity_width}; late capacity may only shrink"
-        )
-    if layout.decode_width > max_decode_page_table_width:
-        raise ValueError(
-            f"page-table layout decode width {layout.decode_width} exceeds the construction-time "
-            f"decode width ceiling {max_decode_page_table_width}; late capacity may only shrink"
-        )
-
-
-@attrs.frozen
-class DecodeRuntimeConfig:
-    """Static decode policy of one lane, resolved once (use `resolve`).
-
-    The ceilings are the layout widths at construction; `with_page_table_layout` may replace
-    the layout later only within them and with the same block size.
-    """
-
-    model: Any
-    device: Device
-    output_reader: OutputReader
-    lane_capacity: int
-    page_table_layout: PageTableLayout
-    policy: RuntimePolicy
-    vocab_size: int
-    device_sampling_enabled: bool
-    force_greedy_top_k: bool
-    allow_force_argmax: bool
-    position_feedback_capable: bool
-    max_raw_capacity_width: int
-    max_decode_page_table_width: int
-    max_device_top_k: int | None = None
-    sampling_batch_size: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _validate_config(self)
-
-    @classmethod
-    def resolve(
-        cls,
-        *,
-        model: Any,
-        device: Device,
-        output_reader: OutputReader,
-        lane_capacity: int,
-        page_table_layout: PageTableLayout,
-        device_sampling_enabled: bool,
-        force_greedy_top_k: bool = False,
-        policy: RuntimePolicy,
-    ) -> DecodeRuntimeConfig:
-        """Validate the collaborators and derive the model/sampler facts decode depends on."""
-        if not isinstance(output_reader, OutputReader):
-            raise TypeError(
-                f"output_reader must be an OutputReader, got {type(output_reader).__name__}"
-            )
-        _require_bool("device_sampling_enabled", device_sampling_enabled)
-        _require_bool("force_greedy_top_k", force_greedy_top_k)
-        if not isinstance(page_table_layout, PageTableLayout):
-            raise TypeError(
-                f"page_table_layout must be a PageTableLayout, got "
-                f"{type(page_table_layout).__name__}"
-            )
-        facts = _sampler_facts(model) if device_sampling_enabled else None
-        vocab_size: Any = getattr(model, "vocab_size", None)  # checked by __attrs_post_init__
-        return cls(
-            model=model,
-            device=device,
-            output_reader=output_reader,
-            lane_capacity=lane_capacity,
-            page_table_layout=page_table_layout,
-            policy=policy,
-            vocab_size=vocab_size,
-            device_sampling_enabled=device_sampling_enabled,
-            force_greedy_top_k=force_greedy_top_k,
-            allow_force_argmax=facts.allow_force_argmax if facts is not None else False,
-            position_feedback_capable=callable(getattr(model, "increment_positions", None)),
-            max_raw_capacity_width=page_table_layout.raw_capacity_width,
-            max_decode_page_table_width=page_table_layout.decode_width,
-            max_device_top_k=facts.max_device_top_k if facts is not None else None,
-            sampling_batch_size=facts.sampling_batch_size if facts is not None else None,
-        )
-
-    def with_page_table_layout(self, layout: PageTableLayout) -> DecodeRuntimeConfig:
-        """A copy with a late layout: same block size, widths within the original ceilings."""
-        if not isinstance(layout, PageTableLayout):
-            raise TypeError(f"layout must be a PageTableLayout, got {type(layout).__name__}")
-        _check_layout_within_ceilings(
-            layout,
-            block_size=self.page_table_layout.block_size,
-            max_raw_capacity_width=self.max_raw_capacity_width,
-            max_decode_page_table_width=self.max_decode_page_table_width,
-        )
-        return attrs.evolve(self, page_table_layout=layout)
-
-
-# --------------------------------------------------------------------------------------------
-# Input validation helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _pad_history(value: torch.Tensor | None, lane: int, rows: int) -> torch.Tensor | None:
-    """Lane-row history extended with empty (-1) rows to the sampler batch."""
-    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != lane:
-        return value  # broadcast, full-width or malformed: the sampler validates it
-    if rows == lane:
-        return value
-    filler = torch.full((rows - lane, value.shape[1]), -1, dtype=value.dtype, device=value.device)
-    return torch.cat([value, filler])
-
-
-def _pad_slot_remap(
-    value: Sequence[int] | torch.Tensor | None, lane: int, rows: int
-) -> Sequence[int] | torch.Tensor | None:
-    """A lane-wide slot remap extended with "no source" (-1) entries to the sampler batch."""
-    if value is None or rows == lane:
-        return value
-    items = value.reshape(-1).tolist() if isinstance(value, torch.Tensor) else list(value)
-    return items + [-1] * (rows - lane) if len(items) == lane else value
-
-
-def _require_prepared(value: object) -> PreparedDecode:
-    if not isinstance(value, PreparedDecode):
-        raise TypeError(f"prepared must be a PreparedDecode, got {type(value).__name__}")
-    return value
-
-
-# --------------------------------------------------------------------------------------------
-# The runtime
-# --------------------------------------------------------------------------------------------
 
 
 class DecodeRuntime:
@@ -437,134 +150,84 @@ class DecodeRuntime:
         sampling_params: SamplingParams | None = None,
         prompt_tokens: torch.Tensor | None = None,
         output_tokens: torch.Tensor | None = None,
-        slot_remap: Sequence[int] | torch.Tensor | None = None,
+        slot_remap: SlotRemap | None = None,
         reset_batch: bool = False,
     ) -> PreparedDecode:
-        """Validate one lane step, normalise its page table and classify its sampling path.
+        """The decode boundary: check one lane step, normalise its page table, classify it.
 
-        A row is active iff `start_pos >= 0`; sampling parameters are slot-indexed over the
-        lane and inactive rows are neutral. Nothing touches the device.
+        Every caller error is raised here, before anything is staged. A row is active iff
+        `start_pos >= 0`; sampling parameters are slot-indexed over the lane and inactive
+        rows are neutral. Nothing touches the device.
         """
-        if self._orphans:
-            raise RuntimeError(
-                f"{_ORPHAN_REFUSAL} ({len(self._orphans)} orphan(s); call cleanup_transients())"
-            )
+        self._refuse_while_orphaned()
         config = self._config
-        lane = config.lane_capacity
-        check_host_tensor("tokens", tokens, 1, "[lane]")
-        check_host_tensor("start_pos", start_pos, 1, "[lane]")
-        check_host_tensor("page_table", page_table, 2, "[lane, width]")
-        batch = int(tokens.shape[0])
-        if batch != lane:
-            raise ValueError(f"decode batch {batch} must equal lane capacity {lane}")
-        if int(start_pos.shape[0]) != batch or int(page_table.shape[0]) != batch:
-            raise ValueError(
-                f"decode tokens, start_pos and page_table batches must match: tokens {batch}, "
-                f"start_pos {int(start_pos.shape[0])}, page_table {int(page_table.shape[0])}"
-            )
-        _require_bool("reset_batch", reset_batch)
-        if sampling_params is not None:
-            if not config.device_sampling_enabled:
-                raise ValueError(
-                    "sampling_params were supplied but device sampling is disabled; resolve "
-                    "DecodeRuntimeConfig with device_sampling_enabled=True"
-                )
-            if not isinstance(sampling_params, SamplingParams):
-                raise TypeError(
-                    f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}"
-                )
-        else:
-            for name, value in (
-                ("prompt_tokens", prompt_tokens),
-                ("output_tokens", output_tokens),
-                ("slot_remap", slot_remap),
-            ):
-                if value is not None:
-                    raise ValueError(
-                        f"{name} is request-owned sampling state and needs sampling_params; "
-                        "pass sampling_params or leave it None"
-                    )
-        host_tokens = tokens.detach().to(device="cpu", dtype=torch.int64, copy=True)
-        positions = start_pos.detach().to(device="cpu", dtype=torch.int64, copy=True)
-        active = positions >= 0
-        bad = (active & ((host_tokens < 0) | (host_tokens >= config.vocab_size))).nonzero()
-        if bad.numel():
-            row = int(bad[0, 0])
-            raise ValueError(
-                f"tokens row {row} is {int(host_tokens[row])}; allowed token ids of an active row "
-                f"are [0, {config.vocab_size})"
-            )
-        device_feedback = sampling_params is not None and config.position_feedback_capable
-        prepared_sampling: PreparedSamplingParams | None = None
-        sampling_path: SamplingPath = "logits"
-        if sampling_params is not None:
-            if not bool(active.any()):
-                raise ValueError(
-                    "sampling_params need at least one active decode row (start_pos >= 0); "
-                    "every row is inactive"
-                )
-            prepared_sampling = self._prepare_sampling(
-                sampling_params,
-                [bool(flag) for flag in active.tolist()],
+        lane = check_lane_inputs(config.lane_capacity, tokens, start_pos, page_table)
+        require_bool("reset_batch", reset_batch)
+        params = check_sampling_arguments(
+            config,
+            sampling_params,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+        )
+        check_token_ids(lane, config.vocab_size)
+        sampling = None
+        if params is not None:
+            sampling = prepare_lane_sampling(
+                config,
+                params,
+                lane,
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,
                 slot_remap=slot_remap,
             )
-            sampling_path = prepared_sampling.sampling_path
+        device_feedback = params is not None and config.position_feedback_capable
+        counts = page_table_copy_counts(
+            lane.page_table,
+            lane.positions,
+            layout=config.page_table_layout,
+            device_feedback=device_feedback,
+        )
+        return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
+
+    def _checked_step(
+        self,
+        lane: LaneInputs,
+        params: SamplingParams | None,
+        sampling: PreparedSamplingParams | None,
+        counts: torch.Tensor,
+        reset_batch: bool,
+        device_feedback: bool,
+    ) -> PreparedDecode:
+        """The frozen step of checked inputs: nothing below here is the caller's fault."""
         normalized = self._normalizer.normalize(
-            page_table, positions, device_feedback=device_feedback
+            lane.page_table, counts, device_feedback=device_feedback
         )
         last = self._last_submitted
-        changed = last is None or not torch.equal(normalized, last)
-        return PreparedDecode(
-            tokens=host_tokens,
-            start_pos=positions,
+        prepared = PreparedDecode(
+            tokens=lane.tokens,
+            start_pos=lane.positions,
             page_table=normalized,
-            sampling_params=sampling_params,
-            prepared_sampling=prepared_sampling,
-            sampling_path=sampling_path,
+            sampling_params=params,
+            prepared_sampling=sampling,
+            sampling_path="logits" if sampling is None else sampling.sampling_path,
             reset_batch=reset_batch,
             device_feedback=device_feedback,
-            page_table_changed=changed,
+            page_table_changed=last is None or not torch.equal(normalized, last),
         )
-
-    def _prepare_sampling(
-        self,
-        sampling_params: SamplingParams,
-        active: list[bool],
-        *,
-        prompt_tokens: torch.Tensor | None,
-        output_tokens: torch.Tensor | None,
-        slot_remap: Sequence[int] | torch.Tensor | None,
-    ) -> PreparedSamplingParams:
-        """Normalise over the sampler batch (reference 2.15), then keep the lane's rows.
-
-        Slot-indexed values may cover the whole sampler batch (e.g. 32 rows for a lane of 1);
-        rows past the lane are inactive, hence neutral, and never change the sampling path.
-        """
         config = self._config
-        lane = config.lane_capacity
-        rows = config.sampling_batch_size or lane
-        assert config.max_device_top_k is not None
-        full = prepare_sampling_params(
-            sampling_params,
-            rows,
-            max_device_top_k=config.max_device_top_k,
-            allow_force_argmax=config.allow_force_argmax and not config.force_greedy_top_k,
-            prompt_tokens=_pad_history(prompt_tokens, lane, rows),
-            output_tokens=_pad_history(output_tokens, lane, rows),
-            slot_remap=_pad_slot_remap(slot_remap, lane, rows),
-            active_mask=active + [False] * (rows - lane),
-        )
-        if rows == lane:
-            return full
-        lane_rows = slice_prepared_sampling_params(full, range(lane))
-        remap = None if full.slot_remap is None else full.slot_remap[:lane]
-        return attrs.evolve(lane_rows, slot_remap=remap)
+        assert_lane_batch(prepared, config.lane_capacity, config.page_table_layout.decode_width)
+        return prepared
+
+    def _refuse_while_orphaned(self) -> None:
+        if self._orphans:
+            raise RuntimeError(
+                f"{_ORPHAN_REFUSAL} ({len(self._orphans)} orphan(s); call cleanup_transients())"
+            )
 
     def program_signature(self, prepared: PreparedDecode) -> DecodeProgramSignature:
         """The eager program identity: lane capacity, normalised width, sampling facts."""
-        prepared = _require_prepared(prepared)
+        prepared = require_prepared(prepared)
         return DecodeProgramSignature(
             batch_size=prepared.lane_capacity,
             page_table_width=int(prepared.page_table.shape[1]),
@@ -580,7 +243,7 @@ class DecodeRuntime:
 
     def note_submitted(self, prepared: PreparedDecode) -> None:
         """Remember the page table a step was submitted with (traced replay calls this)."""
-        prepared = _require_prepared(prepared)
+        prepared = require_prepared(prepared)
         self._last_submitted = prepared.page_table.clone()
 
     # -- eager execution ----------------------------------------------------------------------
@@ -592,17 +255,14 @@ class DecodeRuntime:
 
         On failure the staged values are released (failures kept as orphans and attached).
         """
-        prepared = _require_prepared(prepared)
-        _require_bool("device_feedback", device_feedback)
+        prepared = require_prepared(prepared)
+        require_bool("device_feedback", device_feedback)
         if device_feedback and not prepared.device_feedback:
             raise ValueError(
                 "device_feedback=True needs a request prepared with device feedback "
                 "(sampling_params and a model with increment_positions)"
             )
-        if self._orphans:
-            raise RuntimeError(
-                f"{_ORPHAN_REFUSAL} ({len(self._orphans)} orphan(s); call cleanup_transients())"
-            )
+        self._refuse_while_orphaned()
         created: list[Any] = []
         try:
             inputs = stage_inputs(self._device, prepared, created)
@@ -630,7 +290,11 @@ class DecodeRuntime:
         """
         if not isinstance(result, DecodeInvocationResult):
             raise TypeError(f"result must be a DecodeInvocationResult, got {type(result).__name__}")
-        _require_bool("read_from_device", read_from_device)
+        try:
+            require_bool("read_from_device", read_from_device)
+        except TypeError as error:  # the output is not handed out: release it, lose nothing
+            attach_cleanup_failures(error, self._release_owned(result.owned))
+            raise
         if not read_from_device:
             if result.owned is not None:
                 self._register_lease(result)
@@ -651,7 +315,7 @@ class DecodeRuntime:
 
     def read_decode_output(self, raw: Any, *, async_read: bool = False) -> Any:
         """Read a raw decode output: the host value now, or `(host_value, events)` to wait on."""
-        _require_bool("async_read", async_read)
+        require_bool("async_read", async_read)
         lease = self._lease_for(raw)
         if lease is not None and lease.state is not ReadState.IDLE:
             raise RuntimeError(
@@ -675,12 +339,14 @@ class DecodeRuntime:
             self._leases_by_host[id(pending.value)] = lease
         return pending.value, list(pending.events)
 
-    def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
+    def process_decode_output_host(
+        self, host_value: object, *, is_tokens: bool = False
+    ) -> DecodeHostOutput:
         """Complete an asynchronous read, release its lease, normalise the host value.
 
         `is_tokens` may be left False for a leased output: the lease knows its kind.
         """
-        _require_bool("is_tokens", is_tokens)
+        require_bool("is_tokens", is_tokens)
         host = self._config.output_reader.complete(host_value)
         lease = self._leases_by_host.get(id(host_value))
         failures: list[BaseException] = []
@@ -733,7 +399,7 @@ class DecodeRuntime:
 
     def capture_plan(self, prepared: PreparedDecode) -> DecodeCapturePlan:
         """Persistent inputs and the decode body for one trace of `prepared`'s signature."""
-        prepared = _require_prepared(prepared)
+        prepared = require_prepared(prepared)
         if prepared.prepared_sampling is not None:
             # Fail now, not inside capture, when traced sampling is impossible.
             sampler_buffers(ready_sampler(self._config.model, self._device))
@@ -772,7 +438,7 @@ class DecodeRuntime:
         compiled sampling features) raises `RuntimeError`.
         """
         values = unwrap_persistent(artifact)
-        prepared = _require_prepared(prepared)
+        prepared = require_prepared(prepared)
         if not isinstance(decision, RefreshDecision):
             raise TypeError(f"decision must be a RefreshDecision, got {type(decision).__name__}")
         sampling = prepared.prepared_sampling
@@ -867,12 +533,12 @@ class DecodeRuntime:
         raise error
 
     def _normalize_then_raise(
-        self, host: Any, is_tokens: bool, failures: list[BaseException], operation: str
-    ) -> Any:
+        self, host: object, is_tokens: bool, failures: list[BaseException], operation: str
+    ) -> DecodeHostOutput:
         config = self._config
         try:
             if is_tokens:
-                out: Any = normalize_tokens(host, lane_capacity=config.lane_capacity)
+                out: DecodeHostOutput = normalize_tokens(host, lane_capacity=config.lane_capacity)
             else:
                 out = normalize_logits(
                     host, lane_capacity=config.lane_capacity, vocab_size=config.vocab_size

@@ -1,26 +1,28 @@
 """Decode value types and host-side staging helpers (reference §2.15, rule 20).
 
-`runtime.decode` owns the decode lifecycle; this module holds what it stages and returns:
-the prepared request, device inputs, invocation results, external output leases, trace capture
-plans and persistent inputs, plus the two pure host transformations decode needs every step:
-page-table normalisation (with identity caching) and output normalisation.
+`runtime.decode` owns the decode lifecycle; this module holds what it stages and returns from
+a checked `PreparedDecode` (`runtime.decode_batch`): device inputs, invocation results,
+external output leases, trace capture plans and persistent inputs, plus the two pure host
+transformations decode needs every step: page-table normalisation (with identity caching)
+and output normalisation.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 import torch
 
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout
+from runtime.decode_batch import PreparedDecode
 from runtime.identity import ProgramKey
 from runtime.lifecycles import OUTPUT_READ_TABLE, ReadState
 from runtime.output_reader import PendingRead
-from runtime.sampling import PreparedSamplingParams, SamplingParams, SamplingPath
+from runtime.sampling import PreparedSamplingParams
 from runtime.trace_compiler import (
     InputRefreshPolicy,
     PersistentInputs,
@@ -30,53 +32,17 @@ from runtime.trace_compiler import (
 
 logger = logging.getLogger(__name__)
 
+DecodeHostOutput: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A read decode step: float32 logits `[lane, 1, vocab]`, int64 tokens `[lane]`, or
+`(tokens, float32 log_probs [lane])`."""
+
 DECODE_REFRESH_POLICY = InputRefreshPolicy(every_replay=("sampling",))
 """Decode replays refresh sampling inputs every time; everything else per the decision."""
 
 
 # --------------------------------------------------------------------------------------------
-# Prepared request and device values
+# Device values
 # --------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(eq=False)
-class PreparedDecode:
-    """One validated decode step of a whole lane, ready to stage (host tensors only).
-
-    `tokens`/`start_pos` are int64 `[lane]` private copies; `page_table` is the normalised
-    int32 `[lane, decode_width]` table (possibly the cached object of the previous step);
-    `prepared_sampling` is slot-indexed over the lane with inactive rows neutral.
-    """
-
-    tokens: torch.Tensor
-    start_pos: torch.Tensor
-    page_table: torch.Tensor
-    sampling_params: SamplingParams | None
-    prepared_sampling: PreparedSamplingParams | None
-    sampling_path: SamplingPath
-    reset_batch: bool
-    device_feedback: bool
-    page_table_changed: bool
-
-    @property
-    def lane_capacity(self) -> int:
-        """Rows of the lane (the decode batch)."""
-        return int(self.tokens.shape[0])
-
-    @property
-    def active_mask(self) -> torch.Tensor:
-        """bool `[lane]`: a row is active iff its start position is >= 0."""
-        return self.start_pos >= 0
-
-    @property
-    def penalties_enabled(self) -> bool:
-        """Whether any active row asked for a presence/frequency/repetition penalty."""
-        return self.prepared_sampling is not None and self.prepared_sampling.penalties_enabled
-
-    @property
-    def logprobs_enabled(self) -> bool:
-        """Whether any active row asked for log-probabilities."""
-        return self.prepared_sampling is not None and self.prepared_sampling.log_probs_enabled
 
 
 @attrs.define(eq=False)
@@ -220,50 +186,6 @@ class DecodeCapturePlan:
 # --------------------------------------------------------------------------------------------
 
 
-def _ceil_div(value: torch.Tensor, divisor: int) -> torch.Tensor:
-    return torch.div(value + (divisor - 1), divisor, rounding_mode="floor")
-
-
-def page_table_copy_counts(
-    page_table: torch.Tensor,
-    start_pos: torch.Tensor,
-    *,
-    layout: PageTableLayout,
-    device_feedback: bool,
-) -> torch.Tensor:
-    """Blocks to copy per row: `ceil((pos+1)/block)`, plus a look-ahead block with feedback.
-
-    The look-ahead block is added only when device feedback will advance the position past a
-    block boundary (`(pos+1) % block == 0`), capped by the raw capacity and the caller width.
-    Negative positions (inactive rows) copy nothing.
-    """
-    block = layout.block_size
-    raw = layout.raw_capacity_width
-    width = int(page_table.shape[1])
-    pos = start_pos.to(torch.int64)
-    used = _ceil_div((pos + 1).clamp(min=0), block)
-    over = (used > raw).nonzero()
-    if over.numel():
-        row = int(over[0, 0])
-        raise ValueError(
-            f"decode position {int(pos[row])} of row {row} exceeds the configured paged-KV "
-            f"capacity: it needs {int(used[row])} block(s) of {block} tokens, the layout holds "
-            f"{raw} (raw_capacity_width); allowed positions are < {raw * block}"
-        )
-    narrow = (used > width).nonzero()
-    if narrow.numel():
-        row = int(narrow[0, 0])
-        raise ValueError(
-            f"page table is too narrow for decode row {row}: position {int(pos[row])} needs "
-            f"{int(used[row])} block(s) of {block} tokens, the page table has {width} column(s)"
-        )
-    if not device_feedback:
-        return used
-    at_boundary = (pos >= 0) & ((pos + 1) % block == 0)
-    look_ahead = (used + 1).clamp(max=min(raw, width))
-    return torch.where(at_boundary, torch.maximum(look_ahead, used), used)
-
-
 @attrs.define(eq=False)
 class PageTableNormalizer:
     """Re-emits caller page tables as zero-filled int32 `[rows, decode_width]`, with caching.
@@ -281,12 +203,14 @@ class PageTableNormalizer:
     hits: int = 0
 
     def normalize(
-        self, page_table: torch.Tensor, start_pos: torch.Tensor, *, device_feedback: bool
+        self, page_table: torch.Tensor, counts: torch.Tensor, *, device_feedback: bool
     ) -> torch.Tensor:
-        """The normalised table for `page_table` at `start_pos` (see the class docstring)."""
-        counts = page_table_copy_counts(
-            page_table, start_pos, layout=self.layout, device_feedback=device_feedback
-        )
+        """The normalised table keeping `counts[row]` blocks of each row (see the class doc).
+
+        `counts` come from `page_table_copy_counts`, which already refused positions the
+        table or the layout cannot hold.
+        """
+        assert counts.shape == (int(page_table.shape[0]),)
         source = self._source
         if (
             source is not None
@@ -321,7 +245,7 @@ class PageTableNormalizer:
 # --------------------------------------------------------------------------------------------
 
 
-def normalize_logits(host: Any, *, lane_capacity: int, vocab_size: int) -> torch.Tensor:
+def normalize_logits(host: object, *, lane_capacity: int, vocab_size: int) -> torch.Tensor:
     """Host logits `[>=lane, >=vocab]` -> float32 `[lane, 1, vocab]`."""
     if not isinstance(host, torch.Tensor):
         raise TypeError(f"decode logits must be a torch.Tensor on host, got {type(host).__name__}")
@@ -335,12 +259,12 @@ def normalize_logits(host: Any, *, lane_capacity: int, vocab_size: int) -> torch
     return logits.reshape(lane_capacity, 1, vocab_size)
 
 
-def normalize_tokens(host: Any, *, lane_capacity: int) -> torch.Tensor | tuple[Any, ...]:
+def normalize_tokens(host: object, *, lane_capacity: int) -> DecodeHostOutput:
     """Host sampled output -> int64 `[lane]` tokens, or `(tokens, float32 [lane] log_probs)`.
 
     Accepts a bare token tensor or a `(tokens, log_probs | None)` tuple.
     """
-    log_probs: Any = None
+    log_probs: object = None
     if isinstance(host, tuple | list):
         if len(host) != 2:
             raise TypeError(
@@ -356,7 +280,7 @@ def normalize_tokens(host: Any, *, lane_capacity: int) -> torch.Tensor | tuple[A
     return out_tokens, _lane_values(log_probs, "log_probs", lane_capacity, torch.float32)
 
 
-def _lane_values(value: Any, name: str, lane_capacity: int, dtype: torch.dtype) -> torch.Tensor:
+def _lane_values(value: object, name: str, lane_capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """The first `lane_capacity` values of a decode output, flattened, as `dtype`."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"decode {name} must be a torch.Tensor, got {type(value).__name__}")
@@ -370,21 +294,8 @@ def _lane_values(value: Any, name: str, lane_capacity: int, dtype: torch.dtype) 
 
 
 # --------------------------------------------------------------------------------------------
-# Host validation, device staging and the decode body
+# Device staging and the decode body
 # --------------------------------------------------------------------------------------------
-
-
-def check_host_tensor(name: str, value: object, rank: int, shape_text: str) -> torch.Tensor:
-    """`value` is an integer torch tensor of `rank` (TypeError / ValueError naming it)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {shape_text}, got {type(value).__name__}")
-    if value.dim() != rank:
-        raise ValueError(
-            f"{name} must be a rank-{rank} tensor {shape_text}, got shape {tuple(value.shape)}"
-        )
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
-    return value
 
 
 def unwrap_persistent(value: object) -> DecodePersistentInputs:

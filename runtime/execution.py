@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, Unpack
+from typing import Any, NoReturn, Protocol, Unpack
 
+import torch
+
+from runtime.decode import DecodeRuntime
+from runtime.decode_batch import PreparedDecode
 from runtime.decode_staging import DecodeInvocationResult
 from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of, signature_digest
 from runtime.prefill.batch import PrefillArguments, PrefillBatch
@@ -105,7 +109,34 @@ def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
         raise TypeError(f"{operation}() got an unexpected keyword argument {name!r}")
 
 
-class EagerExecutor:
+class _CompilesDecodeSteps(Protocol):
+    """What the warm-up decode entry needs of an executor."""
+
+    @property
+    def decode(self) -> DecodeRuntime: ...
+
+    def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram: ...
+
+
+class _WarmupDecodeEntry:
+    """Warm-up builds its decode steps by keyword (`runtime.warmup`); both executors take
+    them the same way: the step is checked at the decode boundary, then compiled their way."""
+
+    def compile_decode(
+        self: _CompilesDecodeSteps,
+        *,
+        tokens: torch.Tensor,
+        start_pos: torch.Tensor,
+        page_table: torch.Tensor,
+        sampling_params: SamplingParams | None = None,
+    ) -> CompiledProgram:
+        """Check one warm-up step (`DecodeRuntime.prepare`), then `compile_decode_batch` it."""
+        return self.compile_decode_batch(
+            self.decode.prepare(tokens, start_pos, page_table, sampling_params=sampling_params)
+        )
+
+
+class EagerExecutor(_WarmupDecodeEntry):
     """Compiles and runs eager requests over the prefill and decode runtimes."""
 
     def __init__(
@@ -257,12 +288,10 @@ class EagerExecutor:
 
     # -- decode ---------------------------------------------------------------------------------
 
-    def prepare_decode(self, **request: Any) -> Any:
-        """Validate and stage a decode call once."""
-        return self.decode.prepare(**request)
+    decode: DecodeRuntime  # the decode half works on its checked steps (`PreparedDecode`)
 
-    def compile_decode_prepared(self, prepared: Any) -> CompiledProgram:
-        """Compile the program of an already prepared decode call."""
+    def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram:
+        """Compile the program of a checked decode step (run once, outputs released)."""
         signature = self.decode.program_signature(prepared)
         return self.program_compiler.compile(
             signature,
@@ -271,67 +300,15 @@ class EagerExecutor:
             release_output=_result_owned,
         )
 
-    def compile_decode(
-        self,
-        *,
-        tokens: Any,
-        start_pos: Any,
-        page_table: Any,
-        sampling_params: Any = None,
-        prompt_tokens: Any = None,
-        output_tokens: Any = None,
-        slot_remap: Any = None,
-        reset_batch: bool = False,
-        **unexpected: Any,
-    ) -> CompiledProgram:
-        """Compile the decode program of this lane shape and sampling path."""
-        _reject_kv_cache(unexpected, "compile_decode")
-        prepared = self.prepare_decode(
-            tokens=tokens,
-            start_pos=start_pos,
-            page_table=page_table,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-            reset_batch=reset_batch,
-        )
-        return self.compile_decode_prepared(prepared)
-
-    def decode_forward(
-        self,
-        *,
-        tokens: Any,
-        start_pos: Any,
-        page_table: Any,
-        sampling_params: Any = None,
-        prompt_tokens: Any = None,
-        output_tokens: Any = None,
-        slot_remap: Any = None,
-        reset_batch: bool = False,
-        read_from_device: bool = True,
-        **unexpected: Any,
-    ) -> Any:
-        """Run one decode step eagerly (only compiled signatures once the gate closed)."""
-        _reject_kv_cache(unexpected, "decode_forward")
-        prepared = self.prepare_decode(
-            tokens=tokens,
-            start_pos=start_pos,
-            page_table=page_table,
-            sampling_params=sampling_params,
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            slot_remap=slot_remap,
-            reset_batch=reset_batch,
-        )
+    def decode_forward(self, prepared: PreparedDecode, *, read_from_device: bool = True) -> Any:
+        """Run one checked decode step eagerly (only compiled signatures once the gate closed)."""
         if self.program_compiler.gate_closed:
             signature = self.decode.program_signature(prepared)
             if not self.program_compiler.is_compiled(signature):
                 self._refuse(
                     "decode",
                     signature,
-                    f"active_rows={int((prepared.start_pos >= 0).sum())}, "
-                    f"reset_batch={prepared.reset_batch}",
+                    f"active_rows={prepared.active_rows}, reset_batch={prepared.reset_batch}",
                 )
         result = self.decode.invoke(prepared, device_feedback=False)
         self._eager_decode_count += 1
@@ -350,7 +327,7 @@ class EagerExecutor:
         }
 
 
-class TracedExecutor:
+class TracedExecutor(_WarmupDecodeEntry):
     """Registers and replays traces over the exact eager executor; misses raise."""
 
     def __init__(
@@ -387,7 +364,7 @@ class TracedExecutor:
         return runtime
 
     @property
-    def decode(self) -> Any:
+    def decode(self) -> DecodeRuntime:
         """The decode runtime of the eager executor."""
         return self.eager_executor.decode
 
@@ -515,11 +492,9 @@ class TracedExecutor:
 
     # -- decode ---------------------------------------------------------------------------------
 
-    def compile_decode(self, **request: Any) -> CompiledProgram:
+    def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram:
         """Compile eagerly, then register the decode capture plan if it has none."""
-        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "compile_decode")
-        prepared = self.eager_executor.prepare_decode(**request)
-        program = self.eager_executor.compile_decode_prepared(prepared)
+        program = self.eager_executor.compile_decode_batch(prepared)
         if self.trace_compiler.trace_key_for_program(program.key) is None:
             plan = self.decode.capture_plan(prepared)
             self.trace_compiler.register_capture_plan(
@@ -527,26 +502,14 @@ class TracedExecutor:
             )
         return program
 
-    def decode_forward(self, *, read_from_device: bool = True, **request: Any) -> Any:
-        """Replay the captured decode trace for this call, or raise `TraceCoverageError`."""
-        _reject_kv_cache({k: v for k, v in request.items() if k == "kv_cache"}, "decode_forward")
-        prepared = self.eager_executor.prepare_decode(**request)
+    def decode_forward(self, prepared: PreparedDecode, *, read_from_device: bool = True) -> Any:
+        """Replay the captured decode trace of a checked step, or raise `TraceCoverageError`."""
         signature = self.decode.program_signature(prepared)
         key = self.program_compiler.key_for(signature)
         if not self.program_compiler.is_compiled(signature) or not self.trace_compiler.is_captured(
             key
         ):
-            self._coverage_misses += 1
-            trace_signature = self.decode.trace_signature(prepared)
-            digest = signature_digest(TRACE_KEY_DOMAIN, KEY_SCHEMA_VERSION, trace_signature)
-            raise TraceCoverageError(
-                "Required decode trace is unavailable: operation=decode; "
-                f"trace_mode={self.trace_mode}; model={_model_name(self.decode.config.model)}; "
-                f"signature={trace_signature!r}; signature_digest={digest}; "
-                f"program_key={key.digest}; trace_key=unavailable; "
-                f"configured_coverage={self._coverage_text('decode')}. Nothing was executed. "
-                f"{_REMEDIES}"
-            )
+            self._miss_decode(prepared, key.digest)
 
         def refresh(artifact: TraceArtifact, decision: RefreshDecision) -> None:
             self.decode.refresh_trace(artifact, prepared, decision)
@@ -554,7 +517,7 @@ class TracedExecutor:
         outputs = self.trace_compiler.replay(
             key,
             refresh,
-            reset_batch=bool(request.get("reset_batch", False)),
+            reset_batch=prepared.reset_batch,
             device_feedback_enabled=self.decode.config.position_feedback_capable,
             feedback_compatible=prepared.device_feedback,
             page_table_changed=prepared.page_table_changed,
@@ -564,6 +527,19 @@ class TracedExecutor:
             value=outputs, owned=None, is_tokens=prepared.sampling_path != "logits"
         )
         return self.decode.consume(result, read_from_device=read_from_device)
+
+    def _miss_decode(self, prepared: PreparedDecode, program_key: str) -> NoReturn:
+        self._coverage_misses += 1
+        trace_signature = self.decode.trace_signature(prepared)
+        digest = signature_digest(TRACE_KEY_DOMAIN, KEY_SCHEMA_VERSION, trace_signature)
+        raise TraceCoverageError(
+            "Required decode trace is unavailable: operation=decode; "
+            f"trace_mode={self.trace_mode}; model={_model_name(self.decode.config.model)}; "
+            f"signature={trace_signature!r}; signature_digest={digest}; "
+            f"program_key={program_key}; trace_key=unavailable; "
+            f"configured_coverage={self._coverage_text('decode')}. Nothing was executed. "
+            f"{_REMEDIES}"
+        )
 
     def runtime_summary(self) -> dict[str, Any]:
         """Eager counters plus replay and coverage counters."""
