@@ -126,7 +126,7 @@ class Generator:
                 "(or the phase calls up to serve()) first"
             )
 
-    def _reset_after_failure(self) -> None:
+    def reset_after_failure(self) -> None:
         """Drop block tables whose KV contents are unknown after a failed device call."""
         self._block_managers = None
 

@@ -280,6 +280,6 @@ class GenerationStream:
         finally:
             scheduler.abort_all()
             if not clean:
-                generator._reset_after_failure()
+                generator.reset_after_failure()
             self.stats.preemptions = max(self.stats.preemptions, scheduler.preemptions)
             self.done = True
