@@ -145,7 +145,7 @@ class LLMRuntimeModelRunner:
 
     def kv_cache_bytes(self) -> int:
         """What vLLM's block arithmetic turns back into `num_kv_blocks()` blocks."""
-        per_block = sum(spec.page_size_bytes for spec in self.kv_cache_spec().values())
+        per_block = sum(int(spec.page_size_bytes) for spec in self.kv_cache_spec().values())
         return self.num_kv_blocks() * per_block
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:

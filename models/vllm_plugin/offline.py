@@ -54,11 +54,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.platform == "vllm":
         os.environ["LLM_RUNTIME_VLLM_PLATFORM"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     requests = json.loads(args.requests.read_text())
     has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
+    clock = time.perf_counter()
+    llm = LLM(**_engine_options(args, has_tokenizer))
+    startup = time.perf_counter() - clock
+    runs = _timed_runs(llm, requests, has_tokenizer, args.repeat)
+    stats: Any = None
+    if args.platform == "llm-runtime":
+        stats = llm.collective_rpc("runtime_stats")[0]
+    report = {
+        "platform": args.platform,
+        "startup_seconds": startup,
+        "runs": runs,
+        "outputs": runs[-1]["outputs"] if runs else [],
+        "metrics": _metrics(llm),
+        "runtime_stats": stats,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+    }
+    args.out.write_text(json.dumps(report))
+    del llm
+    return 0
+
+
+def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, Any]:
+    """`vllm.LLM` keywords: greedy-friendly defaults plus the flags that were given."""
     options: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
@@ -82,9 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         options["kv_cache_memory_bytes"] = VLLM_CPU_KV_BYTES
     if args.platform == "llm-runtime" and args.trace_mode:
         options["additional_config"] = {"llm_runtime": {"trace_mode": args.trace_mode}}
-    clock = time.perf_counter()
-    llm = LLM(**options)
-    startup = time.perf_counter() - clock
+    return options
+
+
+def _timed_runs(
+    llm: Any, requests: list[dict[str, Any]], has_tokenizer: bool, repeat: int
+) -> list[dict[str, Any]]:
+    """Generate for every request `repeat` times (greedy); seconds and token ids of each run."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [
         SamplingParams(
@@ -97,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in requests
     ]
     runs: list[dict[str, Any]] = []
-    outputs: list[list[int]] = []
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         clock = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - clock
@@ -110,21 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 "outputs": outputs,
             }
         )
-    stats: Any = None
-    if args.platform == "llm-runtime":
-        stats = llm.collective_rpc("runtime_stats")[0]
-    report = {
-        "platform": args.platform,
-        "startup_seconds": startup,
-        "runs": runs,
-        "outputs": outputs,
-        "metrics": _metrics(llm),
-        "runtime_stats": stats,
-        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-    }
-    args.out.write_text(json.dumps(report))
-    del llm
-    return 0
+    return runs
 
 
 if __name__ == "__main__":

@@ -95,14 +95,19 @@ def validate_sampling(params: Any) -> None:
         raise ValueError("the llm-runtime vLLM worker serves generation only (no pooling)")
 
 
-class LLMRuntimeCpuPlatform(CpuPlatform):
-    """vLLM's CPU platform, executing through `llm-runtime`'s torch CPU backend."""
+class RuntimePlatform:
+    """What this runtime adds to a vLLM platform; mixed in before vLLM's class, whose checks
+    run first (`super()` is the vLLM platform in the subclass's MRO)."""
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        adapt_config(vllm_config, super().check_and_update_config)
+        adapt_config(vllm_config, super().check_and_update_config)  # type: ignore[misc]
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        super().validate_request(processed_inputs, params)
+        super().validate_request(processed_inputs, params)  # type: ignore[misc]
         validate_sampling(params)
+
+
+class LLMRuntimeCpuPlatform(RuntimePlatform, CpuPlatform):  # type: ignore[misc]
+    """vLLM's CPU platform, executing through `llm-runtime`'s torch CPU backend."""

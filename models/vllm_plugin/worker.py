@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LLMRuntimeWorker(WorkerBase):
+class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
     """A vLLM worker whose model runs through `llm-runtime`'s lifecycle and facade."""
 
     def __init__(
@@ -44,7 +44,7 @@ class LLMRuntimeWorker(WorkerBase):
             distributed_init_method,
             is_driver_worker=is_driver_worker,
         )
-        self.model_runner: LLMRuntimeModelRunner | None = None  # type: ignore[assignment]
+        self.model_runner: LLMRuntimeModelRunner | None = None
 
     @property
     def runner(self) -> LLMRuntimeModelRunner:

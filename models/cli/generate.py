@@ -1,0 +1,221 @@
+"""`llm-runtime generate`: check every input, load, size the KV pool to the prompts, generate
+and print (`models.cli.generate_output`); the executor is always closed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from models.cli.errors import EXIT_INTERRUPTED, EXIT_OK, PROG, UsageError, one_line
+from models.cli.generate_output import Printer, consume_finished, consume_streaming
+from models.cli.loading import (
+    check_lane_arguments,
+    close_progress,
+    load_from_args,
+    progress_from_args,
+    resolve_capacity,
+)
+from models.cli.options import MAX_TOP_K
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        try:
+            raw = path.read_bytes()
+        except OSError as error:
+            raise UsageError(
+                f"--prompts-file {str(path)!r} cannot be read: {error.strerror or error}"
+            ) from error
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw[: error.start].count(b"\n") + 1
+            raise UsageError(
+                f"--prompts-file {str(path)!r} is not UTF-8 text: byte "
+                f"0x{raw[error.start]:02x} at offset {error.start} (line {line}) cannot be "
+                "decoded; convert the file to UTF-8 (e.g. iconv -t UTF-8)"
+            ) from error
+        prompts.extend(line for line in text.splitlines() if line.strip())
+        if not prompts:
+            raise UsageError(f"--prompts-file {str(path)!r} holds no prompt (one per line)")
+    return prompts or [DEFAULT_PROMPT]
+
+
+def _check_sampling_arguments(args: argparse.Namespace) -> None:
+    if args.temperature > 0 and not 1 <= args.top_k <= MAX_TOP_K:
+        raise UsageError(
+            f"--top-k {args.top_k} is invalid with --temperature {args.temperature}: allowed "
+            f"is 1..{MAX_TOP_K} when sampling (the device sampler keeps at most the "
+            f"{MAX_TOP_K} most likely tokens)"
+        )
+    for stop in args.stop or ():
+        if not stop:
+            raise UsageError("--stop '' is invalid: a stop string must not be empty")
+
+
+def _capacity(generator: Any, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+    """KV blocks this run needs at most: every slot holding the longest request.
+
+    Warmup prefills a whole chunk (plus one cached block) into one row, so the pool never
+    goes below that either.
+    """
+    executor = generator.executor
+    block = int(executor.block_size)
+    longest = min(max(len(p) for p in prompt_ids) + max_new_tokens, generator.max_seq_len)
+    per_request = -(-longest // block)
+    lane_slots = int(getattr(executor, "per_lane_max_batch_size", executor.max_batch_size))
+    slots = min(lane_slots, len(prompt_ids))
+    warmup = -(-int(executor.config.max_prefill_chunk_size) // block) + 1
+    kv_config = getattr(executor, "kv_cache_manager", None)
+    kv_config = kv_config.config if kv_config is not None else executor.paged_kv_cache_config[0]
+    ceiling = int(kv_config.max_num_blocks)
+    return int(max(1, min(ceiling, max(warmup, slots * per_request))))
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Check every input, load, generate and print; always close."""
+    from models.generation.params import GenerationParams
+
+    prompts = _read_prompts(args)
+    _check_sampling_arguments(args)
+    check_lane_arguments(args)
+    params = GenerationParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    progress = progress_from_args(args)
+    try:
+        executor = load_from_args(args, progress)
+        try:
+            status = _run_generation(args, executor, prompts, params)
+        except BaseException:
+            _close_quietly(executor)  # a close failure never hides the first error
+            raise
+        executor.close()
+        return status
+    finally:
+        close_progress(progress)
+
+
+def _close_quietly(executor: Any) -> None:
+    """Close after a failure without hiding it; what close left is logged."""
+    try:
+        executor.close()
+    except Exception as error:
+        logger.warning("close() after the failure also failed: %s", one_line(error))
+
+
+def _run_generation(
+    args: argparse.Namespace, executor: Any, prompts: list[str], params: Any
+) -> int:
+    """Size the KV pool to the prompts, start the executor, generate and print."""
+    from models.generation.generator import Generator
+
+    generator = Generator(executor, enable_prefix_cache=not args.no_prefix_cache)
+    try:
+        params.check("arguments", max_top_k=generator.max_top_k)
+        prompt_ids = generator.encode(prompts, chat=args.chat)
+    except (ValueError, TypeError) as error:
+        raise UsageError(error) from error
+    _size_kv_pool(args, executor, generator, prompt_ids)
+    executor.start()
+    try:
+        stream = generator.stream(prompts, params, chat=args.chat)
+    except (ValueError, TypeError) as error:
+        raise UsageError(error) from error
+    return _print_completions(args, executor, stream, len(prompts))
+
+
+def _size_kv_pool(
+    args: argparse.Namespace, executor: Any, generator: Any, prompt_ids: list[list[int]]
+) -> None:
+    """Resolve KV capacity: --num-blocks, else what these prompts need at most."""
+    from runtime.backends.memory import format_bytes
+
+    needed = _capacity(generator, prompt_ids, args.max_new_tokens)
+    blocks = args.num_blocks or needed
+    _check_prompt_lengths(args, prompt_ids, generator.max_seq_len)
+    if args.num_blocks:
+        _check_num_blocks(args, int(executor.block_size), prompt_ids, generator.max_seq_len)
+    resolve_capacity(executor, blocks, given=bool(args.num_blocks))
+    if args.num_blocks and args.num_blocks > 4 * needed and hasattr(executor, "kv_cache_bytes"):
+        logger.warning(
+            "--num-blocks %d reserves %s of KV cache; these prompts need at most %d blocks "
+            "(%s): omit --num-blocks to size the cache to the prompts",
+            args.num_blocks,
+            format_bytes(executor.kv_cache_bytes(args.num_blocks)),
+            needed,
+            format_bytes(executor.kv_cache_bytes(needed)),
+        )
+
+
+def _check_prompt_lengths(
+    args: argparse.Namespace, prompt_ids: list[list[int]], limit: int
+) -> None:
+    """Every prompt leaves room for one generated token within the context."""
+    for index, ids in enumerate(prompt_ids):
+        if len(ids) >= limit:
+            source = "--max-seq-len" if args.max_seq_len else "the model's context"
+            raise UsageError(
+                f"request {index}: prompt has {len(ids)} tokens, too long for {source} of "
+                f"{limit} tokens; a prompt may have at most {limit - 1} so one token can be "
+                "generated"
+            )
+
+
+def _check_num_blocks(
+    args: argparse.Namespace, block: int, prompt_ids: list[list[int]], limit: int
+) -> None:
+    """A --num-blocks the user gave holds every request on its own."""
+    for index, ids in enumerate(prompt_ids):
+        tokens = min(len(ids) + args.max_new_tokens, limit) - 1
+        wanted = -(-tokens // block)
+        if wanted > args.num_blocks:
+            raise UsageError(
+                f"--num-blocks {args.num_blocks} is too small: request {index} (a "
+                f"{len(ids)}-token prompt + --max-new-tokens {args.max_new_tokens}) needs "
+                f"{wanted} KV blocks of {block} tokens; allowed is >= {wanted}, or omit "
+                "--num-blocks to size the cache to the prompts"
+            )
+
+
+def _print_completions(args: argparse.Namespace, executor: Any, stream: Any, total: int) -> int:
+    """Run the stream to the end, printing as it goes; Ctrl-C keeps what finished."""
+    printer = Printer(args.json)
+    try:
+        if total == 1 and not args.json:
+            consume_streaming(stream, printer)
+        else:
+            # A lane group has no progress of its own (its lanes may be other processes).
+            sink = getattr(executor, "progress", None) or progress_from_args(args)
+            consume_finished(stream, printer, sink, total)
+    except KeyboardInterrupt:
+        if total > 1 or args.json:
+            printer.drain(stream)  # what finished before the interrupt is never lost
+        try:
+            stream.close()  # drops unfinished requests and releases their blocks
+        except Exception as error:
+            logger.warning("stopping the stream after Ctrl-C failed: %s", one_line(error))
+        printer.summary(stream, executor, interrupted=True)
+        print(
+            f"{PROG}: interrupted: {printer.finished} of {total} request(s) finished "
+            "(printed above)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    printer.summary(stream, executor, interrupted=False)
+    return EXIT_OK

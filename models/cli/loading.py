@@ -1,0 +1,147 @@
+"""From parsed arguments to a loaded executor: the checks and loading `generate`, `bringup`
+and `bench` share.
+
+Every check here runs before any weight loads or device work, and a failure is a
+`UsageError` naming the flag the user typed. torch-heavy modules are imported inside the
+functions so `--help` and argument errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from models.cli.errors import UsageError, one_line
+
+
+def model_args(model: str) -> Any:
+    """The model's architecture without its weights; a bad name or file is a UsageError."""
+    from models.llama.sources import ModelNotAvailableError
+    from models.llama.sources import model_args as read_model_args
+
+    try:
+        return read_model_args(model)
+    except ModelNotAvailableError as error:
+        raise UsageError(str(error)) from error
+    except (ValueError, OSError) as error:
+        raise UsageError(f"--model {model}: {one_line(error)}") from error
+
+
+def check_block_geometry(args: argparse.Namespace) -> None:
+    """--block-size and --prefill-chunk fit together (every subcommand that loads a model)."""
+    from models.llama.executor import geometry_problem
+
+    problem = geometry_problem(
+        args.block_size, args.prefill_chunk, names=("--block-size", "--prefill-chunk")
+    )
+    if problem:
+        raise UsageError(problem)
+
+
+def check_lane_arguments(args: argparse.Namespace) -> Any:
+    """Block size, chunk, lanes and context checked together, before anything loads."""
+    check_block_geometry(args)
+    if getattr(args, "lanes", 1) != 1 or getattr(args, "threads_per_lane", None) is not None:
+        from models.lane_loading import check_lane_arguments as check_lanes
+
+        try:
+            check_lanes(args.lanes, args.lane_transport, args.threads_per_lane, args.max_batch)
+        except ValueError as error:
+            raise UsageError(error) from error
+    model = model_args(args.model)
+    limit = getattr(args, "max_seq_len", None)
+    if limit is not None and limit > model.max_seq_len:
+        raise UsageError(
+            f"--max-seq-len {limit} is invalid: the model {args.model} has a context of "
+            f"{model.max_seq_len} tokens; allowed is 1..{model.max_seq_len}"
+        )
+    return model
+
+
+def load(model: str, **kwargs: Any) -> Any:
+    """Build the executor (CONSTRUCTED); a missing model, bad file or geometry is a UsageError."""
+    from models import load_executor
+    from models.llama.kernels import KernelPlanError
+    from models.llama.sources import ModelNotAvailableError
+    from runtime.backends.cpu_features import UnsupportedCpuFeatureError
+
+    try:
+        return load_executor(model, **kwargs)
+    except (ModelNotAvailableError, KernelPlanError, UnsupportedCpuFeatureError) as error:
+        raise UsageError(str(error)) from error
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"--model {model}: {one_line(error)}") from error
+
+
+def load_from_args(args: argparse.Namespace, progress: Any, **extra: Any) -> Any:
+    """`load` with the model and lane geometry that `generate` and `bringup` share."""
+    return load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        trace_mode=args.trace,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batch_size=args.max_batch,
+        max_prefill_chunk_size=args.prefill_chunk,
+        max_seq_len=args.max_seq_len,
+        warmup=warmup_config(args),
+        **_lane_arguments(args),
+        progress=progress,
+        kernels=args.kernels,
+        **extra,
+    )
+
+
+def _lane_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    if args.lanes == 1 and args.threads_per_lane is None:
+        return {}
+    return {
+        "lanes": args.lanes,
+        "lane_transport": args.lane_transport,
+        "threads_per_lane": args.threads_per_lane,
+    }
+
+
+def progress_from_args(args: argparse.Namespace) -> Any:
+    """The `--progress` sink (stderr; a terminal only unless `--progress always`)."""
+    from models.progress import progress_for
+
+    return progress_for(args.progress)
+
+
+def close_progress(progress: Any) -> None:
+    close = getattr(progress, "close", None)
+    if close is not None:
+        close()
+
+
+def warmup_config(args: argparse.Namespace) -> Any:
+    """The declared coverage: full (the executor's default) or one prefill shape.
+
+    Sampling (temperature > 0) decodes on the top-k path, so a traced lane must capture it too.
+    """
+    from runtime.config import WarmupConfig
+
+    sampling = getattr(args, "temperature", 0.0) > 0
+    if args.warmup == "full" or (args.warmup == "auto" and args.trace != "none"):
+        return WarmupConfig(include_decode_top_k=True) if sampling else None
+    if args.trace != "none":
+        raise UsageError(
+            f"--warmup minimal needs --trace none (got --trace {args.trace}): traced lanes "
+            "close the compile gate at capture, so every shape must be warmed; use --warmup full"
+        )
+    return WarmupConfig(prefill_seq_lens=(min(32, args.prefill_chunk),), prefill_batch_sizes=(1,))
+
+
+def resolve_capacity(executor: Any, blocks: int, *, given: bool) -> None:
+    """Make KV capacity final; too many blocks for free memory is refused before allocating."""
+    from models.executor import KVCapacityError
+
+    try:
+        executor.resolve_capacity(blocks)
+    except KVCapacityError as error:
+        flag = f"--num-blocks {blocks}" if given else f"the {blocks} KV blocks these prompts need"
+        raise UsageError(f"{flag}: {one_line(error)}") from error
+    except ValueError as error:
+        raise UsageError(f"--num-blocks {blocks}: {one_line(error)}") from error
