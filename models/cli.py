@@ -31,9 +31,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lifecycle import MachineTable, PhaseError, mermaid
+from lifecycle import PhaseError, mermaid
 from lifecycle.phases import HOST_TABLE
-from runtime.lifecycles import COMPONENT_TABLES
+from runtime.component_tables import COMPONENT_TABLE_NAMES, component_table
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,7 @@ BRINGUP_PROMPT = "The lifecycle of an executor"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_TOP_K = 64  # models.llama.executor.DEFAULT_MAX_TOP_K (imported lazily: torch is slow)
 
-MACHINES: dict[str, MachineTable] = {
-    "host": HOST_TABLE,
-    "kv-cache": COMPONENT_TABLES["kv-cache"],
-    "program-compiler": COMPONENT_TABLES["program-compiler"],
-    "trace-compiler": COMPONENT_TABLES["trace-compiler"],
-    "output-read": COMPONENT_TABLES["output-read"],
-}
+MACHINES: tuple[str, ...] = ("host", *COMPONENT_TABLE_NAMES)
 
 
 class UsageError(Exception):
@@ -72,7 +66,7 @@ def _error(message: BaseException | str) -> None:
 
 
 def _lifecycle_diagram(args: argparse.Namespace) -> int:
-    table = MACHINES[args.machine]
+    table = HOST_TABLE if args.machine == "host" else component_table(args.machine)
     current = table.initial
     if args.current is not None:
         names = {spec.state.name: spec.state for spec in table.states}

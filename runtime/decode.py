@@ -50,8 +50,7 @@ from runtime.decode_staging import (
     stage_inputs,
     unwrap_persistent,
 )
-from runtime.lifecycles import ReadState
-from runtime.output_reader import OutputReader
+from runtime.output_reader import OutputReader, ReadState
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,

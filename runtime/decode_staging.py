@@ -18,8 +18,7 @@ import torch
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout
 from runtime.identity import ProgramKey
-from runtime.lifecycles import OUTPUT_READ_TABLE, ReadState
-from runtime.output_reader import PendingRead
+from runtime.output_reader import OUTPUT_READ_TABLE, PendingRead, ReadState
 from runtime.sampling import PreparedSamplingParams, SamplingParams, SamplingPath
 from runtime.trace_compiler import (
     InputRefreshPolicy,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 import attrs
@@ -18,7 +19,7 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
-from lifecycle.machine import StateMachine
+from lifecycle.machine import MachineTable, StateMachine, StateSpec, TransitionSpec
 from runtime.backends.base import Device
 from runtime.identity import (
     KEY_SCHEMA_VERSION,
@@ -27,10 +28,47 @@ from runtime.identity import (
     canonical_key_json,
     key_material_of,
 )
-from runtime.lifecycles import PROGRAM_COMPILER_TABLE, CompilerState
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 
 logger = logging.getLogger(__name__)
+
+
+class CompilerState(StrEnum):
+    """`ProgramCompiler`: the compile gate is open until trace capture begins."""
+
+    OPEN = "open"
+    CAPTURING = "capturing"
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
+PROGRAM_COMPILER_TABLE = MachineTable(
+    name="program-compiler",
+    states=(
+        StateSpec(CompilerState.OPEN, "gate open: new signatures compile", ("compile",)),
+        StateSpec(CompilerState.CAPTURING, "trace capture in progress: gate closed", ()),
+        StateSpec(CompilerState.ACTIVE, "traces active: gate closed", ("cleanup",)),
+        StateSpec(
+            CompilerState.RELEASED,
+            "terminal: registry released",
+            (),
+            refusal="{owner} has been released",
+        ),
+    ),
+    transitions=(
+        TransitionSpec("begin_capture", (CompilerState.OPEN,), CompilerState.CAPTURING),
+        TransitionSpec("activate", (CompilerState.CAPTURING,), CompilerState.ACTIVE),
+        TransitionSpec("rollback", (CompilerState.CAPTURING,), CompilerState.OPEN),
+        TransitionSpec("deactivate", (CompilerState.ACTIVE,), CompilerState.OPEN),
+        TransitionSpec(
+            "release",
+            (CompilerState.OPEN, CompilerState.CAPTURING, CompilerState.ACTIVE),
+            CompilerState.RELEASED,
+        ),
+    ),
+    initial=CompilerState.OPEN,
+    terminal=frozenset({CompilerState.RELEASED}),
+)
 
 
 @attrs.frozen
