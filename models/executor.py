@@ -18,26 +18,16 @@ import torch
 
 from lifecycle import LifecycleHost, Phase, guarded, host_table
 from lifecycle.journal import Journal
+from models.executor_config import ModelExecutorConfig as ModelExecutorConfig
+from models.executor_config import require_exact_type
+from models.kv_capacity import KVCapacityError as KVCapacityError
+from models.kv_capacity import check_kv_memory, check_server_cache_shape, server_cache_blocks
+from models.lane_components import LaneCallbacks, build_lane_components
 from models.progress import ProgressSink, as_progress
 from runtime.backends.base import Device
-from runtime.backends.memory import available_memory_bytes, format_bytes
-from runtime.config import (
-    PagedKVCacheConfig,
-    PageTableLayout,
-    RuntimePolicy,
-    TraceConfig,
-    WarmupConfig,
-    require_positive_int,
-)
-from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
-from runtime.execution import EagerExecutor, TracedExecutor
-from runtime.output_reader import OutputReader
-from runtime.paged_kv_cache import PagedKVCacheManager
-from runtime.prefill.config import PrefillRuntimeConfig
-from runtime.prefill.runtime import PrefillRuntime
-from runtime.program_compiler import ProgramCompiler
-from runtime.trace_compiler import TraceCompiler
-from runtime.warmup import CoverageManifest, WarmupCoordinator, WarmupCoordinatorConfig
+from runtime.backends.memory import format_bytes
+from runtime.config import PagedKVCacheConfig
+from runtime.warmup import CoverageManifest
 
 logger = logging.getLogger(__name__)
 
@@ -61,60 +51,6 @@ TRACED_EXECUTOR_TABLE = host_table(
     name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "capture")}
 )
 EXECUTOR_TABLE = EAGER_EXECUTOR_TABLE
-
-
-class KVCapacityError(ValueError):
-    """The paged KV cache asked for does not fit in the memory the device has left."""
-
-
-def _exact(name: str, value: object, kind: type) -> None:
-    if type(value) is not kind:
-        raise TypeError(f"{name} must be exactly {kind.__name__}, got {type(value).__name__}")
-
-
-@attrs.frozen
-class ModelExecutorConfig:
-    """Static policy of one lane: trace mode, warmup coverage, KV geometry, lane shape."""
-
-    trace: TraceConfig
-    warmup: WarmupConfig
-    paged_kv_cache: PagedKVCacheConfig
-    device_sampling_enabled: bool
-    max_batch_size: int
-    max_prefill_chunk_size: int
-    max_seq_len: int
-    policy: RuntimePolicy
-    max_prefill_batch_size: int = 8
-    supports_batched_prefill: bool = True
-    prefill_sequence_lengths: tuple[int, ...] | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _exact("trace", self.trace, TraceConfig)
-        _exact("warmup", self.warmup, WarmupConfig)
-        _exact("paged_kv_cache", self.paged_kv_cache, PagedKVCacheConfig)
-        _exact("policy", self.policy, RuntimePolicy)
-        if not isinstance(self.device_sampling_enabled, bool):
-            raise TypeError(
-                f"device_sampling_enabled must be bool, got {self.device_sampling_enabled!r}"
-            )
-        require_positive_int("max_batch_size", self.max_batch_size)
-        require_positive_int("max_prefill_chunk_size", self.max_prefill_chunk_size)
-        require_positive_int("max_seq_len", self.max_seq_len)
-
-    def default_prefill_lengths(self) -> tuple[int, ...]:
-        """Every padded length a prompt can take, up to the chunk size (warmup coverage)."""
-        if self.prefill_sequence_lengths is not None:
-            return self.prefill_sequence_lengths
-        limit = min(self.max_prefill_chunk_size, self.max_seq_len)
-        lengths: list[int] = []
-        n = 1
-        while True:
-            padded = self.policy.padded_prefill_length(n)
-            if padded > limit:
-                break
-            lengths.append(padded)
-            n = padded + 1
-        return tuple(lengths) or (self.policy.padded_prefill_length(1),)
 
 
 @attrs.frozen
@@ -142,7 +78,7 @@ class ModelExecutor(LifecycleHost):
         journal: Journal | None = None,
         progress: ProgressSink | Callable[[str, int, int], None] | None = None,
     ) -> None:
-        _exact("config", config, ModelExecutorConfig)
+        require_exact_type("config", config, ModelExecutorConfig)
         if not callable(getattr(model, "iter_executor_named_modules", None)):
             raise TypeError(
                 f"model {type(model).__name__} must provide iter_executor_named_modules() "
@@ -150,107 +86,40 @@ class ModelExecutor(LifecycleHost):
             )
         if config.device_sampling_enabled and getattr(model, "sampling", None) is None:
             raise TypeError("device sampling requires model.sampling (a resolved sampler)")
-        traced = config.trace.mode != "none"
         super().__init__(
             owner_name=owner_name,
             journal=journal,
-            table=TRACED_EXECUTOR_TABLE if traced else EAGER_EXECUTOR_TABLE,
+            table=TRACED_EXECUTOR_TABLE if config.traced else EAGER_EXECUTOR_TABLE,
         )
         self.model = model
         self.config = config
         self.device = device
         self.progress: ProgressSink = as_progress(progress)
-        kv = config.paged_kv_cache
-        self.kv_cache_manager = PagedKVCacheManager(
-            model, kv, device=device, journal=self.journal, owner_name=f"{owner_name}.kv-cache"
-        )
-        self.page_table_layout = self._layout(kv.num_blocks or kv.max_num_blocks)
-        self.output_reader = OutputReader(device)
-        trace = config.trace
-        self.prefill_runtime = PrefillRuntime(
-            PrefillRuntimeConfig.resolve(
-                model=model,
-                device=device,
-                output_reader=self.output_reader,
-                page_table_layout=self.page_table_layout,
-                max_batch_size=config.max_batch_size,
-                max_prefill_chunk_size=config.max_prefill_chunk_size,
-                policy=config.policy,
-                supports_batched_prefill=config.supports_batched_prefill,
-                max_prefill_batch_size=config.max_prefill_batch_size,
-                device_sampling_enabled=config.device_sampling_enabled,
-                can_enable_trace=lambda length, cached: trace.prefill_enabled,
-            )
-        )
-        self.decode_runtime = DecodeRuntime(
-            DecodeRuntimeConfig.resolve(
-                model=model,
-                device=device,
-                output_reader=self.output_reader,
-                lane_capacity=config.max_batch_size,
-                page_table_layout=self.page_table_layout,
-                device_sampling_enabled=config.device_sampling_enabled,
-                force_greedy_top_k=config.warmup.include_decode_top_k,
-                policy=config.policy,
-            )
-        )
-        self.program_compiler = ProgramCompiler(
-            device,
-            lambda: self.kv_cache_manager.bound_context,
+        parts = build_lane_components(
+            model,
+            config,
+            device=device,
             journal=self.journal,
-            owner_name=f"{owner_name}.program-compiler",
-        )
-        self.eager_executor = EagerExecutor(
-            prefill=self.prefill_runtime,
-            decode=self.decode_runtime,
-            program_compiler=self.program_compiler,
-            trace_mode=trace.mode,
-        )
-        self.trace_compiler: TraceCompiler | None = None
-        self.traced_executor: TracedExecutor | None = None
-        if trace.mode != "none":
-            self.trace_compiler = TraceCompiler(
-                self.program_compiler,
-                journal=self.journal,
-                owner_name=f"{owner_name}.trace-compiler",
-            )
-            self.traced_executor = TracedExecutor(
-                eager=self.eager_executor, trace_compiler=self.trace_compiler, trace_mode=trace.mode
-            )
-        lengths = config.default_prefill_lengths()
-        self.warmup = WarmupCoordinator(
-            config=WarmupCoordinatorConfig.resolve(
-                warmup=config.warmup,
-                trace=trace,
-                prefill=self.prefill_runtime,
-                decode=self.decode_runtime,
-                prefill_sequence_lengths=lengths,
-                # Traced lanes close the compile gate, so every wave the planner can form
-                # must be covered; eager lanes keep the reference's smallest-bucket waves.
-                batched_sequence_lengths=lengths if trace.mode != "none" else None,
-                max_seq_len=config.max_seq_len,
+            owner_name=owner_name,
+            callbacks=LaneCallbacks(
+                ensure_sampling_buffers=self.ensure_sampling_buffers,
+                validate_bound_cache=self._validate_cache_argument,
+                progress=self.progress,
             ),
-            execution=self.traced_executor or self.eager_executor,
-            ensure_sampling_buffers=self.ensure_sampling_buffers,
-            validate_bound_cache=self._validate_cache_argument,
-            progress=self.progress,
-            auto_capture=False,
-            journal=self.journal,
-            owner_name=f"{owner_name}.warmup",
         )
+        self.kv_cache_manager = parts.kv_cache_manager
+        self.page_table_layout = parts.page_table_layout
+        self.output_reader = parts.output_reader
+        self.prefill_runtime = parts.prefill_runtime
+        self.decode_runtime = parts.decode_runtime
+        self.program_compiler = parts.program_compiler
+        self.eager_executor = parts.eager_executor
+        self.trace_compiler = parts.trace_compiler
+        self.traced_executor = parts.traced_executor
+        self.warmup = parts.warmup
         self._kv_handle: list[list[Any]] | None = None
 
     # -- geometry ---------------------------------------------------------------------------------
-
-    def _layout(self, num_blocks: int) -> PageTableLayout:
-        config = self.config
-        return PageTableLayout.resolve(
-            block_size=config.paged_kv_cache.block_size,
-            model_max_sequence_length=config.max_seq_len,
-            physical_num_blocks=num_blocks,
-            max_prefill_chunk_size=min(config.max_prefill_chunk_size, config.max_seq_len),
-            alignment=config.policy.page_table_width_alignment,
-        )
 
     @property
     def block_size(self) -> int:
@@ -301,7 +170,7 @@ class ModelExecutor(LifecycleHost):
         if not config.is_resolved():
             raise ValueError("configure_paged_kv_cache needs a resolved config (num_blocks set)")
         assert config.num_blocks is not None
-        layout = self._layout(config.num_blocks)
+        layout = self.config.page_table_layout(config.num_blocks)
         # Validate every replacement before changing anything, so a refusal is atomic.
         self.prefill_runtime.config.with_page_table_layout(layout)
         self.decode_runtime.config.with_page_table_layout(layout)
@@ -327,16 +196,7 @@ class ModelExecutor(LifecycleHost):
 
     def check_kv_memory(self, num_blocks: int) -> None:
         """Refuse, before allocating, a KV cache larger than the memory the device has left."""
-        needed = self.kv_cache_bytes(num_blocks)
-        available = available_memory_bytes(self.device.torch_device)
-        if available is not None and needed > available:
-            per_block = needed // max(1, num_blocks)
-            raise KVCapacityError(
-                f"a paged KV cache of {num_blocks} blocks needs {format_bytes(needed)} "
-                f"({format_bytes(per_block)} per block of {self.block_size} tokens) but "
-                f"only {format_bytes(available)} is available on {self.device.name}; at most "
-                f"{available // max(1, per_block)} blocks fit"
-            )
+        check_kv_memory(self.kv_cache_manager, self.device, num_blocks)
 
     def _do_resolve_capacity(self, num_blocks: int | None) -> str:
         current = self.kv_cache_manager.config
@@ -376,38 +236,11 @@ class ModelExecutor(LifecycleHost):
 
         A server may pass its physical cache spec (all three arguments or none).
         """
-        given = [value is not None for value in (kv_cache_shape, dtype, num_layers)]
-        if any(given) and not all(given):
-            raise TypeError(
-                "allocate_kv_cache takes kv_cache_shape, dtype and num_layers together or not "
-                "at all"
-            )
-        num_blocks: int | None = None
-        if kv_cache_shape is not None:
-            shape = tuple(kv_cache_shape)
-            if len(shape) != 4:
-                raise ValueError(
-                    f"kv_cache_shape must have rank 4 [num_blocks, kv_heads, block_size, "
-                    f"head_dim], got {shape}"
-                )
-            if num_layers != self.kv_cache_manager.num_layers:
-                raise ValueError(
-                    f"num_layers {num_layers} does not match the model's "
-                    f"{self.kv_cache_manager.num_layers} layers"
-                )
-            self.kv_cache_manager.validate_vllm_cache_spec(
-                block_size=shape[2], dtype=dtype, num_blocks=shape[0]
-            )
-            num_blocks = shape[0]
+        num_blocks = server_cache_blocks(self.kv_cache_manager, kv_cache_shape, dtype, num_layers)
         if self.phase is P.CONSTRUCTED:
             self.resolve_capacity(num_blocks)
         if kv_cache_shape is not None:
-            expected = self.kv_cache_manager.cache_shapes
-            if any(tuple(kv_cache_shape) != s for s in expected):
-                raise ValueError(
-                    f"kv_cache_shape {tuple(kv_cache_shape)} does not match the model-derived "
-                    f"shapes {sorted(set(expected))}"
-                )
+            check_server_cache_shape(self.kv_cache_manager, kv_cache_shape)
         if self.phase is P.CAPACITY_RESOLVED:
             self.seal()
         self.allocate()

@@ -1,0 +1,180 @@
+"""Build the runtime components of one lane, wired in the seed's order.
+
+Paged KV cache, output reader, prefill and decode runtimes, program compiler, the eager
+executor and, for traced lanes, the trace compiler and traced executor, then the warmup
+coordinator over whichever executor serves. `ModelExecutor` owns what this returns and
+is their cleanup root; building them here keeps its constructor about the lane itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from lifecycle.journal import Journal
+from models.executor_config import ModelExecutorConfig
+from models.progress import ProgressSink
+from runtime.backends.base import Device
+from runtime.config import PageTableLayout
+from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from runtime.execution import EagerExecutor, TracedExecutor
+from runtime.output_reader import OutputReader
+from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.prefill.config import PrefillRuntimeConfig
+from runtime.prefill.runtime import PrefillRuntime
+from runtime.program_compiler import ProgramCompiler
+from runtime.trace_compiler import TraceCompiler
+from runtime.warmup import WarmupCoordinator, WarmupCoordinatorConfig
+
+
+@attrs.frozen
+class LaneCallbacks:
+    """What the warmup coordinator calls back into the lane that owns it."""
+
+    ensure_sampling_buffers: Callable[[], None]
+    validate_bound_cache: Callable[[Any], None]
+    progress: ProgressSink
+
+
+@attrs.frozen(eq=False)
+class LaneComponents:
+    """Every runtime component of one lane (traced parts are None on eager lanes)."""
+
+    kv_cache_manager: PagedKVCacheManager
+    page_table_layout: PageTableLayout
+    output_reader: OutputReader
+    prefill_runtime: PrefillRuntime
+    decode_runtime: DecodeRuntime
+    program_compiler: ProgramCompiler
+    eager_executor: EagerExecutor
+    trace_compiler: TraceCompiler | None
+    traced_executor: TracedExecutor | None
+    warmup: WarmupCoordinator
+
+
+def build_lane_components(
+    model: Any,
+    config: ModelExecutorConfig,
+    *,
+    device: Device,
+    journal: Journal,
+    owner_name: str,
+    callbacks: LaneCallbacks,
+) -> LaneComponents:
+    """The components of one lane over `model`, journaled under `owner_name`."""
+    kv = config.paged_kv_cache
+    kv_cache_manager = PagedKVCacheManager(
+        model, kv, device=device, journal=journal, owner_name=f"{owner_name}.kv-cache"
+    )
+    layout = config.page_table_layout(kv.num_blocks or kv.max_num_blocks)
+    output_reader = OutputReader(device)
+    prefill = _prefill_runtime(model, config, device, output_reader, layout)
+    decode = _decode_runtime(model, config, device, output_reader, layout)
+    program_compiler = ProgramCompiler(
+        device,
+        lambda: kv_cache_manager.bound_context,
+        journal=journal,
+        owner_name=f"{owner_name}.program-compiler",
+    )
+    eager = EagerExecutor(
+        prefill=prefill,
+        decode=decode,
+        program_compiler=program_compiler,
+        trace_mode=config.trace.mode,
+    )
+    trace_compiler: TraceCompiler | None = None
+    traced: TracedExecutor | None = None
+    if config.traced:
+        trace_compiler = TraceCompiler(
+            program_compiler, journal=journal, owner_name=f"{owner_name}.trace-compiler"
+        )
+        traced = TracedExecutor(
+            eager=eager, trace_compiler=trace_compiler, trace_mode=config.trace.mode
+        )
+    warmup = WarmupCoordinator(
+        config=_warmup_config(config, prefill, decode),
+        execution=traced or eager,
+        ensure_sampling_buffers=callbacks.ensure_sampling_buffers,
+        validate_bound_cache=callbacks.validate_bound_cache,
+        progress=callbacks.progress,
+        auto_capture=False,
+        journal=journal,
+        owner_name=f"{owner_name}.warmup",
+    )
+    return LaneComponents(
+        kv_cache_manager=kv_cache_manager,
+        page_table_layout=layout,
+        output_reader=output_reader,
+        prefill_runtime=prefill,
+        decode_runtime=decode,
+        program_compiler=program_compiler,
+        eager_executor=eager,
+        trace_compiler=trace_compiler,
+        traced_executor=traced,
+        warmup=warmup,
+    )
+
+
+def _prefill_runtime(
+    model: Any,
+    config: ModelExecutorConfig,
+    device: Device,
+    output_reader: OutputReader,
+    layout: PageTableLayout,
+) -> PrefillRuntime:
+    trace = config.trace
+    return PrefillRuntime(
+        PrefillRuntimeConfig.resolve(
+            model=model,
+            device=device,
+            output_reader=output_reader,
+            page_table_layout=layout,
+            max_batch_size=config.max_batch_size,
+            max_prefill_chunk_size=config.max_prefill_chunk_size,
+            policy=config.policy,
+            supports_batched_prefill=config.supports_batched_prefill,
+            max_prefill_batch_size=config.max_prefill_batch_size,
+            device_sampling_enabled=config.device_sampling_enabled,
+            can_enable_trace=lambda length, cached: trace.prefill_enabled,
+        )
+    )
+
+
+def _decode_runtime(
+    model: Any,
+    config: ModelExecutorConfig,
+    device: Device,
+    output_reader: OutputReader,
+    layout: PageTableLayout,
+) -> DecodeRuntime:
+    return DecodeRuntime(
+        DecodeRuntimeConfig.resolve(
+            model=model,
+            device=device,
+            output_reader=output_reader,
+            lane_capacity=config.max_batch_size,
+            page_table_layout=layout,
+            device_sampling_enabled=config.device_sampling_enabled,
+            force_greedy_top_k=config.warmup.include_decode_top_k,
+            policy=config.policy,
+        )
+    )
+
+
+def _warmup_config(
+    config: ModelExecutorConfig, prefill: PrefillRuntime, decode: DecodeRuntime
+) -> WarmupCoordinatorConfig:
+    lengths = config.default_prefill_lengths()
+    return WarmupCoordinatorConfig.resolve(
+        warmup=config.warmup,
+        trace=config.trace,
+        prefill=prefill,
+        decode=decode,
+        prefill_sequence_lengths=lengths,
+        # Traced lanes close the compile gate, so every wave the planner can form must be
+        # covered; eager lanes keep the reference's smallest-bucket waves.
+        batched_sequence_lengths=lengths if config.traced else None,
+        max_seq_len=config.max_seq_len,
+    )
