@@ -20,8 +20,13 @@ from lifecycle import LifecycleHost, Phase, guarded, host_table
 from lifecycle.journal import Journal
 from models.executor_config import ModelExecutorConfig as ModelExecutorConfig
 from models.executor_config import require_exact_type
-from models.kv_capacity import KVCapacityError as KVCapacityError
-from models.kv_capacity import check_kv_memory, check_server_cache_shape, server_cache_blocks
+from models.lane_capacity import KVCapacityError as KVCapacityError
+from models.lane_capacity import (
+    check_kv_memory,
+    check_server_cache_shape,
+    check_warmup_extent,
+    server_cache_blocks,
+)
 from models.lane_components import LaneCallbacks, build_lane_components
 from models.progress import ProgressSink, as_progress
 from runtime.backends.base import Device
@@ -290,7 +295,13 @@ class ModelExecutor(LifecycleHost):
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         try:
-            self._run_prefill_warmup(kv_cache, sampling, trace)
+            self.warmup.warmup_prefill(
+                kv_cache=kv_cache,
+                can_sample_on_device=self.config.device_sampling_enabled
+                if sampling is None
+                else sampling,
+                enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
+            )
         finally:
             self.progress.cases_done()
 
@@ -303,58 +314,21 @@ class ModelExecutor(LifecycleHost):
         num_blocks: int | None = None,
     ) -> None:
         try:
-            self._run_decode_warmup(kv_cache, sampling, trace, max_batch_size, num_blocks)
+            physical = self.kv_cache_manager.config.num_blocks
+            assert physical is not None
+            lane = self.config.max_batch_size
+            check_warmup_extent(lane, physical, max_batch_size, num_blocks)
+            self.warmup.warmup_decode(
+                kv_cache=kv_cache,
+                max_batch_size=lane if max_batch_size is None else max_batch_size,
+                num_blocks=physical if num_blocks is None else num_blocks,
+                can_sample_on_device=self.config.device_sampling_enabled
+                if sampling is None
+                else sampling,
+                enable_trace=self.config.trace.decode_enabled if trace is None else trace,
+            )
         finally:
             self.progress.cases_done()
-
-    def _run_prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
-        self.warmup.warmup_prefill(
-            kv_cache=kv_cache,
-            can_sample_on_device=self.config.device_sampling_enabled
-            if sampling is None
-            else sampling,
-            enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
-        )
-
-    def _run_decode_warmup(
-        self,
-        kv_cache: Any,
-        sampling: bool | None,
-        trace: bool | None,
-        max_batch_size: int | None = None,
-        num_blocks: int | None = None,
-    ) -> None:
-        physical = self.kv_cache_manager.config.num_blocks
-        assert physical is not None
-        lane = self.config.max_batch_size
-        if max_batch_size is not None and (
-            isinstance(max_batch_size, bool)
-            or not isinstance(max_batch_size, int)
-            or not 1 <= max_batch_size <= lane
-        ):
-            raise ValueError(
-                f"max_batch_size={max_batch_size!r} is outside the lane capacity: allowed is an "
-                f"int in 1..{lane} (ModelExecutorConfig.max_batch_size); decode always runs the "
-                "whole lane"
-            )
-        if num_blocks is not None and (
-            isinstance(num_blocks, bool)
-            or not isinstance(num_blocks, int)
-            or not 1 <= num_blocks <= physical
-        ):
-            raise ValueError(
-                f"num_blocks={num_blocks!r} is outside the allocated paged KV cache: allowed is "
-                f"an int in 1..{physical} (the resolved num_blocks)"
-            )
-        self.warmup.warmup_decode(
-            kv_cache=kv_cache,
-            max_batch_size=lane if max_batch_size is None else max_batch_size,
-            num_blocks=physical if num_blocks is None else num_blocks,
-            can_sample_on_device=self.config.device_sampling_enabled
-            if sampling is None
-            else sampling,
-            enable_trace=self.config.trace.decode_enabled if trace is None else trace,
-        )
 
     def _warmup_ready(self) -> bool:
         return self.warmup.operation_complete("prefill") and self.warmup.operation_complete(
@@ -427,35 +401,10 @@ class ModelExecutor(LifecycleHost):
         if plan is not None and callable(adopt) and self.warmup.kernel_choice is None:
             adopt(plan)
 
-    def warmup_model_prefill(
-        self,
-        *,
-        kv_cache: Any = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        """The seed's name for `warmup_prefill` (every argument honoured)."""
-        self.warmup_prefill(
-            kv_cache=kv_cache, can_sample_on_device=can_sample_on_device, enable_trace=enable_trace
-        )
-
-    def warmup_model_decode(
-        self,
-        *,
-        kv_cache: Any = None,
-        max_batch_size: int | None = None,
-        num_blocks: int | None = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        """The seed's name for `warmup_decode` (every argument honoured and validated)."""
-        self.warmup_decode(
-            kv_cache=kv_cache,
-            max_batch_size=max_batch_size,
-            num_blocks=num_blocks,
-            can_sample_on_device=can_sample_on_device,
-            enable_trace=enable_trace,
-        )
+    warmup_model_prefill = warmup_prefill
+    """The seed's name for `warmup_prefill` (every argument honoured)."""
+    warmup_model_decode = warmup_decode
+    """The seed's name for `warmup_decode` (every argument honoured and validated)."""
 
     def _do_compile(self) -> str:
         self._prefill_warmup(None, None, None)

@@ -1,6 +1,7 @@
-"""Paged KV capacity checks of one lane: memory left on the device, a server's cache spec.
+"""Capacity checks of one lane: device memory for its KV cache, a server's cache spec, and
+the extent a serving engine warms up for.
 
-Both run before anything is allocated, so a refused capacity leaves the lane as it was.
+Each runs before any device work, so a refused capacity leaves the lane as it was.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from runtime.backends.base import Device
 from runtime.backends.memory import available_memory_bytes, format_bytes
 from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.validation import is_int
 
 
 class KVCapacityError(ValueError):
@@ -71,4 +73,25 @@ def check_server_cache_shape(manager: PagedKVCacheManager, kv_cache_shape: Seque
         raise ValueError(
             f"kv_cache_shape {tuple(kv_cache_shape)} does not match the model-derived "
             f"shapes {sorted(set(expected))}"
+        )
+
+
+def check_warmup_extent(
+    lane_capacity: int, physical_blocks: int, max_batch_size: object, num_blocks: object
+) -> None:
+    """A decode warmup may ask for at most the lane's rows and the allocated blocks."""
+    if max_batch_size is not None and (
+        not is_int(max_batch_size) or not 1 <= max_batch_size <= lane_capacity
+    ):
+        raise ValueError(
+            f"max_batch_size={max_batch_size!r} is outside the lane capacity: allowed is an "
+            f"int in 1..{lane_capacity} (ModelExecutorConfig.max_batch_size); decode always "
+            "runs the whole lane"
+        )
+    if num_blocks is not None and (
+        not is_int(num_blocks) or not 1 <= num_blocks <= physical_blocks
+    ):
+        raise ValueError(
+            f"num_blocks={num_blocks!r} is outside the allocated paged KV cache: allowed is "
+            f"an int in 1..{physical_blocks} (the resolved num_blocks)"
         )
