@@ -100,7 +100,7 @@ class ModelExecutor(LifecycleHost):
         self.config = config
         self.device = device
         self.progress: ProgressSink = as_progress(progress)
-        parts = build_lane_components(
+        components = build_lane_components(
             model,
             config,
             device=device,
@@ -112,16 +112,17 @@ class ModelExecutor(LifecycleHost):
                 progress=self.progress,
             ),
         )
-        self.kv_cache_manager = parts.kv_cache_manager
-        self.page_table_layout = parts.page_table_layout
-        self.output_reader = parts.output_reader
-        self.prefill_runtime = parts.prefill_runtime
-        self.decode_runtime = parts.decode_runtime
-        self.program_compiler = parts.program_compiler
-        self.eager_executor = parts.eager_executor
-        self.trace_compiler = parts.trace_compiler
-        self.traced_executor = parts.traced_executor
-        self.warmup = parts.warmup
+        self.components = components
+        self.kv_cache_manager = components.kv_cache_manager
+        self.page_table_layout = components.page_table_layout
+        self.output_reader = components.output_reader
+        self.prefill_runtime = components.prefill_runtime
+        self.decode_runtime = components.decode_runtime
+        self.program_compiler = components.program_compiler
+        self.eager_executor = components.eager_executor
+        self.trace_compiler = components.trace_compiler
+        self.traced_executor = components.traced_executor
+        self.warmup = components.warmup
         self._kv_handle: list[list[Any]] | None = None
 
     # -- geometry ---------------------------------------------------------------------------------
@@ -598,31 +599,11 @@ class ModelExecutor(LifecycleHost):
 
     def _held_resources(self) -> tuple[str, ...]:
         """Components holding what a failed release left (each refuses work until cleaned)."""
-        counts = [
-            ("program compiler", self.program_compiler.compile_orphan_count),
-            ("prefill runtime", self.prefill_runtime.transient_orphan_count),
-            ("decode runtime", self.decode_runtime.transient_orphan_count),
-        ]
-        if self.trace_compiler is not None:
-            counts.append(("trace compiler", self.trace_compiler.rollback_orphan_count))
-        kv = self.kv_cache_manager
-        if kv.state.value != "bound":
-            counts.append(("paged KV cache", kv.owned_tensor_count))
-        return tuple(f"{count} unreleased {name} resource(s)" for name, count in counts if count)
+        return self.components.held_resources()
 
     def _do_close(self) -> Sequence[BaseException]:
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            ("external decode leases", self.decode_runtime.drain_external_outputs),
-            ("pending output reads", self.output_reader.drain),
-            ("prefill transients", self.prefill_runtime.cleanup),
-            ("decode transients", self.decode_runtime.cleanup_transients),
-        ]
-        if self.trace_compiler is not None:
-            steps.append(("traces", self.trace_compiler.cleanup))
-        steps.append(("program registry", self.program_compiler.cleanup))
-        if self.config.device_sampling_enabled:
-            steps.append(("sampling buffers", self.model.sampling.release))
-        steps.append(("paged KV cache", self.kv_cache_manager.release))
+        sampling = self.model.sampling.release if self.config.device_sampling_enabled else None
+        steps = self.components.cleanup_steps(sampling)
         failures: list[BaseException] = []
         for name, step in steps:
             try:

@@ -53,6 +53,41 @@ class LaneComponents:
     traced_executor: TracedExecutor | None
     warmup: WarmupCoordinator
 
+    def held_resources(self) -> tuple[str, ...]:
+        """What a failed release left, by component (each refuses work until cleaned)."""
+        counts = [
+            ("program compiler", self.program_compiler.compile_orphan_count),
+            ("prefill runtime", self.prefill_runtime.transient_orphan_count),
+            ("decode runtime", self.decode_runtime.transient_orphan_count),
+        ]
+        if self.trace_compiler is not None:
+            counts.append(("trace compiler", self.trace_compiler.rollback_orphan_count))
+        kv = self.kv_cache_manager
+        if kv.state.value != "bound":
+            counts.append(("paged KV cache", kv.owned_tensor_count))
+        return tuple(f"{count} unreleased {name} resource(s)" for name, count in counts if count)
+
+    def cleanup_steps(
+        self, release_sampling: Callable[[], Any] | None
+    ) -> list[tuple[str, Callable[[], Any]]]:
+        """The seed's cleanup order: leases and reads, transients, traces, programs, KV last.
+
+        `release_sampling` frees the model's device-sampling buffers (None: none to free).
+        """
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("external decode leases", self.decode_runtime.drain_external_outputs),
+            ("pending output reads", self.output_reader.drain),
+            ("prefill transients", self.prefill_runtime.cleanup),
+            ("decode transients", self.decode_runtime.cleanup_transients),
+        ]
+        if self.trace_compiler is not None:
+            steps.append(("traces", self.trace_compiler.cleanup))
+        steps.append(("program registry", self.program_compiler.cleanup))
+        if release_sampling is not None:
+            steps.append(("sampling buffers", release_sampling))
+        steps.append(("paged KV cache", self.kv_cache_manager.release))
+        return steps
+
 
 def build_lane_components(
     model: Any,
