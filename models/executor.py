@@ -100,9 +100,12 @@ class ModelExecutor(LifecycleHost):
         self.config = config
         self.device = device
         self.progress: ProgressSink = as_progress(progress)
+        kv = config.paged_kv_cache
+        self.page_table_layout = config.page_table_layout(kv.num_blocks or kv.max_num_blocks)
         components = build_lane_components(
             model,
             config,
+            layout=self.page_table_layout,
             device=device,
             journal=self.journal,
             owner_name=owner_name,
@@ -114,7 +117,6 @@ class ModelExecutor(LifecycleHost):
         )
         self.components = components
         self.kv_cache_manager = components.kv_cache_manager
-        self.page_table_layout = components.page_table_layout
         self.output_reader = components.output_reader
         self.prefill_runtime = components.prefill_runtime
         self.decode_runtime = components.decode_runtime
@@ -177,23 +179,8 @@ class ModelExecutor(LifecycleHost):
             raise ValueError("configure_paged_kv_cache needs a resolved config (num_blocks set)")
         assert config.num_blocks is not None
         layout = self.config.page_table_layout(config.num_blocks)
-        # Validate every replacement before changing anything, so a refusal is atomic.
-        self.prefill_runtime.config.with_page_table_layout(layout)
-        self.decode_runtime.config.with_page_table_layout(layout)
-        warmup_config = self.warmup.config.with_page_table_layout(layout)
-        if self.kv_cache_manager.state.value == "unresolved":
-            self.kv_cache_manager.configure(config)
-        elif self.kv_cache_manager.config != config:
-            raise ValueError(
-                f"paged KV capacity is already resolved to {self.kv_cache_manager.config}; "
-                f"cannot replace it with {config}"
-            )
-        self.check_kv_memory(config.num_blocks)
-        # Nothing below can fail: the configs were validated above.
+        self.components.install_capacity(config, layout, self.device)
         self.page_table_layout = layout
-        self.prefill_runtime.configure_page_table_layout(layout)
-        self.decode_runtime.configure_page_table_layout(layout)
-        self.warmup.config = warmup_config
         return f"{config.num_blocks} blocks of {config.block_size} tokens"
 
     def kv_cache_bytes(self, num_blocks: int) -> int:

@@ -15,9 +15,10 @@ import attrs
 
 from lifecycle.journal import Journal
 from models.executor_config import ModelExecutorConfig
+from models.lane_capacity import check_kv_memory
 from models.progress import ProgressSink
 from runtime.backends.base import Device
-from runtime.config import PageTableLayout
+from runtime.config import PagedKVCacheConfig, PageTableLayout
 from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
 from runtime.execution import EagerExecutor, TracedExecutor
 from runtime.output_reader import OutputReader
@@ -43,7 +44,6 @@ class LaneComponents:
     """Every runtime component of one lane (traced parts are None on eager lanes)."""
 
     kv_cache_manager: PagedKVCacheManager
-    page_table_layout: PageTableLayout
     output_reader: OutputReader
     prefill_runtime: PrefillRuntime
     decode_runtime: DecodeRuntime
@@ -52,6 +52,32 @@ class LaneComponents:
     trace_compiler: TraceCompiler | None
     traced_executor: TracedExecutor | None
     warmup: WarmupCoordinator
+
+    def install_capacity(
+        self, kv_config: PagedKVCacheConfig, layout: PageTableLayout, device: Device
+    ) -> None:
+        """Give every component the late-resolved capacity and its page-table layout.
+
+        Every replacement is validated before anything changes, so a refused layout leaves
+        the components as they were.
+        """
+        self.prefill_runtime.config.with_page_table_layout(layout)
+        self.decode_runtime.config.with_page_table_layout(layout)
+        warmup_config = self.warmup.config.with_page_table_layout(layout)
+        manager = self.kv_cache_manager
+        if manager.state.value == "unresolved":
+            manager.configure(kv_config)
+        elif manager.config != kv_config:
+            raise ValueError(
+                f"paged KV capacity is already resolved to {manager.config}; "
+                f"cannot replace it with {kv_config}"
+            )
+        assert kv_config.num_blocks is not None
+        check_kv_memory(manager, device, kv_config.num_blocks)
+        # Nothing below can fail: the configs were validated above.
+        self.prefill_runtime.configure_page_table_layout(layout)
+        self.decode_runtime.configure_page_table_layout(layout)
+        self.warmup.config = warmup_config
 
     def held_resources(self) -> tuple[str, ...]:
         """What a failed release left, by component (each refuses work until cleaned)."""
@@ -93,17 +119,20 @@ def build_lane_components(
     model: Any,
     config: ModelExecutorConfig,
     *,
+    layout: PageTableLayout,
     device: Device,
     journal: Journal,
     owner_name: str,
     callbacks: LaneCallbacks,
 ) -> LaneComponents:
-    """The components of one lane over `model`, journaled under `owner_name`."""
-    kv = config.paged_kv_cache
+    """The components of one lane over `model` and `layout`, journaled under `owner_name`."""
     kv_cache_manager = PagedKVCacheManager(
-        model, kv, device=device, journal=journal, owner_name=f"{owner_name}.kv-cache"
+        model,
+        config.paged_kv_cache,
+        device=device,
+        journal=journal,
+        owner_name=f"{owner_name}.kv-cache",
     )
-    layout = config.page_table_layout(kv.num_blocks or kv.max_num_blocks)
     output_reader = OutputReader(device)
     prefill = _prefill_runtime(model, config, device, output_reader, layout)
     decode = _decode_runtime(model, config, device, output_reader, layout)
@@ -119,15 +148,11 @@ def build_lane_components(
         program_compiler=program_compiler,
         trace_mode=config.trace.mode,
     )
-    trace_compiler: TraceCompiler | None = None
-    traced: TracedExecutor | None = None
-    if config.traced:
-        trace_compiler = TraceCompiler(
-            program_compiler, journal=journal, owner_name=f"{owner_name}.trace-compiler"
-        )
-        traced = TracedExecutor(
-            eager=eager, trace_compiler=trace_compiler, trace_mode=config.trace.mode
-        )
+    trace_compiler, traced = (
+        _traced_parts(config, eager, program_compiler, journal, owner_name)
+        if config.traced
+        else (None, None)
+    )
     warmup = WarmupCoordinator(
         config=_warmup_config(config, prefill, decode),
         execution=traced or eager,
@@ -140,7 +165,6 @@ def build_lane_components(
     )
     return LaneComponents(
         kv_cache_manager=kv_cache_manager,
-        page_table_layout=layout,
         output_reader=output_reader,
         prefill_runtime=prefill,
         decode_runtime=decode,
@@ -150,6 +174,23 @@ def build_lane_components(
         traced_executor=traced,
         warmup=warmup,
     )
+
+
+def _traced_parts(
+    config: ModelExecutorConfig,
+    eager: EagerExecutor,
+    program_compiler: ProgramCompiler,
+    journal: Journal,
+    owner_name: str,
+) -> tuple[TraceCompiler, TracedExecutor]:
+    """The trace compiler over the lane's program compiler, and the traced executor."""
+    trace_compiler = TraceCompiler(
+        program_compiler, journal=journal, owner_name=f"{owner_name}.trace-compiler"
+    )
+    traced = TracedExecutor(
+        eager=eager, trace_compiler=trace_compiler, trace_mode=config.trace.mode
+    )
+    return trace_compiler, traced
 
 
 def _prefill_runtime(
