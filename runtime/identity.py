@@ -6,7 +6,10 @@ The vocabulary, used the same way everywhere:
   operation: `DecodeSignature`, `PrefillSignature` and its trace grain
   `PrefillTraceSignature`); it exposes its *key material*, `(name, value)` pairs;
 - a *key* is the SHA-256 digest of that material in one domain: `ProgramKey` in the program
-  registry, `TraceKey` in the trace registry. The same signature gives both.
+  registry, `TraceKey` in the trace registry. The same signature gives both;
+- a *fingerprint* identifies nothing compiled: it is the coarser tuple that decides when
+  several traces share one capture or one post-processing workspace (the coverage
+  manifest's `schema_fingerprint` and `workspace_fingerprint`).
 
 Registries key their entries by digest, not by object identity, so equal geometry always maps
 to the same compiled program or trace. The encoding is type tagged (`True`, `1`, `1.0` and
