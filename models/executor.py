@@ -1,8 +1,8 @@
 """`ModelExecutor`: one execution lane composed in the seed's order, as a lifecycle host.
 
 The executor owns every runtime component of a lane (paged KV cache, output reader, prefill
-and decode runtimes, program and trace compilers, warmup coordinator) and is the cleanup
-root. Its phase machine guards the public surface: a call in the wrong phase is refused
+and decode runtimes, program and trace compilers, warmup coordinator; built by
+`models.lane_components`) and is the cleanup root. Its phase machine guards the public surface: a call in the wrong phase is refused
 before any device work with the next legal calls. Completing warmup moves ALLOCATED ->
 COMPILED, `capture()` COMPILED -> CAPTURED, `serve()` -> SERVING.
 """
