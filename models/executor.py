@@ -409,7 +409,7 @@ class ModelExecutor(LifecycleHost):
     # -- capture and serve -----------------------------------------------------------------------
 
     def _requires_capture(self) -> bool:
-        return self.config.trace.mode != "none"
+        return self.config.traced
 
     def _do_capture(self) -> str:
         with self.progress.step("capture traces"):
