@@ -2,9 +2,10 @@
 
 The executor owns every runtime component of a lane (paged KV cache, output reader, prefill
 and decode runtimes, program and trace compilers, warmup coordinator; built by
-`models.lane_components`) and is the cleanup root. Its phase machine guards the public surface: a call in the wrong phase is refused
-before any device work with the next legal calls. Completing warmup moves ALLOCATED ->
-COMPILED, `capture()` COMPILED -> CAPTURED, `serve()` -> SERVING.
+`models.lane_components`) and is the cleanup root. Its phase machine guards the public
+surface: a call in the wrong phase is refused before any device work with the next legal
+calls. Completing warmup moves ALLOCATED -> COMPILED, `capture()` COMPILED -> CAPTURED,
+`serve()` -> SERVING.
 """
 
 from __future__ import annotations
