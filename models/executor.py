@@ -1,10 +1,11 @@
 """`ModelExecutor`: one execution lane composed in the seed's order, as a lifecycle host.
 
 The executor owns every runtime component of a lane (paged KV cache, output reader, prefill
-and decode runtimes, program and trace compilers, warmup coordinator) and is the cleanup
-root. Its phase machine guards the public surface: a call in the wrong phase is refused
-before any device work with the next legal calls. Completing warmup moves ALLOCATED ->
-COMPILED, `capture()` COMPILED -> CAPTURED, `serve()` -> SERVING.
+and decode runtimes, program and trace compilers, warmup coordinator; built by
+`models.lane_components`) and is the cleanup root. Its phase machine guards the public
+surface: a call in the wrong phase is refused before any device work with the next legal
+calls. Completing warmup moves ALLOCATED -> COMPILED, `capture()` COMPILED -> CAPTURED,
+`serve()` -> SERVING.
 """
 
 from __future__ import annotations
@@ -18,32 +19,30 @@ import torch
 
 from lifecycle import LifecycleHost, Phase, guarded, host_table
 from lifecycle.journal import Journal
+from models.executor_config import ModelExecutorConfig as ModelExecutorConfig
+from models.executor_config import require_exact_type
+from models.lane_capacity import KVCapacityError as KVCapacityError
+from models.lane_capacity import (
+    check_kv_memory,
+    check_server_cache_shape,
+    check_warmup_extent,
+    server_cache_blocks,
+)
+from models.lane_components import LaneCallbacks, build_lane_components
 from models.progress import ProgressSink, as_progress
 from runtime.backends.base import Device
-from runtime.backends.memory import available_memory_bytes, format_bytes
+from runtime.backends.memory import format_bytes
 from runtime.config import (
     PagedKVCacheConfig,
-    PageTableLayout,
-    RuntimePolicy,
-    TraceConfig,
-    WarmupConfig,
-    require_positive_int,
 )
-from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
 from runtime.decode_batch import SlotRemap
 from runtime.execution import EagerExecutor, TracedExecutor
-from runtime.output_reader import OutputReader
-from runtime.paged_kv_cache import PagedKVCacheManager
 from runtime.prefill.batch import IntVector, PrefillArguments
-from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.result_collector import PrefillOutput
-from runtime.prefill.runtime import PrefillRuntime
 from runtime.prefill.signatures import PreparedPrefill
-from runtime.program_compiler import CompiledProgram, ProgramCompiler
+from runtime.program_compiler import CompiledProgram
 from runtime.sampling import SamplingParams
-from runtime.trace_compiler import TraceCompiler
 from runtime.validation import require_bool
-from runtime.warmup import WarmupCoordinator, WarmupCoordinatorConfig
 from runtime.warmup_manifest import CoverageManifest
 
 logger = logging.getLogger(__name__)
@@ -68,60 +67,6 @@ TRACED_EXECUTOR_TABLE = host_table(
     name="model-executor", next_calls={**_NEXT_CALLS, P.COMPILED: ("start", "capture")}
 )
 EXECUTOR_TABLE = EAGER_EXECUTOR_TABLE
-
-
-class KVCapacityError(ValueError):
-    """The paged KV cache asked for does not fit in the memory the device has left."""
-
-
-def _exact(name: str, value: object, kind: type) -> None:
-    if type(value) is not kind:
-        raise TypeError(f"{name} must be exactly {kind.__name__}, got {type(value).__name__}")
-
-
-@attrs.frozen
-class ModelExecutorConfig:
-    """Static policy of one lane: trace mode, warmup coverage, KV geometry, lane shape."""
-
-    trace: TraceConfig
-    warmup: WarmupConfig
-    paged_kv_cache: PagedKVCacheConfig
-    device_sampling_enabled: bool
-    max_batch_size: int
-    max_prefill_chunk_size: int
-    max_seq_len: int
-    policy: RuntimePolicy
-    max_prefill_batch_size: int = 8
-    supports_batched_prefill: bool = True
-    prefill_sequence_lengths: tuple[int, ...] | None = None
-
-    def __attrs_post_init__(self) -> None:
-        _exact("trace", self.trace, TraceConfig)
-        _exact("warmup", self.warmup, WarmupConfig)
-        _exact("paged_kv_cache", self.paged_kv_cache, PagedKVCacheConfig)
-        _exact("policy", self.policy, RuntimePolicy)
-        if not isinstance(self.device_sampling_enabled, bool):
-            raise TypeError(
-                f"device_sampling_enabled must be bool, got {self.device_sampling_enabled!r}"
-            )
-        require_positive_int("max_batch_size", self.max_batch_size)
-        require_positive_int("max_prefill_chunk_size", self.max_prefill_chunk_size)
-        require_positive_int("max_seq_len", self.max_seq_len)
-
-    def default_prefill_lengths(self) -> tuple[int, ...]:
-        """Every padded length a prompt can take, up to the chunk size (warmup coverage)."""
-        if self.prefill_sequence_lengths is not None:
-            return self.prefill_sequence_lengths
-        limit = min(self.max_prefill_chunk_size, self.max_seq_len)
-        lengths: list[int] = []
-        n = 1
-        while True:
-            padded = self.policy.padded_prefill_length(n)
-            if padded > limit:
-                break
-            lengths.append(padded)
-            n = padded + 1
-        return tuple(lengths) or (self.policy.padded_prefill_length(1),)
 
 
 @attrs.frozen
@@ -149,7 +94,7 @@ class ModelExecutor(LifecycleHost):
         journal: Journal | None = None,
         progress: ProgressSink | Callable[[str, int, int], None] | None = None,
     ) -> None:
-        _exact("config", config, ModelExecutorConfig)
+        require_exact_type("config", config, ModelExecutorConfig)
         if not callable(getattr(model, "iter_executor_named_modules", None)):
             raise TypeError(
                 f"model {type(model).__name__} must provide iter_executor_named_modules() "
@@ -157,107 +102,43 @@ class ModelExecutor(LifecycleHost):
             )
         if config.device_sampling_enabled and getattr(model, "sampling", None) is None:
             raise TypeError("device sampling requires model.sampling (a resolved sampler)")
-        traced = config.trace.mode != "none"
         super().__init__(
             owner_name=owner_name,
             journal=journal,
-            table=TRACED_EXECUTOR_TABLE if traced else EAGER_EXECUTOR_TABLE,
+            table=TRACED_EXECUTOR_TABLE if config.traced else EAGER_EXECUTOR_TABLE,
         )
         self.model = model
         self.config = config
         self.device = device
         self.progress: ProgressSink = as_progress(progress)
         kv = config.paged_kv_cache
-        self.kv_cache_manager = PagedKVCacheManager(
-            model, kv, device=device, journal=self.journal, owner_name=f"{owner_name}.kv-cache"
-        )
-        self.page_table_layout = self._layout(kv.num_blocks or kv.max_num_blocks)
-        self.output_reader = OutputReader(device)
-        trace = config.trace
-        self.prefill_runtime = PrefillRuntime(
-            PrefillRuntimeConfig.resolve(
-                model=model,
-                device=device,
-                output_reader=self.output_reader,
-                page_table_layout=self.page_table_layout,
-                max_batch_size=config.max_batch_size,
-                max_prefill_chunk_size=config.max_prefill_chunk_size,
-                policy=config.policy,
-                supports_batched_prefill=config.supports_batched_prefill,
-                max_prefill_batch_size=config.max_prefill_batch_size,
-                device_sampling_enabled=config.device_sampling_enabled,
-                can_enable_trace=lambda length, cached: trace.prefill_enabled,
-            )
-        )
-        self.decode_runtime = DecodeRuntime(
-            DecodeRuntimeConfig.resolve(
-                model=model,
-                device=device,
-                output_reader=self.output_reader,
-                lane_capacity=config.max_batch_size,
-                page_table_layout=self.page_table_layout,
-                device_sampling_enabled=config.device_sampling_enabled,
-                force_greedy_top_k=config.warmup.include_decode_top_k,
-                policy=config.policy,
-            )
-        )
-        self.program_compiler = ProgramCompiler(
-            device,
-            lambda: self.kv_cache_manager.bound_context,
+        self.page_table_layout = config.page_table_layout(kv.num_blocks or kv.max_num_blocks)
+        components = build_lane_components(
+            model,
+            config,
+            layout=self.page_table_layout,
+            device=device,
             journal=self.journal,
-            owner_name=f"{owner_name}.program-compiler",
-        )
-        self.eager_executor = EagerExecutor(
-            prefill=self.prefill_runtime,
-            decode=self.decode_runtime,
-            program_compiler=self.program_compiler,
-            trace_mode=trace.mode,
-        )
-        self.trace_compiler: TraceCompiler | None = None
-        self.traced_executor: TracedExecutor | None = None
-        if trace.mode != "none":
-            self.trace_compiler = TraceCompiler(
-                self.program_compiler,
-                journal=self.journal,
-                owner_name=f"{owner_name}.trace-compiler",
-            )
-            self.traced_executor = TracedExecutor(
-                eager=self.eager_executor, trace_compiler=self.trace_compiler, trace_mode=trace.mode
-            )
-        lengths = config.default_prefill_lengths()
-        self.warmup = WarmupCoordinator(
-            config=WarmupCoordinatorConfig.resolve(
-                warmup=config.warmup,
-                trace=trace,
-                prefill=self.prefill_runtime,
-                decode=self.decode_runtime,
-                prefill_sequence_lengths=lengths,
-                # Traced lanes close the compile gate, so every wave the planner can form
-                # must be covered; eager lanes keep the reference's smallest-bucket waves.
-                batched_sequence_lengths=lengths if trace.mode != "none" else None,
-                max_seq_len=config.max_seq_len,
+            owner_name=owner_name,
+            callbacks=LaneCallbacks(
+                ensure_sampling_buffers=self.ensure_sampling_buffers,
+                validate_bound_cache=self._validate_cache_argument,
+                progress=self.progress,
             ),
-            execution=self.traced_executor or self.eager_executor,
-            ensure_sampling_buffers=self.ensure_sampling_buffers,
-            validate_bound_cache=self._validate_cache_argument,
-            progress=self.progress,
-            auto_capture=False,
-            journal=self.journal,
-            owner_name=f"{owner_name}.warmup",
         )
+        self.components = components
+        self.kv_cache_manager = components.kv_cache_manager
+        self.output_reader = components.output_reader
+        self.prefill_runtime = components.prefill_runtime
+        self.decode_runtime = components.decode_runtime
+        self.program_compiler = components.program_compiler
+        self.eager_executor = components.eager_executor
+        self.trace_compiler = components.trace_compiler
+        self.traced_executor = components.traced_executor
+        self.warmup = components.warmup
         self._kv_handle: list[list[Any]] | None = None
 
     # -- geometry ---------------------------------------------------------------------------------
-
-    def _layout(self, num_blocks: int) -> PageTableLayout:
-        config = self.config
-        return PageTableLayout.resolve(
-            block_size=config.paged_kv_cache.block_size,
-            model_max_sequence_length=config.max_seq_len,
-            physical_num_blocks=num_blocks,
-            max_prefill_chunk_size=min(config.max_prefill_chunk_size, config.max_seq_len),
-            alignment=config.policy.page_table_width_alignment,
-        )
 
     @property
     def block_size(self) -> int:
@@ -308,24 +189,9 @@ class ModelExecutor(LifecycleHost):
         if not config.is_resolved():
             raise ValueError("configure_paged_kv_cache needs a resolved config (num_blocks set)")
         assert config.num_blocks is not None
-        layout = self._layout(config.num_blocks)
-        # Validate every replacement before changing anything, so a refusal is atomic.
-        self.prefill_runtime.config.with_page_table_layout(layout)
-        self.decode_runtime.config.with_page_table_layout(layout)
-        warmup_config = self.warmup.config.with_page_table_layout(layout)
-        if self.kv_cache_manager.state.value == "unresolved":
-            self.kv_cache_manager.configure(config)
-        elif self.kv_cache_manager.config != config:
-            raise ValueError(
-                f"paged KV capacity is already resolved to {self.kv_cache_manager.config}; "
-                f"cannot replace it with {config}"
-            )
-        self.check_kv_memory(config.num_blocks)
-        # Nothing below can fail: the configs were validated above.
+        layout = self.config.page_table_layout(config.num_blocks)
+        self.components.install_capacity(config, layout, self.device)
         self.page_table_layout = layout
-        self.prefill_runtime.configure_page_table_layout(layout)
-        self.decode_runtime.configure_page_table_layout(layout)
-        self.warmup.config = warmup_config
         return f"{config.num_blocks} blocks of {config.block_size} tokens"
 
     def kv_cache_bytes(self, num_blocks: int) -> int:
@@ -334,16 +200,7 @@ class ModelExecutor(LifecycleHost):
 
     def check_kv_memory(self, num_blocks: int) -> None:
         """Refuse, before allocating, a KV cache larger than the memory the device has left."""
-        needed = self.kv_cache_bytes(num_blocks)
-        available = available_memory_bytes(self.device.torch_device)
-        if available is not None and needed > available:
-            per_block = needed // max(1, num_blocks)
-            raise KVCapacityError(
-                f"a paged KV cache of {num_blocks} blocks needs {format_bytes(needed)} "
-                f"({format_bytes(per_block)} per block of {self.block_size} tokens) but "
-                f"only {format_bytes(available)} is available on {self.device.name}; at most "
-                f"{available // max(1, per_block)} blocks fit"
-            )
+        check_kv_memory(self.kv_cache_manager, self.device, num_blocks)
 
     def _do_resolve_capacity(self, num_blocks: int | None) -> str:
         current = self.kv_cache_manager.config
@@ -383,38 +240,11 @@ class ModelExecutor(LifecycleHost):
 
         A server may pass its physical cache spec (all three arguments or none).
         """
-        given = [value is not None for value in (kv_cache_shape, dtype, num_layers)]
-        if any(given) and not all(given):
-            raise TypeError(
-                "allocate_kv_cache takes kv_cache_shape, dtype and num_layers together or not "
-                "at all"
-            )
-        num_blocks: int | None = None
-        if kv_cache_shape is not None:
-            shape = tuple(kv_cache_shape)
-            if len(shape) != 4:
-                raise ValueError(
-                    f"kv_cache_shape must have rank 4 [num_blocks, kv_heads, block_size, "
-                    f"head_dim], got {shape}"
-                )
-            if num_layers != self.kv_cache_manager.num_layers:
-                raise ValueError(
-                    f"num_layers {num_layers} does not match the model's "
-                    f"{self.kv_cache_manager.num_layers} layers"
-                )
-            self.kv_cache_manager.validate_vllm_cache_spec(
-                block_size=shape[2], dtype=dtype, num_blocks=shape[0]
-            )
-            num_blocks = shape[0]
+        num_blocks = server_cache_blocks(self.kv_cache_manager, kv_cache_shape, dtype, num_layers)
         if self.phase is P.CONSTRUCTED:
             self.resolve_capacity(num_blocks)
         if kv_cache_shape is not None:
-            expected = self.kv_cache_manager.cache_shapes
-            if any(tuple(kv_cache_shape) != s for s in expected):
-                raise ValueError(
-                    f"kv_cache_shape {tuple(kv_cache_shape)} does not match the model-derived "
-                    f"shapes {sorted(set(expected))}"
-                )
+            check_server_cache_shape(self.kv_cache_manager, kv_cache_shape)
         if self.phase is P.CAPACITY_RESOLVED:
             self.seal()
         self.allocate()
@@ -471,7 +301,13 @@ class ModelExecutor(LifecycleHost):
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         try:
-            self._run_prefill_warmup(kv_cache, sampling, trace)
+            self.warmup.warmup_prefill(
+                kv_cache=kv_cache,
+                can_sample_on_device=self.config.device_sampling_enabled
+                if sampling is None
+                else sampling,
+                enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
+            )
         finally:
             self.progress.cases_done()
 
@@ -484,58 +320,21 @@ class ModelExecutor(LifecycleHost):
         num_blocks: int | None = None,
     ) -> None:
         try:
-            self._run_decode_warmup(kv_cache, sampling, trace, max_batch_size, num_blocks)
+            physical = self.kv_cache_manager.config.num_blocks
+            assert physical is not None
+            lane = self.config.max_batch_size
+            check_warmup_extent(lane, physical, max_batch_size, num_blocks)
+            self.warmup.warmup_decode(
+                kv_cache=kv_cache,
+                max_batch_size=lane if max_batch_size is None else max_batch_size,
+                num_blocks=physical if num_blocks is None else num_blocks,
+                can_sample_on_device=self.config.device_sampling_enabled
+                if sampling is None
+                else sampling,
+                enable_trace=self.config.trace.decode_enabled if trace is None else trace,
+            )
         finally:
             self.progress.cases_done()
-
-    def _run_prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
-        self.warmup.warmup_prefill(
-            kv_cache=kv_cache,
-            can_sample_on_device=self.config.device_sampling_enabled
-            if sampling is None
-            else sampling,
-            enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
-        )
-
-    def _run_decode_warmup(
-        self,
-        kv_cache: Any,
-        sampling: bool | None,
-        trace: bool | None,
-        max_batch_size: int | None = None,
-        num_blocks: int | None = None,
-    ) -> None:
-        physical = self.kv_cache_manager.config.num_blocks
-        assert physical is not None
-        lane = self.config.max_batch_size
-        if max_batch_size is not None and (
-            isinstance(max_batch_size, bool)
-            or not isinstance(max_batch_size, int)
-            or not 1 <= max_batch_size <= lane
-        ):
-            raise ValueError(
-                f"max_batch_size={max_batch_size!r} is outside the lane capacity: allowed is an "
-                f"int in 1..{lane} (ModelExecutorConfig.max_batch_size); decode always runs the "
-                "whole lane"
-            )
-        if num_blocks is not None and (
-            isinstance(num_blocks, bool)
-            or not isinstance(num_blocks, int)
-            or not 1 <= num_blocks <= physical
-        ):
-            raise ValueError(
-                f"num_blocks={num_blocks!r} is outside the allocated paged KV cache: allowed is "
-                f"an int in 1..{physical} (the resolved num_blocks)"
-            )
-        self.warmup.warmup_decode(
-            kv_cache=kv_cache,
-            max_batch_size=lane if max_batch_size is None else max_batch_size,
-            num_blocks=physical if num_blocks is None else num_blocks,
-            can_sample_on_device=self.config.device_sampling_enabled
-            if sampling is None
-            else sampling,
-            enable_trace=self.config.trace.decode_enabled if trace is None else trace,
-        )
 
     def _warmup_ready(self) -> bool:
         return self.warmup.operation_complete("prefill") and self.warmup.operation_complete(
@@ -608,35 +407,10 @@ class ModelExecutor(LifecycleHost):
         if plan is not None and callable(adopt) and self.warmup.kernel_choice is None:
             adopt(plan)
 
-    def warmup_model_prefill(
-        self,
-        *,
-        kv_cache: Any = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        """The seed's name for `warmup_prefill` (every argument honoured)."""
-        self.warmup_prefill(
-            kv_cache=kv_cache, can_sample_on_device=can_sample_on_device, enable_trace=enable_trace
-        )
-
-    def warmup_model_decode(
-        self,
-        *,
-        kv_cache: Any = None,
-        max_batch_size: int | None = None,
-        num_blocks: int | None = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        """The seed's name for `warmup_decode` (every argument honoured and validated)."""
-        self.warmup_decode(
-            kv_cache=kv_cache,
-            max_batch_size=max_batch_size,
-            num_blocks=num_blocks,
-            can_sample_on_device=can_sample_on_device,
-            enable_trace=enable_trace,
-        )
+    warmup_model_prefill = warmup_prefill
+    """The seed's name for `warmup_prefill` (every argument honoured)."""
+    warmup_model_decode = warmup_decode
+    """The seed's name for `warmup_decode` (every argument honoured and validated)."""
 
     def _do_compile(self) -> str:
         self._prefill_warmup(None, None, None)
@@ -653,7 +427,7 @@ class ModelExecutor(LifecycleHost):
     # -- capture and serve -----------------------------------------------------------------------
 
     def _requires_capture(self) -> bool:
-        return self.config.trace.mode != "none"
+        return self.config.traced
 
     def _do_capture(self) -> str:
         with self.progress.step("capture traces"):
@@ -825,31 +599,11 @@ class ModelExecutor(LifecycleHost):
 
     def _held_resources(self) -> tuple[str, ...]:
         """Components holding what a failed release left (each refuses work until cleaned)."""
-        counts = [
-            ("program compiler", self.program_compiler.compile_orphan_count),
-            ("prefill runtime", self.prefill_runtime.transient_orphan_count),
-            ("decode runtime", self.decode_runtime.transient_orphan_count),
-        ]
-        if self.trace_compiler is not None:
-            counts.append(("trace compiler", self.trace_compiler.rollback_orphan_count))
-        kv = self.kv_cache_manager
-        if kv.state.value != "bound":
-            counts.append(("paged KV cache", kv.owned_tensor_count))
-        return tuple(f"{count} unreleased {name} resource(s)" for name, count in counts if count)
+        return self.components.held_resources()
 
     def _do_close(self) -> Sequence[BaseException]:
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            ("external decode leases", self.decode_runtime.drain_external_outputs),
-            ("pending output reads", self.output_reader.drain),
-            ("prefill transients", self.prefill_runtime.cleanup),
-            ("decode transients", self.decode_runtime.cleanup_transients),
-        ]
-        if self.trace_compiler is not None:
-            steps.append(("traces", self.trace_compiler.cleanup))
-        steps.append(("program registry", self.program_compiler.cleanup))
-        if self.config.device_sampling_enabled:
-            steps.append(("sampling buffers", self.model.sampling.release))
-        steps.append(("paged KV cache", self.kv_cache_manager.release))
+        sampling = self.model.sampling.release if self.config.device_sampling_enabled else None
+        steps = self.components.cleanup_steps(sampling)
         failures: list[BaseException] = []
         for name, step in steps:
             try:

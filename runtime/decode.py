@@ -61,8 +61,11 @@ from runtime.decode_staging import (
     stage_inputs,
     unwrap_persistent,
 )
-from runtime.lifecycles import ReadState
-from runtime.sampling import PreparedSamplingParams, SamplingParams
+from runtime.output_reader import ReadState
+from runtime.sampling import (
+    PreparedSamplingParams,
+    SamplingParams,
+)
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
 from runtime.validation import require_bool

@@ -20,8 +20,7 @@ from runtime.backends.base import Device
 from runtime.config import PageTableLayout
 from runtime.decode_batch import PreparedDecode
 from runtime.identity import ProgramKey
-from runtime.lifecycles import OUTPUT_READ_TABLE, ReadState
-from runtime.output_reader import PendingRead
+from runtime.output_reader import OUTPUT_READ_TABLE, PendingRead, ReadState
 from runtime.sampling import PreparedSamplingParams
 from runtime.trace_compiler import (
     InputRefreshPolicy,

@@ -1,10 +1,21 @@
-"""Canonical identities: type-tagged key material and SHA-256 digests for programs and traces.
+"""How compiled programs and traces are identified: signatures, key material, keys.
 
-Program and trace registries key their entries by a digest of a signature's key material, not
-by object identity, so equal geometry always maps to the same compiled program or trace. The
-encoding is type tagged (`True`, `1`, `1.0` and `"1"` give four different keys) and accepts
-only immutable, unambiguous values, so a key can never depend on a mutable or device object.
-The digests reproduce the reference runtime's digests byte for byte.
+The vocabulary, used the same way everywhere:
+
+- a *signature* is a frozen value naming what a compiled artifact depends on (one type per
+  operation: `DecodeSignature`, `PrefillSignature` and its trace grain
+  `PrefillTraceSignature`); it exposes its *key material*, `(name, value)` pairs;
+- a *key* is the SHA-256 digest of that material in one domain: `ProgramKey` in the program
+  registry, `TraceKey` in the trace registry. The same signature gives both;
+- a *fingerprint* identifies nothing compiled: it is the coarser tuple that decides when
+  several traces share one capture or one post-processing workspace (the coverage
+  manifest's `schema_fingerprint` and `workspace_fingerprint`).
+
+Registries key their entries by digest, not by object identity, so equal geometry always maps
+to the same compiled program or trace. The encoding is type tagged (`True`, `1`, `1.0` and
+`"1"` give four different keys) and accepts only immutable, unambiguous values, so a key can
+never depend on a mutable or device object. The digests reproduce the reference runtime's
+digests byte for byte.
 """
 
 from __future__ import annotations
@@ -24,6 +35,9 @@ KEY_SCHEMA_VERSION = 1
 
 KeyMaterial: TypeAlias = bool | int | float | str | Enum | tuple["KeyMaterial", ...] | None
 """Values allowed in a signature's key material (str-valued Enums only; floats finite)."""
+
+KeyPairs: TypeAlias = tuple[tuple[str, KeyMaterial], ...]
+"""A signature's key material: named values, in the order the digest hashes them."""
 
 TaggedMaterial: TypeAlias = tuple["str | bool | list[TaggedMaterial]", ...]
 """The type-tagged form of key material, as it is JSON-encoded."""

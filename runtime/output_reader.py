@@ -17,16 +17,48 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 import attrs
 import torch
 
 from lifecycle.errors import attach_cleanup_failures
+from lifecycle.machine import MachineTable, StateSpec, TransitionSpec
 from runtime.backends.base import Device, Event
-from runtime.lifecycles import OUTPUT_READ_TABLE, ReadState
 
 logger = logging.getLogger(__name__)
+
+
+class ReadState(StrEnum):
+    """One asynchronous output read or decode lease."""
+
+    IDLE = "idle"
+    PENDING = "pending"
+    COMPLETED = "completed"
+    RELEASED = "released"
+
+
+OUTPUT_READ_TABLE = MachineTable(
+    name="output-read",
+    states=(
+        StateSpec(ReadState.IDLE, "raw device output held", ("submit",)),
+        StateSpec(ReadState.PENDING, "non-blocking copy submitted with an event", ("complete",)),
+        StateSpec(ReadState.COMPLETED, "event synchronized; host value readable", ()),
+        StateSpec(ReadState.RELEASED, "terminal: device output released", ()),
+    ),
+    transitions=(
+        TransitionSpec("submit", (ReadState.IDLE,), ReadState.PENDING),
+        TransitionSpec("complete", (ReadState.IDLE, ReadState.PENDING), ReadState.COMPLETED),
+        TransitionSpec(
+            "release",
+            (ReadState.IDLE, ReadState.PENDING, ReadState.COMPLETED),
+            ReadState.RELEASED,
+        ),
+    ),
+    initial=ReadState.IDLE,
+    terminal=frozenset({ReadState.RELEASED}),
+)
 
 
 @attrs.define(eq=False)

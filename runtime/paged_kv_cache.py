@@ -1,7 +1,7 @@
 """Exclusive physical KV allocation, binding, validation and release.
 
 `PagedKVCacheManager` owns every K/V tensor; the model and every request only borrow them.
-Its own machine (`runtime.lifecycles.KV_CACHE_TABLE`) guards each call: unresolved ->
+Its own machine (`KV_CACHE_TABLE`, below) guards each call: unresolved ->
 configured -> bound -> released. Allocation and binding are transactional; release is
 retryable and never frees a tensor twice.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any
 
 import attrs
@@ -18,13 +19,48 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
-from lifecycle.machine import StateMachine
+from lifecycle.machine import MachineTable, StateMachine, StateSpec, TransitionSpec
 from runtime.backends.base import Device
 from runtime.config import PagedKVCacheConfig
-from runtime.lifecycles import KV_CACHE_TABLE, KVCacheState
 from runtime.model_contract import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+class KVCacheState(StrEnum):
+    """`PagedKVCacheManager`: capacity resolved, then allocated and bound, then released."""
+
+    UNRESOLVED = "unresolved"
+    CONFIGURED = "configured"
+    BOUND = "bound"
+    RELEASED = "released"
+
+
+KV_CACHE_TABLE = MachineTable(
+    name="kv-cache",
+    states=(
+        StateSpec(KVCacheState.UNRESOLVED, "num_blocks not chosen yet", ("configure",)),
+        StateSpec(KVCacheState.CONFIGURED, "capacity final; nothing allocated", ("allocate",)),
+        StateSpec(KVCacheState.BOUND, "K/V tensors allocated and bound to the model", ()),
+        StateSpec(
+            KVCacheState.RELEASED,
+            "terminal: tensors released",
+            (),
+            refusal="{owner} is terminal; construct a new paged KV cache manager",
+        ),
+    ),
+    transitions=(
+        TransitionSpec("configure", (KVCacheState.UNRESOLVED,), KVCacheState.CONFIGURED),
+        TransitionSpec("allocate", (KVCacheState.CONFIGURED,), KVCacheState.BOUND),
+        TransitionSpec(
+            "release",
+            (KVCacheState.UNRESOLVED, KVCacheState.CONFIGURED, KVCacheState.BOUND),
+            KVCacheState.RELEASED,
+        ),
+    ),
+    initial=KVCacheState.UNRESOLVED,
+    terminal=frozenset({KVCacheState.RELEASED}),
+)
 
 CacheShape = tuple[int, int, int, int]
 

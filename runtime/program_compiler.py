@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 import attrs
@@ -18,7 +19,7 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
-from lifecycle.machine import StateMachine
+from lifecycle.machine import MachineTable, StateMachine, StateSpec, TransitionSpec
 from runtime.backends.base import Device
 from runtime.identity import (
     KEY_SCHEMA_VERSION,
@@ -27,10 +28,47 @@ from runtime.identity import (
     canonical_key_json,
     key_material_of,
 )
-from runtime.lifecycles import PROGRAM_COMPILER_TABLE, CompilerState
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 
 logger = logging.getLogger(__name__)
+
+
+class CompilerState(StrEnum):
+    """`ProgramCompiler`: the compile gate is open until trace capture begins."""
+
+    OPEN = "open"
+    CAPTURING = "capturing"
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
+PROGRAM_COMPILER_TABLE = MachineTable(
+    name="program-compiler",
+    states=(
+        StateSpec(CompilerState.OPEN, "gate open: new signatures compile", ("compile",)),
+        StateSpec(CompilerState.CAPTURING, "trace capture in progress: gate closed", ()),
+        StateSpec(CompilerState.ACTIVE, "traces active: gate closed", ("cleanup",)),
+        StateSpec(
+            CompilerState.RELEASED,
+            "terminal: registry released",
+            (),
+            refusal="{owner} has been released",
+        ),
+    ),
+    transitions=(
+        TransitionSpec("begin_capture", (CompilerState.OPEN,), CompilerState.CAPTURING),
+        TransitionSpec("activate", (CompilerState.CAPTURING,), CompilerState.ACTIVE),
+        TransitionSpec("rollback", (CompilerState.CAPTURING,), CompilerState.OPEN),
+        TransitionSpec("deactivate", (CompilerState.ACTIVE,), CompilerState.OPEN),
+        TransitionSpec(
+            "release",
+            (CompilerState.OPEN, CompilerState.CAPTURING, CompilerState.ACTIVE),
+            CompilerState.RELEASED,
+        ),
+    ),
+    initial=CompilerState.OPEN,
+    terminal=frozenset({CompilerState.RELEASED}),
+)
 
 
 @attrs.frozen
@@ -202,6 +240,27 @@ class ProgramCompiler:
         Refused after the gate closed, while compile outputs are orphaned, and before the KV
         cache is bound.
         """
+        self._check_usable()
+        key = self.key_for(signature)
+        existing = self._programs.get(key)
+        if existing is not None:
+            return self._registered(key, signature, existing, expected_output_spec)
+        self._check_gate_open(signature)
+        context = self._bound_cache_context()
+        if context is None:
+            raise RuntimeError(
+                "Paged KV cache must be allocated and bound before compilation; call "
+                "allocate_kv_cache() first"
+            )
+        output = invoke(context)
+        spec = self._contract_of(key, output, output_spec, release_output, expected_output_spec)
+        program = CompiledProgram(key=key, signature=signature, output_spec=spec)
+        self._programs[key] = program
+        logger.debug("compiled program %s for %r", key.digest[:12], signature)
+        return program
+
+    def _check_usable(self) -> None:
+        """Refuse every compile once released or while compile outputs are orphaned."""
         if self.state is CompilerState.RELEASED:
             raise self._lifecycle.refusal("compile", frozenset({CompilerState.OPEN}))
         if self._orphans:
@@ -209,16 +268,25 @@ class ProgramCompiler:
                 "Cannot compile while unreleased compile outputs remain; clean up this "
                 f"compiler ({len(self._orphans)} orphan(s))"
             )
-        key = self.key_for(signature)
-        existing = self._programs.get(key)
-        if existing is not None:
-            self._check_collision(key, signature, existing)
-            if expected_output_spec is not None and expected_output_spec != existing.output_spec:
-                raise ValueError(
-                    f"program {key.digest} is already compiled with a different output "
-                    f"contract: {existing.output_spec} != {expected_output_spec}"
-                )
-            return existing
+
+    def _registered(
+        self,
+        key: ProgramKey,
+        signature: object,
+        program: CompiledProgram,
+        expected_output_spec: OutputSpec | None,
+    ) -> CompiledProgram:
+        """The program already compiled under `key` (a collision or contract change raises)."""
+        self._check_collision(key, signature, program)
+        if expected_output_spec is not None and expected_output_spec != program.output_spec:
+            raise ValueError(
+                f"program {key.digest} is already compiled with a different output "
+                f"contract: {program.output_spec} != {expected_output_spec}"
+            )
+        return program
+
+    def _check_gate_open(self, signature: object) -> None:
+        """A new signature compiles only while the gate is open (counted when refused)."""
         if self.state is CompilerState.CAPTURING:
             raise RuntimeError(f"Cannot compile {signature!r} while trace capture is in progress")
         if self.state is CompilerState.ACTIVE:
@@ -228,13 +296,20 @@ class ProgramCompiler:
                 "at capture. Add the signature to warmup coverage, or rerun with trace mode "
                 "'none' for debugging."
             )
-        context = self._bound_cache_context()
-        if context is None:
-            raise RuntimeError(
-                "Paged KV cache must be allocated and bound before compilation; call "
-                "allocate_kv_cache() first"
-            )
-        output = invoke(context)
+
+    def _contract_of(
+        self,
+        key: ProgramKey,
+        output: Any,
+        output_spec: Callable[[Any], OutputSpec],
+        release_output: Callable[[Any], Any],
+        expected_output_spec: OutputSpec | None,
+    ) -> OutputSpec:
+        """Read (and check) the contract of a compile run's `output`, then release what it owns.
+
+        A failed release keeps the resources as orphans (retried by `cleanup()`) and blocks
+        further compiles, whether or not reading the contract failed first.
+        """
         owned = release_output(output)
         try:
             self._device.synchronize()
@@ -244,14 +319,10 @@ class ProgramCompiler:
                     f"program {key.digest} produced {spec}, expected {expected_output_spec}"
                 )
         except BaseException as error:
-            orphan, failures = release_or_orphan(owned, self._device)
-            if orphan is not None:
-                self._orphans.append(orphan)
-            attach_cleanup_failures(error, failures)
+            attach_cleanup_failures(error, self._release(owned))
             raise
-        orphan, failures = release_or_orphan(owned, self._device)
-        if orphan is not None:
-            self._orphans.append(orphan)
+        failures = self._release(owned)
+        if failures:
             release_error = RuntimeError(
                 f"Failed to deallocate {len(failures)} compile output resource(s); nothing "
                 "compiles until they are released: the owning executor's close() retries them"
@@ -259,10 +330,14 @@ class ProgramCompiler:
             attach_cleanup_failures(release_error, failures)
             raise release_error
         self._device.synchronize()
-        program = CompiledProgram(key=key, signature=signature, output_spec=spec)
-        self._programs[key] = program
-        logger.debug("compiled program %s for %r", key.digest[:12], signature)
-        return program
+        return spec
+
+    def _release(self, owned: Any) -> list[BaseException]:
+        """Release `owned`; what fails to release is kept as an orphan."""
+        orphan, failures = release_or_orphan(owned, self._device)
+        if orphan is not None:
+            self._orphans.append(orphan)
+        return failures
 
     # -- gate -----------------------------------------------------------------------------------
 

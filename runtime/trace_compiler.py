@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any, Literal
 
 import attrs
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
-from lifecycle.machine import StateMachine
+from lifecycle.machine import MachineTable, StateMachine, StateSpec, TransitionSpec
 from runtime.identity import ProgramKey, TraceKey, key_material_of
-from runtime.lifecycles import TRACE_COMPILER_TABLE, TraceState
 from runtime.program_compiler import ProgramCompiler
 from runtime.tensor_resources import (
     TensorResourceOrphan,
@@ -30,6 +30,43 @@ from runtime.tensor_resources import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class TraceState(StrEnum):
+    """`TraceCompiler`: register capture plans, capture them all once, replay, release."""
+
+    REGISTERING = "registering"
+    CAPTURING = "capturing"
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
+TRACE_COMPILER_TABLE = MachineTable(
+    name="trace-compiler",
+    states=(
+        StateSpec(TraceState.REGISTERING, "collecting capture plans", ("capture_all",)),
+        StateSpec(TraceState.CAPTURING, "capturing every registered plan", ()),
+        StateSpec(TraceState.ACTIVE, "traces replayable", ("replay", "cleanup")),
+        StateSpec(
+            TraceState.RELEASED,
+            "terminal: traces and persistent inputs released",
+            (),
+            refusal="{owner} has been released",
+        ),
+    ),
+    transitions=(
+        TransitionSpec("begin_capture", (TraceState.REGISTERING,), TraceState.CAPTURING),
+        TransitionSpec("activate", (TraceState.CAPTURING,), TraceState.ACTIVE),
+        TransitionSpec("rollback", (TraceState.CAPTURING,), TraceState.REGISTERING),
+        TransitionSpec(
+            "release",
+            (TraceState.REGISTERING, TraceState.CAPTURING, TraceState.ACTIVE),
+            TraceState.RELEASED,
+        ),
+    ),
+    initial=TraceState.REGISTERING,
+    terminal=frozenset({TraceState.RELEASED}),
+)
 
 TraceOperation = Literal["prefill", "decode"]
 _OPERATIONS: tuple[TraceOperation, ...] = ("prefill", "decode")

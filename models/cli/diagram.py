@@ -5,22 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lifecycle import MachineTable, mermaid
+from lifecycle import mermaid
 from lifecycle.phases import HOST_TABLE
 from models.cli.errors import EXIT_OK, EXIT_USAGE, PROG
-from runtime.lifecycles import COMPONENT_TABLES
+from runtime.component_tables import COMPONENT_TABLE_NAMES, component_table
 
-MACHINES: dict[str, MachineTable] = {
-    "host": HOST_TABLE,
-    "kv-cache": COMPONENT_TABLES["kv-cache"],
-    "program-compiler": COMPONENT_TABLES["program-compiler"],
-    "trace-compiler": COMPONENT_TABLES["trace-compiler"],
-    "output-read": COMPONENT_TABLES["output-read"],
-}
+MACHINES: tuple[str, ...] = ("host", *COMPONENT_TABLE_NAMES)
 
 
 def lifecycle_diagram(args: argparse.Namespace) -> int:
-    table = MACHINES[args.machine]
+    # The component tables are imported only when asked: they pull in torch.
+    table = HOST_TABLE if args.machine == "host" else component_table(args.machine)
     current = table.initial
     if args.current is not None:
         names = {spec.state.name: spec.state for spec in table.states}

@@ -1,4 +1,4 @@
-"""Prefill identities: the program and trace signatures of a planned request.
+"""Prefill signatures: what the programs and the trace of a planned request depend on.
 
 Signatures carry padded geometry (padded batch, invocation length, page-table widths) and the
 sampling path, never the active row count, so 15 and 16 active rows share one program, one
@@ -10,18 +10,25 @@ post-processing workspace.
 from __future__ import annotations
 
 import functools
-from typing import Literal, TypeGuard, get_args
+from typing import Literal
 
 import attrs
 
-from runtime.identity import KeyMaterial
+from runtime.identity import KeyMaterial, KeyPairs
 from runtime.prefill.request import PrefillRequest
 from runtime.sampling import SamplingPath
+from runtime.signature_fields import (
+    bool_field,
+    check_sampling_flags,
+    optional_positive_field,
+    positive_field,
+    sampling_flag_pairs,
+    sampling_path_field,
+)
+from runtime.validation import is_int
 
 PrefillVariant = Literal["regular-single", "regular-batched", "chunked"]
 PREFILL_VARIANTS: tuple[PrefillVariant, ...] = ("regular-single", "regular-batched", "chunked")
-
-SAMPLING_PATHS: tuple[SamplingPath, ...] = get_args(SamplingPath)
 
 TILE_SIZE = 32
 """Rows per device tile: the last-token tile start is program material in steps of this."""
@@ -31,50 +38,10 @@ STATIC_TILE_SEQUENCE_LENGTH = 128
 CAPTURE_SCHEMA_TAG = "prefill-hidden-v2"
 WORKSPACE_TAG = "prefill-postprocess-v1"
 
-KeyPairs = tuple[tuple[str, KeyMaterial], ...]
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
-
-
-def _optional_positive(
-    instance: object, attribute: attrs.Attribute[int | None], value: object
-) -> None:
-    if value is not None and (not _is_int(value) or value <= 0):
-        raise ValueError(f"{attribute.name} must be None or a positive integer, got {value!r}")
-
-
-def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{attribute.name} must be bool, got {type(value).__name__} {value!r}")
-
 
 def _variant(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
     if value not in PREFILL_VARIANTS:
         raise ValueError(f"{attribute.name} must be one of {PREFILL_VARIANTS}, got {value!r}")
-
-
-def check_sampling_path(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    """attrs validator: `value` is a `SamplingPath`."""
-    if value not in SAMPLING_PATHS:
-        raise ValueError(f"{attribute.name} must be one of {SAMPLING_PATHS}, got {value!r}")
-
-
-def check_sampling_flags(
-    sampling_path: str, penalties_enabled: bool, logprobs_enabled: bool
-) -> None:
-    """Penalties and log probabilities exist only on a sampled path, never on `logits`."""
-    if sampling_path == "logits" and (penalties_enabled or logprobs_enabled):
-        raise ValueError(
-            f"penalties_enabled={penalties_enabled} and logprobs_enabled={logprobs_enabled} "
-            f"need a sampled path (argmax or topk), got sampling_path 'logits'"
-        )
 
 
 def _check_geometry(
@@ -92,17 +59,20 @@ def _check_geometry(
 
 
 @attrs.frozen
-class PrefillProgramSignature:
-    """Identity of one eager prefill program (one invocation geometry and sampling path)."""
+class PrefillSignature:
+    """What one eager prefill program depends on: one invocation geometry and sampling path.
+
+    A request's trace is identified at a coarser grain, `PrefillTraceSignature`.
+    """
 
     operation_variant: PrefillVariant = attrs.field(validator=_variant)
-    padded_batch_size: int = attrs.field(validator=_positive)
-    invocation_sequence_length: int = attrs.field(validator=_positive)
-    page_table_width: int = attrs.field(validator=_positive)
-    chunk_page_table_width: int | None = attrs.field(validator=_optional_positive)
-    sampling_path: SamplingPath = attrs.field(validator=check_sampling_path)
-    penalties_enabled: bool = attrs.field(default=False, validator=_flag)
-    logprobs_enabled: bool = attrs.field(default=False, validator=_flag)
+    padded_batch_size: int = attrs.field(validator=positive_field)
+    invocation_sequence_length: int = attrs.field(validator=positive_field)
+    page_table_width: int = attrs.field(validator=positive_field)
+    chunk_page_table_width: int | None = attrs.field(validator=optional_positive_field)
+    sampling_path: SamplingPath = attrs.field(validator=sampling_path_field)
+    penalties_enabled: bool = attrs.field(default=False, validator=bool_field)
+    logprobs_enabled: bool = attrs.field(default=False, validator=bool_field)
     last_token_tile_start: int | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -110,7 +80,7 @@ class PrefillProgramSignature:
         check_sampling_flags(self.sampling_path, self.penalties_enabled, self.logprobs_enabled)
         tile = self.last_token_tile_start
         if tile is not None and (
-            not _is_int(tile)
+            not is_int(tile)
             or tile < 0
             or tile % TILE_SIZE
             or tile >= self.invocation_sequence_length
@@ -121,54 +91,56 @@ class PrefillProgramSignature:
             )
 
     def key_material(self) -> KeyPairs:
-        pairs: list[tuple[str, KeyMaterial]] = [
+        pairs: tuple[tuple[str, KeyMaterial], ...] = (
             ("operation_variant", self.operation_variant),
             ("padded_batch_size", self.padded_batch_size),
             ("invocation_sequence_length", self.invocation_sequence_length),
             ("page_table_width", self.page_table_width),
             ("chunk_page_table_width", self.chunk_page_table_width),
             ("sampling_path", self.sampling_path),
-        ]
-        if self.penalties_enabled:
-            pairs.append(("penalties_enabled", True))
-        if self.logprobs_enabled:
-            pairs.append(("logprobs_enabled", True))
-        pairs.append(("last_token_tile_start", self.last_token_tile_start))
-        return tuple(pairs)
+        )
+        flags = sampling_flag_pairs(self.penalties_enabled, self.logprobs_enabled)
+        return (*pairs, *flags, ("last_token_tile_start", self.last_token_tile_start))
 
 
 @attrs.frozen
 class PrefillTraceSignature:
-    """Identity of one prefill trace: the first invocation's geometry plus sampling material."""
+    """What one prefill trace depends on: the first invocation's geometry plus sampling.
+
+    The trace grain of a request's `PrefillSignature`s: the first chunk's geometry without
+    the last-token tile. Its key material names the length `padded_sequence_length` and
+    leaves out the default `logits` path (the reference's trace digests are pinned on
+    exactly that material).
+    """
 
     operation_variant: PrefillVariant = attrs.field(validator=_variant)
-    padded_batch_size: int = attrs.field(validator=_positive)
-    padded_sequence_length: int = attrs.field(validator=_positive)
-    page_table_width: int = attrs.field(validator=_positive)
-    chunk_page_table_width: int | None = attrs.field(validator=_optional_positive)
-    sampling_path: SamplingPath = attrs.field(default="logits", validator=check_sampling_path)
-    penalties_enabled: bool = attrs.field(default=False, validator=_flag)
-    logprobs_enabled: bool = attrs.field(default=False, validator=_flag)
+    padded_batch_size: int = attrs.field(validator=positive_field)
+    padded_sequence_length: int = attrs.field(validator=positive_field)
+    page_table_width: int = attrs.field(validator=positive_field)
+    chunk_page_table_width: int | None = attrs.field(validator=optional_positive_field)
+    sampling_path: SamplingPath = attrs.field(default="logits", validator=sampling_path_field)
+    penalties_enabled: bool = attrs.field(default=False, validator=bool_field)
+    logprobs_enabled: bool = attrs.field(default=False, validator=bool_field)
 
     def __attrs_post_init__(self) -> None:
         _check_geometry(self.operation_variant, self.padded_batch_size, self.chunk_page_table_width)
         check_sampling_flags(self.sampling_path, self.penalties_enabled, self.logprobs_enabled)
 
     def key_material(self) -> KeyPairs:
-        pairs: list[tuple[str, KeyMaterial]] = [
+        pairs: tuple[tuple[str, KeyMaterial], ...] = (
             ("operation_variant", self.operation_variant),
             ("padded_batch_size", self.padded_batch_size),
             ("padded_sequence_length", self.padded_sequence_length),
             ("page_table_width", self.page_table_width),
             ("chunk_page_table_width", self.chunk_page_table_width),
-        ]
+        )
         if self.sampling_path != "logits":
-            pairs.append(("sampling_path", self.sampling_path))
-        if self.penalties_enabled:
-            pairs.append(("penalties_enabled", True))
-        if self.logprobs_enabled:
-            pairs.append(("logprobs_enabled", True))
-        return tuple(pairs)
+            pairs += (("sampling_path", self.sampling_path),)
+        return pairs + sampling_flag_pairs(self.penalties_enabled, self.logprobs_enabled)
+
+
+PrefillProgramSignature = PrefillSignature
+"""Former name; an alias until every call site says `PrefillSignature`."""
 
 
 @attrs.frozen
@@ -181,11 +153,11 @@ class PreparedPrefill:
 
     request: PrefillRequest = attrs.field(validator=attrs.validators.instance_of(PrefillRequest))
     sampling_params: object | None
-    sampling_path: SamplingPath = attrs.field(validator=check_sampling_path)
-    program_signatures: tuple[PrefillProgramSignature, ...] = attrs.field(
+    sampling_path: SamplingPath = attrs.field(validator=sampling_path_field)
+    program_signatures: tuple[PrefillSignature, ...] = attrs.field(
         validator=[
             attrs.validators.deep_iterable(
-                member_validator=attrs.validators.instance_of(PrefillProgramSignature),
+                member_validator=attrs.validators.instance_of(PrefillSignature),
                 iterable_validator=attrs.validators.instance_of(tuple),
             ),
             attrs.validators.min_len(1),
@@ -203,9 +175,7 @@ class PreparedPrefill:
                 f"sampling_params is None (sampling_params is "
                 f"{'None' if self.sampling_params is None else 'set'})"
             )
-        signatures: list[PrefillProgramSignature | PrefillTraceSignature] = [
-            *self.program_signatures
-        ]
+        signatures: list[PrefillSignature | PrefillTraceSignature] = [*self.program_signatures]
         if self.trace_signature is not None:
             signatures.append(self.trace_signature)
         for signature in signatures:
@@ -235,9 +205,9 @@ def _program_signature(
     penalties_enabled: bool,
     logprobs_enabled: bool,
     last_token_tile_start: int | None,
-) -> PrefillProgramSignature:
+) -> PrefillSignature:
     """A (frozen, hence shareable) signature; a lane's few geometries are built once."""
-    return PrefillProgramSignature(
+    return PrefillSignature(
         operation_variant=variant,
         padded_batch_size=padded_batch_size,
         invocation_sequence_length=invocation_sequence_length,
@@ -257,7 +227,7 @@ def build_program_signatures(
     static_q128_topk_supported: bool,
     penalties_enabled: bool = False,
     logprobs_enabled: bool = False,
-) -> tuple[PrefillProgramSignature, ...]:
+) -> tuple[PrefillSignature, ...]:
     """One signature per distinct chunk geometry, in order (a chunked request normally has one).
 
     Single, non-chunked Q128 requests on the argmax path (or top-k with the static Q128
@@ -272,7 +242,7 @@ def build_program_signatures(
     ):
         relative_last = request.last_token_indices[0] - request.cached_tokens[0]
         tile_start = relative_last // TILE_SIZE * TILE_SIZE
-    signatures: list[PrefillProgramSignature] = []
+    signatures: list[PrefillSignature] = []
     geometries: set[tuple[int, int | None]] = set()
     for chunk in request.chunks:
         geometry = (chunk.chunk_size, chunk.chunk_page_table_width)
@@ -348,7 +318,7 @@ def workspace_fingerprint(
     prepared: PreparedPrefill, *, sampling_output_rows: int
 ) -> tuple[str, SamplingPath, int, bool]:
     """What an alias's post-processing workspace depends on: the sampling shape, not geometry."""
-    if not _is_int(sampling_output_rows) or sampling_output_rows <= 0:
+    if not is_int(sampling_output_rows) or sampling_output_rows <= 0:
         raise ValueError(
             f"sampling_output_rows must be a positive integer, got {sampling_output_rows!r}"
         )

@@ -238,7 +238,7 @@ def test_sampling_siblings_share_one_compile_forward(lanes: dict[str, LlamaExecu
         programs = [
             p
             for p in executor.program_compiler.compiled_programs
-            if type(p.signature).__name__ == "PrefillProgramSignature"
+            if type(p.signature).__name__ == "PrefillSignature"
         ]
         shared = executor.prefill_runtime.shared_compile_forwards
         assert shared >= len(programs) // 3, (mode, shared, len(programs))

@@ -21,8 +21,7 @@ from runtime.decode import (
     DecodeRuntimeConfig,
     PreparedDecode,
 )
-from runtime.lifecycles import ReadState
-from runtime.output_reader import OutputReader
+from runtime.output_reader import OutputReader, ReadState
 from runtime.sampling import SamplingParams
 from tests.runtime.tiny_setup import (
     TinySetup,

@@ -7,8 +7,7 @@ import torch
 
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.backends.torch_device import TorchDevice
-from runtime.lifecycles import ReadState
-from runtime.output_reader import OutputReader, PendingRead
+from runtime.output_reader import OutputReader, PendingRead, ReadState
 
 
 def test_blocking_read_copies_nested_payload_and_retains_nothing() -> None:

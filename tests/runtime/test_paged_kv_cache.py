@@ -9,8 +9,7 @@ from lifecycle import PhaseError, TerminalError
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.backends.torch_device import TorchDevice
 from runtime.config import PagedKVCacheConfig
-from runtime.lifecycles import KVCacheState
-from runtime.paged_kv_cache import PagedKVCacheManager
+from runtime.paged_kv_cache import KVCacheState, PagedKVCacheManager
 from tests.runtime.fake_model import FakeKVModel
 
 

@@ -11,8 +11,7 @@ import torch
 from lifecycle import TerminalError
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.backends.torch_device import TorchDevice
-from runtime.lifecycles import CompilerState
-from runtime.program_compiler import OutputSpec, ProgramCompiler
+from runtime.program_compiler import CompilerState, OutputSpec, ProgramCompiler
 
 
 @attrs.frozen

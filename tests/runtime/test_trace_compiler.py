@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from lifecycle import PhaseError
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.backends.torch_device import TorchDevice
-from runtime.lifecycles import CompilerState, TraceState
-from runtime.program_compiler import ProgramCompiler
-from runtime.trace_compiler import RefreshDecision, TraceArtifact, TraceCompiler
+from runtime.program_compiler import CompilerState, ProgramCompiler
+from runtime.trace_compiler import RefreshDecision, TraceArtifact, TraceCompiler, TraceState
 from tests.runtime.trace_fixtures import ToySignature, compile_toy, toy_plan
 
 
