@@ -41,7 +41,7 @@ from runtime.decode_batch import (
     require_prepared,
 )
 from runtime.decode_config import DecodeRuntimeConfig
-from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
+from runtime.decode_signatures import DecodeSignature
 from runtime.decode_staging import (
     DecodeCapturePlan,
     DecodeDeviceInputs,
@@ -228,10 +228,10 @@ class DecodeRuntime:
                 f"{_ORPHAN_REFUSAL} ({len(self._orphans)} orphan(s); call cleanup_transients())"
             )
 
-    def program_signature(self, prepared: PreparedDecode) -> DecodeProgramSignature:
+    def program_signature(self, prepared: PreparedDecode) -> DecodeSignature:
         """The eager program identity: lane capacity, normalised width, sampling facts."""
         prepared = require_prepared(prepared)
-        return DecodeProgramSignature(
+        return DecodeSignature(
             batch_size=prepared.lane_capacity,
             page_table_width=int(prepared.page_table.shape[1]),
             sampling_path=prepared.sampling_path,
@@ -240,9 +240,9 @@ class DecodeRuntime:
             logprobs_enabled=prepared.logprobs_enabled,
         )
 
-    def trace_signature(self, prepared: PreparedDecode) -> DecodeTraceSignature:
+    def trace_signature(self, prepared: PreparedDecode) -> DecodeSignature:
         """The trace identity (same key material as the program)."""
-        return DecodeTraceSignature.for_program(self.program_signature(prepared))
+        return DecodeSignature.for_program(self.program_signature(prepared))
 
     def note_submitted(self, prepared: PreparedDecode) -> None:
         """Remember the page table a step was submitted with (traced replay calls this)."""

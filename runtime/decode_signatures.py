@@ -59,9 +59,3 @@ class DecodeSignature:
         if self.logprobs_enabled:
             pairs.append(("logprobs_enabled", True))
         return tuple(pairs)
-
-
-DecodeProgramSignature = DecodeSignature
-"""Former name (program side); an alias until every call site says `DecodeSignature`."""
-DecodeTraceSignature = DecodeSignature
-"""Former name (trace side); an alias until every call site says `DecodeSignature`."""

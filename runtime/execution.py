@@ -23,7 +23,7 @@ from runtime.prefill.batch import PrefillArguments, PrefillBatch
 from runtime.prefill.replay import PrefillReplayEvidence, replay_prepared
 from runtime.prefill.result_collector import InvocationResult, PrefillOutput
 from runtime.prefill.runtime import PrefillRuntime
-from runtime.prefill.signatures import PrefillProgramSignature, PreparedPrefill
+from runtime.prefill.signatures import PrefillSignature, PreparedPrefill
 from runtime.program_compiler import CompiledProgram, OutputSpec, ProgramCompiler
 from runtime.sampling import SamplingParams
 from runtime.trace_compiler import (
@@ -424,7 +424,7 @@ class TracedExecutor(_WarmupDecodeEntry):
         return f"[{listed}]"
 
     def _miss_prefill(
-        self, item: PreparedPrefill, signature: PrefillProgramSignature | None, reason: str
+        self, item: PreparedPrefill, signature: PrefillSignature | None, reason: str
     ) -> NoReturn:
         self._coverage_misses += 1
         trace_signature = item.trace_signature

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
+from runtime.decode_signatures import DecodeSignature
 from runtime.identity import ProgramKey, TraceKey, key_material_of
 from runtime.program_compiler import CompiledProgram, ProgramCompiler
 from runtime.trace_compiler import TraceCompiler
@@ -52,10 +52,10 @@ class CoverageManifest:
             "decode_traces": [],
         }
         for signature in self.eager_program_signatures:
-            operation = "decode" if isinstance(signature, DecodeProgramSignature) else "prefill"
+            operation = "decode" if isinstance(signature, DecodeSignature) else "prefill"
             groups[f"{operation}_programs"].append(signature)
         for signature in self.trace_signatures:
-            operation = "decode" if isinstance(signature, DecodeTraceSignature) else "prefill"
+            operation = "decode" if isinstance(signature, DecodeSignature) else "prefill"
             groups[f"{operation}_traces"].append(signature)
         return {name: identity_field_counts(items) for name, items in groups.items()}
 

@@ -48,7 +48,7 @@ from runtime.prefill.sampling_helpers import (
 from runtime.prefill.sequence_runner import PrefillSequenceRunner
 from runtime.prefill.shared_forward import SharedCompileForward
 from runtime.prefill.signatures import (
-    PrefillProgramSignature,
+    PrefillSignature,
     PreparedPrefill,
     build_program_signatures,
     build_trace_signature,
@@ -313,7 +313,7 @@ class PrefillRuntime:
 
     def program_signatures(
         self, request: PrefillRequest, sampling: PreparedSamplingParams | None
-    ) -> tuple[SamplingPath, tuple[PrefillProgramSignature, ...]]:
+    ) -> tuple[SamplingPath, tuple[PrefillSignature, ...]]:
         """The sampling path and program identities of a planned request (what `identify`
         and derived warmup coverage both use)."""
         path = classify_sampling_path(request, sampling)

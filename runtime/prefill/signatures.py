@@ -139,10 +139,6 @@ class PrefillTraceSignature:
         return pairs + sampling_flag_pairs(self.penalties_enabled, self.logprobs_enabled)
 
 
-PrefillProgramSignature = PrefillSignature
-"""Former name; an alias until every call site says `PrefillSignature`."""
-
-
 @attrs.frozen
 class PreparedPrefill:
     """A planned request with its identities, ready to compile, invoke or capture.

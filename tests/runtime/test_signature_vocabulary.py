@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.decode_signatures import DecodeProgramSignature, DecodeSignature, DecodeTraceSignature
+from runtime.decode_signatures import DecodeSignature
 from runtime.identity import (
     KEY_SCHEMA_VERSION,
     PROGRAM_KEY_DOMAIN,
@@ -11,13 +11,6 @@ from runtime.identity import (
     TraceKey,
     signature_digest,
 )
-from runtime.prefill.signatures import PrefillProgramSignature, PrefillSignature
-
-
-def test_former_names_are_the_same_types() -> None:
-    assert DecodeProgramSignature is DecodeSignature
-    assert DecodeTraceSignature is DecodeSignature
-    assert PrefillProgramSignature is PrefillSignature
 
 
 def test_one_decode_signature_gives_the_program_key_and_the_trace_key() -> None:

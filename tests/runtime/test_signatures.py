@@ -7,11 +7,11 @@ from typing import Any
 import attrs
 import pytest
 
-from runtime.decode_signatures import DecodeProgramSignature, DecodeTraceSignature
+from runtime.decode_signatures import DecodeSignature
 from runtime.identity import ProgramKey, TraceKey
 from runtime.prefill.request import PrefillRequest
 from runtime.prefill.signatures import (
-    PrefillProgramSignature,
+    PrefillSignature,
     PrefillTraceSignature,
     PreparedPrefill,
     build_program_signatures,
@@ -58,7 +58,7 @@ def prepared(
 
 
 def test_golden_prefill_program_digest() -> None:
-    signature = PrefillProgramSignature("regular-batched", 16, 128, 32, None, "topk")
+    signature = PrefillSignature("regular-batched", 16, 128, 32, None, "topk")
     assert signature.key_material() == (
         ("operation_variant", "regular-batched"),
         ("padded_batch_size", 16),
@@ -84,7 +84,7 @@ def test_golden_prefill_trace_digest() -> None:
 
 
 def test_optional_flags_enter_key_material_only_when_set() -> None:
-    program = PrefillProgramSignature(
+    program = PrefillSignature(
         "regular-single", 1, 128, 8, None, "topk", True, True, last_token_tile_start=64
     )
     assert [name for name, _ in program.key_material()][-3:] == [
@@ -112,7 +112,7 @@ def test_15_and_16_active_rows_share_program_trace_and_capture_schema() -> None:
         )
         assert capture_schema_fingerprint(a) == capture_schema_fingerprint(b)
     (signature,) = prepared(fifteen, "topk").program_signatures
-    assert signature == PrefillProgramSignature("regular-batched", 16, 128, 4, None, "topk")
+    assert signature == PrefillSignature("regular-batched", 16, 128, 4, None, "topk")
 
 
 def test_variants_follow_the_plan() -> None:
@@ -154,7 +154,7 @@ def test_multi_chunk_request_has_one_program_signature_and_first_chunk_trace() -
     request = only(plan([4097], max_actual_page_table_width=200, canonical_page_table_width=264))
     assert len(request.chunks) == 3
     assert build_program_signatures(request, "logits", static_q128_topk_supported=False) == (
-        PrefillProgramSignature("chunked", 1, 2048, 264, 64, "logits"),
+        PrefillSignature("chunked", 1, 2048, 264, 64, "logits"),
     )
     assert build_trace_signature(
         request, trace_enabled=True, sampling_path="logits"
@@ -165,7 +165,7 @@ def test_multi_chunk_request_has_one_program_signature_and_first_chunk_trace() -
 def test_cached_single_chunk_request_uses_its_padded_length() -> None:
     request = only(plan([100], start_pos=[64]))
     (signature,) = build_program_signatures(request, "topk", static_q128_topk_supported=True)
-    assert signature == PrefillProgramSignature("chunked", 1, 128, 6, 4, "topk")
+    assert signature == PrefillSignature("chunked", 1, 128, 6, 4, "topk")
 
 
 def test_sampling_variants_get_three_trace_keys_but_one_capture_schema() -> None:
@@ -263,7 +263,7 @@ def test_invalid_program_signatures_are_rejected(
     overrides: dict[str, Any], error: type[Exception], fragment: str
 ) -> None:
     with pytest.raises(error, match=fragment):
-        PrefillProgramSignature(**{**_VALID_PROGRAM, **overrides})
+        PrefillSignature(**{**_VALID_PROGRAM, **overrides})
 
 
 def test_invalid_trace_signatures_are_rejected() -> None:
@@ -279,7 +279,7 @@ def test_invalid_trace_signatures_are_rejected() -> None:
 
 
 def test_decode_key_material_and_shared_identity() -> None:
-    program = DecodeProgramSignature(32, 104, "argmax", True)
+    program = DecodeSignature(32, 104, "argmax", True)
     assert program.key_material() == (
         ("operation", "decode"),
         ("batch_size", 32),
@@ -287,14 +287,14 @@ def test_decode_key_material_and_shared_identity() -> None:
         ("sampling_path", "argmax"),
         ("device_feedback", True),
     )
-    trace = DecodeTraceSignature.for_program(program)
+    trace = DecodeSignature.for_program(program)
     assert trace.key_material() == program.key_material()
-    assert trace == DecodeTraceSignature(32, 104, "argmax", True)
-    flagged = DecodeProgramSignature(32, 104, "topk", False, True, True)
+    assert trace == DecodeSignature(32, 104, "argmax", True)
+    flagged = DecodeSignature(32, 104, "topk", False, True, True)
     assert flagged.key_material()[-2:] == (("penalties_enabled", True), ("logprobs_enabled", True))
     assert ProgramKey.from_signature(program) != ProgramKey.from_signature(flagged)
-    assert ProgramKey.from_signature(DecodeProgramSignature(32, 104, "logits", False)) != (
-        ProgramKey.from_signature(DecodeProgramSignature(32, 112, "logits", False))
+    assert ProgramKey.from_signature(DecodeSignature(32, 104, "logits", False)) != (
+        ProgramKey.from_signature(DecodeSignature(32, 112, "logits", False))
     )
 
 
@@ -309,7 +309,7 @@ def test_decode_key_material_and_shared_identity() -> None:
         ((32, 8, "logits", False, True), ValueError, "need a sampled path"),
     ],
 )
-@pytest.mark.parametrize("kind", [DecodeProgramSignature, DecodeTraceSignature])
+@pytest.mark.parametrize("kind", [DecodeSignature, DecodeSignature])
 def test_invalid_decode_signatures_are_rejected(
     kind: type, arguments: tuple[Any, ...], error: type[Exception], fragment: str
 ) -> None:
