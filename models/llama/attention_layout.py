@@ -95,3 +95,30 @@ def plan_key_groups(
         bounds.append((edges[cut[j]], edges[j]))
         j = cut[j]
     return bounds[::-1]
+
+
+def flat_cache_rows(
+    blocks: torch.Tensor, offsets: torch.Tensor, *, n_kv_heads: int, block_size: int
+) -> torch.Tensor:
+    """Flat cache rows of (block, offset) pairs, one per KV head: shape `[..., n_kv_heads]`.
+
+    The cache `[num_blocks, kv, block_size, head_dim]` is viewed as `[-1, head_dim]`.
+    """
+    heads = torch.arange(n_kv_heads, device=blocks.device)
+    return ((blocks.unsqueeze(-1) * n_kv_heads + heads) * block_size) + offsets.unsqueeze(-1)
+
+
+def prefix_then_causal_mask(prefix_ok: torch.Tensor, seq: int) -> torch.Tensor:
+    """Attention mask `[B, 1, S, P + S]` of a prefill chunk whose keys are a cached prefix then
+    the chunk itself: query `s` sees the prefix keys `prefix_ok` `[B, P]` allows and the
+    chunk's keys up to `s`."""
+    batch = prefix_ok.shape[0]
+    cols = torch.arange(seq, device=prefix_ok.device)
+    causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
+    return torch.cat(
+        (
+            prefix_ok.unsqueeze(1).expand(batch, seq, -1),
+            causal.unsqueeze(0).expand(batch, seq, seq),
+        ),
+        dim=2,
+    ).unsqueeze(1)

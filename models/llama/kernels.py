@@ -349,7 +349,9 @@ def _run(
     dim = 0 if candidate.layout == "out_in" else 1
     for weight in weights:
         if candidate.split:
-            torch.cat([compute(part, x) for part in weight.split(list(parts), dim=dim)], dim=1)
+            torch.cat(
+                [compute(part, x) for part in weight.split_with_sizes(list(parts), dim=dim)], dim=1
+            )
         else:
             compute(weight, x)
 
