@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,15 +36,7 @@ from models.llama.attention import AttentionPath, LayerCache, write_kv
 from models.llama.attention_layout import GROUP_COST_KEYS
 from models.llama.config import LlamaArgs
 from models.llama.graph_safe import static_decode, static_prefill, stream_capturing
-from models.llama.kernels import (
-    KernelPlan,
-    ProjectionShape,
-    check_plan_fits,
-    fixed_plan,
-    measure_kernel_plan,
-    parse_kernel_plan,
-    row_buckets,
-)
+from models.llama.kernel_hooks import KernelPlanHooks
 from models.llama.layers import DecoderLayer, Projection, rope_tables
 from models.llama.weights import (
     EMBED,
@@ -53,7 +45,6 @@ from models.llama.weights import (
     layer_name,
     validate_state_dict,
 )
-from runtime.backends import native_kernels
 from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
 
 logger = logging.getLogger(__name__)
@@ -61,7 +52,18 @@ logger = logging.getLogger(__name__)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
-class LlamaModel(nn.Module):
+class BoundCache(NamedTuple):
+    """The bound per-layer caches and their block size: what every forward call reads."""
+
+    layers: tuple[LayerCache, ...]
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.layers[0][0].shape[0])
+
+
+class LlamaModel(KernelPlanHooks, nn.Module):
     """Llama-architecture decoder over a caller-owned paged KV cache.
 
     With a tied head there is one matrix, stored in the head's layout (`lm_head`); token
@@ -190,102 +192,6 @@ class LlamaModel(nn.Module):
             for suffix, tensor in layer.canonical_tensors().items():
                 out[layer_name(i, suffix)] = tensor
         return out
-
-    # ------------------------------------------------------------------------- kernels
-    def _init_kernel_state(self) -> None:
-        self.decode_attention = None
-        self.kernel_plan: KernelPlan | None = None
-        self._replay_plan: KernelPlan | None = None
-
-    def projection_groups(self) -> dict[str, list[Projection]]:
-        """Every projection by kind (one per layer; `lm_head` once), in a fixed order."""
-        groups: dict[str, list[Projection]] = {}
-        for layer in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                groups.setdefault(name, []).append(getattr(layer, name))
-        groups["lm_head"] = [self.lm_head]
-        return groups
-
-    def projection_shapes(self) -> dict[str, ProjectionShape]:
-        """Each projection kind's geometry (what a kernel plan must cover)."""
-        return {
-            name: ProjectionShape(m[0].in_features, m[0].out_features, m[0].parts, len(m))
-            for name, m in self.projection_groups().items()
-        }
-
-    def replay_kernels(self, plan: KernelPlan, *, where: str = "kernels") -> None:
-        """Use `plan` at warmup instead of measuring; checked against this model now.
-
-        `where` names the plan's origin in errors (the CLI passes `--kernels FILE`).
-        """
-        check_plan_fits(plan, self.projection_shapes(), where)
-        if plan.decode_attention == "paged_inplace":
-            reason = self._inplace_unavailable()
-            if reason is not None:
-                raise ValueError(
-                    f"{where}: decode_attention 'paged_inplace' cannot run here ({reason}): "
-                    "allowed here is 'gather'"
-                )
-        self._replay_plan = plan
-
-    def adopt_kernels(self, data: Mapping[str, Any]) -> None:
-        """Replay another lane's kernel plan (its JSON), checked against this model now."""
-        self.replay_kernels(parse_kernel_plan(data, where="lane 0's kernel plan"))
-
-    def choose_kernels(self, *, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
-        """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.
-
-        Measures each projection at the row buckets of a lane of `decode_rows` slots and
-        prefill chunks of `prefill_rows` tokens (`kernels.measure_kernel_plan`). Once a plan
-        is applied, later calls return it unchanged.
-        """
-        if self.kernel_plan is None:
-            buckets = row_buckets(decode_rows, prefill_rows)
-            self.apply_kernel_plan(self._resolve_kernel_plan(buckets))
-        assert self.kernel_plan is not None
-        return self.kernel_plan.to_json()
-
-    def _resolve_kernel_plan(self, buckets: Sequence[int]) -> KernelPlan:
-        if self._replay_plan is not None:
-            return self._replay_plan
-        attention, notes = self._attention_choice()
-        if self.device.type != "cpu":
-            source = f"fixed ({self.device.type}: F.linear, nothing timed)"
-            return fixed_plan(
-                self, buckets=buckets, attention=attention, source=source, notes=notes
-            )
-        return measure_kernel_plan(self, buckets=buckets, attention=attention, notes=notes)
-
-    def _inplace_unavailable(self) -> str | None:
-        """Why the in-place paged decode attention cannot run for this model, or None."""
-        if self.device.type != "cpu":
-            return f"the native kernel is CPU-only, the model is on {self.device.type}"
-        return native_kernels.unavailable_reason()
-
-    def _attention_choice(self) -> tuple[str, tuple[str, ...]]:
-        if self.decode_attention is not None:
-            return self.decode_attention, ("decode attention set by the caller",)
-        reason = self._inplace_unavailable()
-        if reason is None:
-            return "paged_inplace", ()
-        return "gather", (f"in-place paged attention unavailable: {reason}",)
-
-    def apply_kernel_plan(self, plan: KernelPlan) -> None:
-        """Lay every projection out and pick its forms as `plan` says (checked first)."""
-        check_plan_fits(plan, self.projection_shapes(), f"kernel plan ({plan.source})")
-        for name, modules in self.projection_groups().items():
-            choice = plan.choice(name)
-            for module in modules:
-                module.apply_choice(choice)
-        self.decode_attention = plan.decode_attention
-        self.kernel_plan = plan
-        logger.info("%s", plan.summary())
-
-    def _decodes_in_place(self) -> bool:
-        attention = self.decode_attention
-        if attention is None:
-            attention = "paged_inplace" if self._inplace_unavailable() is None else "gather"
-        return attention == "paged_inplace"
 
     # ------------------------------------------------------------- contract: metadata
     @property
@@ -446,14 +352,19 @@ class LlamaModel(nn.Module):
     def _zero_logits(self, batch: int) -> torch.Tensor:
         return torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=self.device)
 
-    def _geometry(self, bs: int) -> dict[str, int]:
-        """The cache geometry the addressing planners need."""
-        return {"n_kv_heads": self.args.n_kv_heads, "block_size": bs}
+    def _bound_cache(self, caller: str) -> BoundCache:
+        """The bound cache and its block size, or why `caller` cannot run yet."""
+        layers = self._require_cache(caller)
+        return BoundCache(layers, self._require_paged(caller).block_size)
 
-    def _static_limits(self, bs: int) -> dict[str, int]:
+    def _geometry(self, cache: BoundCache) -> dict[str, int]:
+        """The cache geometry the addressing planners need."""
+        return {"n_kv_heads": self.args.n_kv_heads, "block_size": cache.block_size}
+
+    def _static_limits(self, cache: BoundCache) -> dict[str, int]:
         """The geometry and ranges the graph-safe planners clamp against."""
         return {
-            **self._geometry(bs),
+            **self._geometry(cache),
             "vocab_size": self.vocab_size,
             "max_seq_len": self.max_seq_len,
         }
@@ -476,36 +387,39 @@ class LlamaModel(nn.Module):
         With `uses_graph_safe_path()` the inputs are validated on the host (skipped while a
         CUDA graph is being captured) and `prefill_graph_safe` computes.
         """
-        cache = self._require_cache("prefill")
-        bs = self._require_paged("prefill").block_size
+        cache = self._bound_cache("prefill")
         checks.check_prefill_shapes(tokens, page_table, prompt_lens, chunk_start)
         tokens, pages, lens, start = self._long_inputs(tokens, page_table, prompt_lens, chunk_start)
         graph_safe = self.uses_graph_safe_path()
         if graph_safe and stream_capturing(self.device):
-            return self._prefill_static(cache, bs, tokens, pages, lens, start)
+            return self._prefill_static(cache, tokens, pages, lens, start)
         batch, seq = tokens.shape
-        checks.check_page_table(pages, batch, cache[0][0].shape[0])
+        checks.check_page_table(pages, batch, cache.num_blocks)
         real, row_start = checks.prefill_extent(
-            lens, start, seq=seq, block_size=bs, width=pages.shape[1], max_seq_len=self.max_seq_len
+            lens,
+            start,
+            seq=seq,
+            block_size=cache.block_size,
+            width=pages.shape[1],
+            max_seq_len=self.max_seq_len,
         )
         if graph_safe:
-            return self._prefill_static(cache, bs, tokens, pages, lens, start)
+            return self._prefill_static(cache, tokens, pages, lens, start)
         start = row_start
         live = real > 0
         if bool(live.all()):
-            return self._prefill_packed(cache, bs, tokens, pages, real, start)
+            return self._prefill_packed(cache, tokens, pages, real, start)
         out = self._zero_logits(batch)
         if bool(live.any()):
             rows = live.nonzero().squeeze(1)
             out[rows] = self._prefill_packed(
-                cache, bs, tokens[rows], pages[rows], real[rows], start[rows]
+                cache, tokens[rows], pages[rows], real[rows], start[rows]
             )
         return out
 
     def _prefill_packed(
         self,
-        cache: tuple[LayerCache, ...],
-        bs: int,
+        cache: BoundCache,
         tokens: torch.Tensor,
         pages: torch.Tensor,
         real: torch.Tensor,
@@ -513,9 +427,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Dynamic prefill of rows that each have `real` (>= 1) tokens from `start`."""
         token_ids, token_pos, path = dynamic.packed_prefill(
-            tokens, pages, real, start, **self._geometry(bs)
+            tokens, pages, real, start, **self._geometry(cache)
         )
-        return self._logits(self._run_layers(token_ids, token_pos, cache, path))
+        return self._logits(self._run_layers(token_ids, token_pos, cache.layers, path))
 
     @torch.inference_mode()
     def prefill_graph_safe(
@@ -531,16 +445,14 @@ class LlamaModel(nn.Module):
         Input values are not validated (shapes and dtypes are); out-of-range values are
         clamped, never read out of bounds. Attention covers the whole page-table width.
         """
-        cache = self._require_cache("prefill_graph_safe")
-        bs = self._require_paged("prefill_graph_safe").block_size
+        cache = self._bound_cache("prefill_graph_safe")
         checks.check_prefill_shapes(tokens, page_table, prompt_lens, chunk_start)
         inputs = self._long_inputs(tokens, page_table, prompt_lens, chunk_start)
-        return self._prefill_static(cache, bs, *inputs)
+        return self._prefill_static(cache, *inputs)
 
     def _prefill_static(
         self,
-        cache: tuple[LayerCache, ...],
-        bs: int,
+        cache: BoundCache,
         tokens: torch.Tensor,
         pages: torch.Tensor,
         lens: torch.Tensor,
@@ -549,8 +461,8 @@ class LlamaModel(nn.Module):
         batch = tokens.shape[0]
         if pages.shape[1] == 0:
             raise ValueError("page_table has 0 columns: the graph-safe prefill needs W >= 1")
-        plan = static_prefill(tokens, pages, lens, start, **self._static_limits(bs))
-        hidden = self._run_layers(plan.tokens, plan.positions, cache, plan.attention)
+        plan = static_prefill(tokens, pages, lens, start, **self._static_limits(cache))
+        hidden = self._run_layers(plan.tokens, plan.positions, cache.layers, plan.attention)
         last_hidden = hidden[torch.arange(batch, device=tokens.device), plan.last]
         logits = self._logits(last_hidden)
         return logits.masked_fill((~plan.has_tokens).unsqueeze(1), 0.0)
@@ -566,39 +478,37 @@ class LlamaModel(nn.Module):
         inputs are validated on the host (skipped while a CUDA graph is being captured) and
         `decode_graph_safe` computes.
         """
-        cache = self._require_cache("decode")
-        bs = self._require_paged("decode").block_size
+        cache = self._bound_cache("decode")
         checks.check_decode_shapes(tokens, positions, page_table)
         tokens, pos, pages = self._long_inputs(tokens, positions, page_table)
         graph_safe = self.uses_graph_safe_path()
         if graph_safe and stream_capturing(self.device):
-            return self._decode_static(cache, bs, tokens, pos, pages)
+            return self._decode_static(cache, tokens, pos, pages)
         batch = tokens.shape[0]
-        checks.check_page_table(pages, batch, cache[0][0].shape[0])
-        extent = {"width": pages.shape[1], "block_size": bs, "max_seq_len": self.max_seq_len}
+        checks.check_page_table(pages, batch, cache.num_blocks)
+        extent = {
+            "width": pages.shape[1],
+            "block_size": cache.block_size,
+            "max_seq_len": self.max_seq_len,
+        }
         active = pos >= 0
         if graph_safe:
             if bool(active.any()):
                 checks.decode_extent(pos[active], **extent)
-            return self._decode_static(cache, bs, tokens, pos, pages)
+            return self._decode_static(cache, tokens, pos, pages)
         if not bool(active.any()):
             return self._zero_logits(batch)
         if bool(active.all()):
             checks.decode_extent(pos, **extent)
-            return self._decode_dynamic(cache, bs, tokens, pos, pages)
+            return self._decode_dynamic(cache, tokens, pos, pages)
         rows = active.nonzero().squeeze(1)
         checks.decode_extent(pos[rows], **extent)
         out = self._zero_logits(batch)
-        out[rows] = self._decode_dynamic(cache, bs, tokens[rows], pos[rows], pages[rows])
+        out[rows] = self._decode_dynamic(cache, tokens[rows], pos[rows], pages[rows])
         return out
 
     def _decode_dynamic(
-        self,
-        cache: tuple[LayerCache, ...],
-        bs: int,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        pages: torch.Tensor,
+        self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
     ) -> torch.Tensor:
         """Active rows' decode: attention reads K/V pages in place (the native kernel) or,
         rows sorted by position (undone on the last hidden state), gathers key tiles per
@@ -606,7 +516,7 @@ class LlamaModel(nn.Module):
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():
-            path = dynamic.paged_decode(pages, pos, **self._geometry(bs))
+            path = dynamic.paged_decode(pages, pos, **self._geometry(cache))
         else:
             order = dynamic.position_order(pos)
             if order is not None:
@@ -615,11 +525,11 @@ class LlamaModel(nn.Module):
                 pages,
                 pos,
                 self._workspace_of,
-                **self._geometry(bs),
+                **self._geometry(cache),
                 head_dim=self.args.head_dim,
                 group_cost=self.group_cost,
             )
-        last = self._run_layers(tokens.unsqueeze(1), pos.unsqueeze(1), cache, path)[:, 0]
+        last = self._run_layers(tokens.unsqueeze(1), pos.unsqueeze(1), cache.layers, path)[:, 0]
         if order is not None:
             last = torch.empty_like(last).index_copy_(0, order, last)
         return self._logits(last)
@@ -642,25 +552,19 @@ class LlamaModel(nn.Module):
         inactive rows' logits are zeroed and their writes repeat an active row's write. With
         no writing row at all, the cache is left bit-identical (see `graph_safe`).
         """
-        cache = self._require_cache("decode_graph_safe")
-        bs = self._require_paged("decode_graph_safe").block_size
+        cache = self._bound_cache("decode_graph_safe")
         checks.check_decode_shapes(tokens, positions, page_table)
-        return self._decode_static(cache, bs, *self._long_inputs(tokens, positions, page_table))
+        return self._decode_static(cache, *self._long_inputs(tokens, positions, page_table))
 
     def _decode_static(
-        self,
-        cache: tuple[LayerCache, ...],
-        bs: int,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        pages: torch.Tensor,
+        self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
     ) -> torch.Tensor:
         if pages.shape[1] == 0:
             # A static fact: no row can hold a token, so every row must be inactive.
             return self._zero_logits(tokens.shape[0])
-        plan = static_decode(tokens, pos, pages, **self._static_limits(bs))
+        plan = static_decode(tokens, pos, pages, **self._static_limits(cache))
         hidden = self._run_layers(
-            plan.tokens.unsqueeze(1), plan.positions.unsqueeze(1), cache, plan.attention
+            plan.tokens.unsqueeze(1), plan.positions.unsqueeze(1), cache.layers, plan.attention
         )
         logits = self._logits(hidden[:, 0])
         return logits.masked_fill((~plan.active).unsqueeze(1), 0.0)
