@@ -1,6 +1,6 @@
 """The attention paths of `LlamaModel`: one class per path, built once per call for every layer.
 
-A model call plans its cache addressing once (`attention_layout` for the dynamic CPU paths,
+A model call plans its cache addressing once (`dynamic_addressing` for the dynamic CPU paths,
 `graph_safe` for the capturable ones) and hands the layers one of these per-call contexts. Each
 layer then does the same three things (`LlamaModel._attention`): project Q/K/V, store the new
 K/V with `write_kv(cache, k, v, path.writes)`, and `path.attend(q, k, v, cache)`. The paths:
@@ -150,8 +150,8 @@ class PagedDecode(NamedTuple):
 class GroupedDecode(NamedTuple):
     """Dynamic decode of length-sorted rows, group by group over gathered key tiles.
 
-    Each group gathers only the key tiles its longest row needs (`attention_layout.
-    decode_key_groups`) into the reused `workspace` (flat K and V buffers: a fresh
+    Each group gathers only the key tiles its longest row needs (`dynamic_addressing.
+    grouped_decode`) into the reused `workspace` (flat K and V buffers: a fresh
     multi-megabyte tensor per layer costs page faults on every call), and folds each KV head's
     query group into the query axis so SDPA reads K/V once per KV head, not once per query head.
     """

@@ -1,9 +1,10 @@
-"""How a dynamic (CPU) model call lays out its rows and tokens for attention.
+"""How a model call lays out its rows and tokens for attention (plain data and planning).
 
 Decode groups length-sorted rows so each group gathers only the keys its longest row needs
 (`plan_key_groups`, `KeyGroup`); prefill packs a bucket-padded chunk's real tokens so that
-token-wise work skips the padding (`PackedChunk`). Both are plain data plus host-side
-planning; `LlamaModel` executes them.
+token-wise work skips the padding (`PackedChunk`). The flat cache-row arithmetic and the
+prefix-then-causal mask are shared by the dynamic planners (`dynamic_addressing`) and the
+graph-safe ones (`graph_safe`); the attention paths (`attention`) execute the plans.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class PackedChunk(NamedTuple):
     batch: int
     seq: int
     # Each row's last real token (packed index) and what it may see `[B, 1, 1, keys]`: the
-    # last layer only needs those tokens' outputs (see `LlamaModel._run_layers`).
+    # last layer only needs those tokens' outputs (see `attention.PackedLastTokens`).
     last: torch.Tensor
     last_mask: torch.Tensor | None
 

@@ -6,13 +6,16 @@ shared by all layers: writes and gathers go through one flat row index into the 
 as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over batch rows.
 Q/K/V and gate/up projections are stored fused, one matrix each; how every projection is
 computed (form, layout, fused or split) is chosen by measurement at warmup
-(`choose_kernels`, `models.llama.kernels`). The dynamic decode attends with a native kernel
-that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run.
+(`choose_kernels`, `models.llama.kernel_hooks`). The dynamic decode attends with a native
+kernel that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run.
 
-Two implementations of decode and prefill share the layers:
+Each call plans its addressing once into an attention path (`models.llama.attention`), and
+every layer runs the same `_attention`: project, store K/V, `path.attend`. Two
+implementations of decode and prefill plan those paths:
 
-* dynamic (default on CPU): reads values on the host to do the least work (only the keys up to
-  the longest row, only the active rows). Fastest on CPU; cannot be captured as a CUDA graph.
+* dynamic (default on CPU, `models.llama.dynamic_addressing`): reads values on the host to do
+  the least work (only the keys up to the longest row, only the active rows). Fastest on CPU;
+  cannot be captured as a CUDA graph.
 * graph-safe (`models.llama.graph_safe`): no host synchronisation, shapes fixed by the input
   shapes (whole page-table width, every row). It is used when `uses_graph_safe_path()`: the
   `graph_safe` attribute when set, otherwise automatically on CUDA, so eager and captured CUDA
@@ -114,8 +117,8 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         self._rope_cos = cos.to(self.device)
         self._rope_sin = sin.to(self.device)
         self._paged: PagedAttentionConfig | None = None
-        self._kv_cache: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
-        # Reused K/V gather buffers of the dynamic decode (see `_grouped_decode_attention`).
+        self._kv_cache: tuple[LayerCache, ...] | None = None
+        # Reused K/V gather buffers of the dynamic decode (see `attention.GroupedDecode`).
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # Optional device-sampling module a family executor attaches (the runtime reads it).
         self.sampling: Any = None
