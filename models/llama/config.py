@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import attrs
 
+from runtime.validation import is_int
+
 logger = logging.getLogger(__name__)
 
 RopeKind = Literal["linear", "llama3"]
@@ -26,7 +28,7 @@ TINY_RANDOM_PREFIX = "tiny-random"
 
 
 def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}={value!r} is invalid: "
             "allowed is a positive integer"

@@ -20,6 +20,7 @@ from models.llama.sources import SMOLLM2_NAME, LoadedModel
 from runtime.backends import make_device
 from runtime.backends.base import Device
 from runtime.config import TraceConfig, WarmupConfig, require_positive_int
+from runtime.validation import is_int
 
 OPTIMIZATIONS: dict[str | None, torch.dtype] = {
     None: torch.float32,
@@ -79,7 +80,7 @@ class VLLMFacadeOptions:
         check_bool("device_sampling", self.device_sampling)
         if self.warmup is not None and not isinstance(self.warmup, WarmupConfig):
             raise TypeError(f"warmup must be a WarmupConfig or None, got {self.warmup!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
 
