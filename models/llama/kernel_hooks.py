@@ -39,6 +39,7 @@ class KernelPlanHooks:
     decode_attention: str | None
 
     def _init_kernel_state(self) -> None:
+        """No plan yet: the default forms, decode attention chosen by availability."""
         self.decode_attention = None
         self.kernel_plan: KernelPlan | None = None
         self._replay_plan: KernelPlan | None = None

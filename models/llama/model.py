@@ -82,7 +82,6 @@ class LlamaModel(KernelPlanHooks, nn.Module):
     """
 
     graph_safe: bool | None
-    decode_attention: str | None
     # Dynamic decode: cost of one more attention group, in row-key units (`plan_key_groups`).
     group_cost: int = GROUP_COST_KEYS
 
