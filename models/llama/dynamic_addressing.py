@@ -30,8 +30,9 @@ def token_writes(
 ) -> CacheWrites:
     """Cache writes of tokens at positions `pos` on pages `block` (`-1`: unmapped, skipped)."""
     rows = None
-    if not bool((block >= 0).all()):
-        rows = (block >= 0).nonzero().squeeze(1)
+    mapped = block >= 0
+    if not bool(mapped.all()):
+        rows = mapped.nonzero().squeeze(1)
         block, pos = block[rows], pos[rows]
     index = flat_cache_rows(block, pos % block_size, n_kv_heads=n_kv_heads, block_size=block_size)
     return CacheWrites(token_rows=rows, cache_rows=index.reshape(-1))
