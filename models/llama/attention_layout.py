@@ -1,9 +1,10 @@
-"""How a dynamic (CPU) model call lays out its rows and tokens for attention.
+"""How a model call lays out its rows and tokens for attention (plain data and planning).
 
 Decode groups length-sorted rows so each group gathers only the keys its longest row needs
 (`plan_key_groups`, `KeyGroup`); prefill packs a bucket-padded chunk's real tokens so that
-token-wise work skips the padding (`PackedChunk`). Both are plain data plus host-side
-planning; `LlamaModel` executes them.
+token-wise work skips the padding (`PackedChunk`). The flat cache-row arithmetic and the
+prefix-then-causal mask are shared by the dynamic planners (`dynamic_addressing`) and the
+graph-safe ones (`graph_safe`); the attention paths (`attention`) execute the plans.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class PackedChunk(NamedTuple):
     batch: int
     seq: int
     # Each row's last real token (packed index) and what it may see `[B, 1, 1, keys]`: the
-    # last layer only needs those tokens' outputs (see `LlamaModel._run_layers`).
+    # last layer only needs those tokens' outputs (see `attention.PackedLastTokens`).
     last: torch.Tensor
     last_mask: torch.Tensor | None
 
@@ -95,3 +96,30 @@ def plan_key_groups(
         bounds.append((edges[cut[j]], edges[j]))
         j = cut[j]
     return bounds[::-1]
+
+
+def flat_cache_rows(
+    blocks: torch.Tensor, offsets: torch.Tensor, *, n_kv_heads: int, block_size: int
+) -> torch.Tensor:
+    """Flat cache rows of (block, offset) pairs, one per KV head: shape `[..., n_kv_heads]`.
+
+    The cache `[num_blocks, kv, block_size, head_dim]` is viewed as `[-1, head_dim]`.
+    """
+    heads = torch.arange(n_kv_heads, device=blocks.device)
+    return ((blocks.unsqueeze(-1) * n_kv_heads + heads) * block_size) + offsets.unsqueeze(-1)
+
+
+def prefix_then_causal_mask(prefix_ok: torch.Tensor, seq: int) -> torch.Tensor:
+    """Attention mask `[B, 1, S, P + S]` of a prefill chunk whose keys are a cached prefix then
+    the chunk itself: query `s` sees the prefix keys `prefix_ok` `[B, P]` allows and the
+    chunk's keys up to `s`."""
+    batch = prefix_ok.shape[0]
+    cols = torch.arange(seq, device=prefix_ok.device)
+    causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
+    return torch.cat(
+        (
+            prefix_ok.unsqueeze(1).expand(batch, seq, -1),
+            causal.unsqueeze(0).expand(batch, seq, seq),
+        ),
+        dim=2,
+    ).unsqueeze(1)

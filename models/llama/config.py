@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import attrs
 
+from runtime.validation import is_int
+
 logger = logging.getLogger(__name__)
 
 RopeKind = Literal["linear", "llama3"]
@@ -26,7 +28,7 @@ TINY_RANDOM_PREFIX = "tiny-random"
 
 
 def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name}={value!r} is invalid: "
             "allowed is a positive integer"
@@ -163,48 +165,11 @@ class LlamaArgs:
     @classmethod
     def from_hf_config(cls, source: Mapping[str, Any] | str | Path) -> LlamaArgs:
         """Translate a HF `config.json` (a mapping, the file, or its directory)."""
-        config: Mapping[str, Any]
-        if isinstance(source, str | Path):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise FileNotFoundError(f"config path {str(path)!r} does not exist")
-            config = json.loads(path.read_text(encoding="utf-8"))
-        else:
-            config = source
-        model_type = config.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise ValueError(
-                f"config model_type={model_type!r} is not supported: allowed are "
-                f"{list(HF_MODEL_TYPES)}"
-            )
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag, False):
-                raise ValueError(
-                    f"config {flag}={config[flag]!r} is not supported: allowed is false"
-                )
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config hidden_act={act!r} is not supported: allowed is 'silu'")
-        for key in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        ):
-            if key not in config:
-                raise ValueError(f"config {key} is missing: it is required")
+        config = _read_hf_config(source)
+        model_type = _check_hf_support(config)
         dim = config["hidden_size"]
         n_heads = config["num_attention_heads"]
-        rope_params = config.get("rope_parameters")
-        rope_theta = config.get("rope_theta")
-        if rope_theta is None and isinstance(rope_params, Mapping):
-            rope_theta = rope_params.get("rope_theta")
-        scaling_raw = config.get("rope_scaling")
-        if scaling_raw is None and isinstance(rope_params, Mapping):
-            scaling_raw = rope_params
+        rope_theta, scaling_raw = _hf_rope(config)
         head_dim = config.get("head_dim")
         if head_dim is None:
             if dim % n_heads != 0:
@@ -273,10 +238,7 @@ class LlamaArgs:
             )
 
         def need(key: str) -> Any:
-            full = f"{arch}.{key}"
-            if full not in metadata:
-                raise ValueError(f"GGUF metadata {full} is missing: it is required")
-            return metadata[full]
+            return _gguf_required(metadata, f"{arch}.{key}")
 
         if "rope_freqs.weight" in tensor_names:
             raise ValueError(
@@ -285,19 +247,7 @@ class LlamaArgs:
             )
         dim = int(need("embedding_length"))
         n_heads = int(need("attention.head_count"))
-        head_dim = int(metadata.get(f"{arch}.attention.key_length", dim // n_heads))
-        value_dim = metadata.get(f"{arch}.attention.value_length")
-        if value_dim is not None and int(value_dim) != head_dim:
-            raise ValueError(
-                f"GGUF {arch}.attention.value_length={value_dim} is not supported: allowed is "
-                f"key_length={head_dim}"
-            )
-        rot = metadata.get(f"{arch}.rope.dimension_count")
-        if rot is not None and int(rot) != head_dim:
-            raise ValueError(
-                f"GGUF {arch}.rope.dimension_count={rot} is not supported: allowed is "
-                f"head_dim={head_dim} (partial rotary embeddings are not implemented)"
-            )
+        head_dim = _gguf_head_dim(metadata, arch, dim // n_heads)
         scaling: RopeScaling | None = None
         scaling_type = metadata.get(f"{arch}.rope.scaling.type")
         if scaling_type not in (None, "none"):
@@ -341,6 +291,81 @@ class LlamaArgs:
                 f"tiny-random preset={preset!r} is unknown: allowed are {sorted(TINY_PRESETS)}"
             )
         return TINY_PRESETS[preset]
+
+
+def _read_hf_config(source: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    """A HF config as a mapping: given as one, or read from `config.json` (or its directory)."""
+    if not isinstance(source, str | Path):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"config path {str(path)!r} does not exist")
+    config: Mapping[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return config
+
+
+def _check_hf_support(config: Mapping[str, Any]) -> str:
+    """Refuse architectures and options the model does not implement; the model type."""
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(
+            f"config model_type={model_type!r} is not supported: allowed are {list(HF_MODEL_TYPES)}"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag, False):
+            raise ValueError(f"config {flag}={config[flag]!r} is not supported: allowed is false")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config hidden_act={act!r} is not supported: allowed is 'silu'")
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
+        if key not in config:
+            raise ValueError(f"config {key} is missing: it is required")
+    return str(model_type)
+
+
+def _hf_rope(config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """`(rope_theta, rope_scaling)` of a config, either at the top level or (newer
+    transformers) inside `rope_parameters`."""
+    rope_params = config.get("rope_parameters")
+    rope_theta = config.get("rope_theta")
+    if rope_theta is None and isinstance(rope_params, Mapping):
+        rope_theta = rope_params.get("rope_theta")
+    scaling_raw = config.get("rope_scaling")
+    if scaling_raw is None and isinstance(rope_params, Mapping):
+        scaling_raw = rope_params
+    return rope_theta, scaling_raw
+
+
+def _gguf_required(metadata: Mapping[str, Any], key: str) -> Any:
+    if key not in metadata:
+        raise ValueError(f"GGUF metadata {key} is missing: it is required")
+    return metadata[key]
+
+
+def _gguf_head_dim(metadata: Mapping[str, Any], arch: str, default: int) -> int:
+    """The head dim (`key_length`, else `dim / heads`); values and rotary must use all of it."""
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", default))
+    value_dim = metadata.get(f"{arch}.attention.value_length")
+    if value_dim is not None and int(value_dim) != head_dim:
+        raise ValueError(
+            f"GGUF {arch}.attention.value_length={value_dim} is not supported: allowed is "
+            f"key_length={head_dim}"
+        )
+    rot = metadata.get(f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count={rot} is not supported: allowed is "
+            f"head_dim={head_dim} (partial rotary embeddings are not implemented)"
+        )
+    return head_dim
 
 
 def _tiny(name: str, **overrides: Any) -> LlamaArgs:

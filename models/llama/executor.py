@@ -130,36 +130,16 @@ def load_executor(
     bfloat16 on CPU needs native bf16.
     """
     sink = as_progress(progress)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if dtype == "bfloat16" and device == "cpu":
-        require_native_bf16(cpu_features or CpuFeatures.probe())
+    _check_dtype(dtype, device, cpu_features)
     plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
     trace = TraceConfig(mode=trace_mode)  # type: ignore[arg-type]
-    require_positive_int("block_size", block_size)
-    require_positive_int("max_batch_size", max_batch_size)
-    require_positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
-    if num_blocks is not None:
-        require_positive_int("num_blocks", num_blocks)
-    if max_seq_len is not None:
-        require_positive_int("max_seq_len", max_seq_len)
-    problem = geometry_problem(block_size, max_prefill_chunk_size)
-    if problem:
-        raise ValueError(problem)
+    _check_geometry(block_size, num_blocks, max_batch_size, max_prefill_chunk_size, max_seq_len)
     target = make_device(device, faults=faults)
     with sink.step(f"load model {model}"):
         loaded = load_model(model, dtype=DTYPES[dtype], device=target.torch_device, seed=seed)
-    args = loaded.args
-    seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
-    if max_seq_len is not None and max_seq_len > args.max_seq_len:
-        raise ValueError(
-            f"max_seq_len {max_seq_len} exceeds the model's context of {args.max_seq_len} "
-            f"tokens: allowed is 1..{args.max_seq_len}"
-        )
-    blocks_per_seq = -(-seq_len // block_size)
-    max_blocks = max_batch_size * blocks_per_seq
-    if num_blocks is not None and num_blocks > max_blocks:
-        max_blocks = num_blocks
+    seq_len, max_blocks = _kv_extent(
+        loaded.args.max_seq_len, max_seq_len, block_size, max_batch_size, num_blocks
+    )
     if plan is not None:
         where = f"--kernels {kernels}" if isinstance(kernels, str | Path) else "kernels"
         loaded.model.replay_kernels(plan, where=where)
@@ -177,6 +157,55 @@ def load_executor(
         warmup=warmup,
         progress=sink,
     )
+
+
+def _check_dtype(dtype: str, device: str, cpu_features: CpuFeatures | None) -> None:
+    """A known dtype; bfloat16 on CPU only with native bf16 (`cpu_features`, else probed)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and device == "cpu":
+        require_native_bf16(cpu_features or CpuFeatures.probe())
+
+
+def _check_geometry(
+    block_size: int,
+    num_blocks: int | None,
+    max_batch_size: int,
+    max_prefill_chunk_size: int,
+    max_seq_len: int | None,
+) -> None:
+    """The KV and batch geometry arguments, before any weights load."""
+    require_positive_int("block_size", block_size)
+    require_positive_int("max_batch_size", max_batch_size)
+    require_positive_int("max_prefill_chunk_size", max_prefill_chunk_size)
+    if num_blocks is not None:
+        require_positive_int("num_blocks", num_blocks)
+    if max_seq_len is not None:
+        require_positive_int("max_seq_len", max_seq_len)
+    problem = geometry_problem(block_size, max_prefill_chunk_size)
+    if problem:
+        raise ValueError(problem)
+
+
+def _kv_extent(
+    model_context: int,
+    max_seq_len: int | None,
+    block_size: int,
+    max_batch_size: int,
+    num_blocks: int | None,
+) -> tuple[int, int]:
+    """`(max_seq_len, max_num_blocks)`: the lane's sequence limit within the model's context,
+    and blocks for every slot to reach it (or `num_blocks`, when larger)."""
+    seq_len = min(max_seq_len or model_context, model_context)
+    if max_seq_len is not None and max_seq_len > model_context:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds the model's context of {model_context} "
+            f"tokens: allowed is 1..{model_context}"
+        )
+    max_blocks = max_batch_size * -(-seq_len // block_size)
+    if num_blocks is not None and num_blocks > max_blocks:
+        max_blocks = num_blocks
+    return seq_len, max_blocks
 
 
 def build_executor(

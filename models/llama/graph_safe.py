@@ -32,24 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-
-class Addressing(NamedTuple):
-    """Cache addressing of one model call, computed once and used by every layer.
-
-    (Named tuples rather than attrs classes: `torch.compile` traces them, which the CPU tests
-    use to prove the graph-safe path has no data-dependent control flow.)
-
-    `write_rows` selects (and may repeat) token rows of the flattened batch whose K/V are
-    written, in the order of `write_index` (flat cache rows, ordered (token, kv head)).
-    `any_writer` (0-d bool, graph-safe calls only): when False, each write stores the cache's
-    current value instead (see the module docstring).
-    """
-
-    write_rows: torch.Tensor | None
-    write_index: torch.Tensor
-    gather_index: torch.Tensor | None  # [B, n_kv_heads, L] flat cache rows to attend to
-    mask: torch.Tensor | None  # bool [B, 1, queries, keys]; None = plain causal chunk
-    any_writer: torch.Tensor | None = None
+from models.llama.attention import CacheWrites, TableDecode, TablePrefill
+from models.llama.attention_layout import flat_cache_rows, prefix_then_causal_mask
 
 
 class StaticDecode(NamedTuple):
@@ -58,7 +42,7 @@ class StaticDecode(NamedTuple):
     tokens: torch.Tensor  # [B] long, in range
     positions: torch.Tensor  # [B] long, in range of the rotary tables
     active: torch.Tensor  # [B] bool
-    addressing: Addressing
+    attention: TableDecode
 
 
 class StaticPrefill(NamedTuple):
@@ -68,7 +52,7 @@ class StaticPrefill(NamedTuple):
     positions: torch.Tensor  # [B, S] long, in range of the rotary tables
     last: torch.Tensor  # [B] column of each row's last real token (0 for rows without one)
     has_tokens: torch.Tensor  # [B] bool: the row has real tokens in this chunk
-    addressing: Addressing
+    attention: TablePrefill
 
 
 def stream_capturing(device: torch.device) -> bool:
@@ -78,17 +62,6 @@ def stream_capturing(device: torch.device) -> bool:
     (the query itself needs a CUDA build of torch; a model on CUDA implies one).
     """
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def flat_cache_rows(
-    blocks: torch.Tensor, offsets: torch.Tensor, *, n_kv_heads: int, block_size: int
-) -> torch.Tensor:
-    """Flat cache rows of (block, offset) pairs, one per KV head: shape `[..., n_kv_heads]`.
-
-    The cache `[num_blocks, kv, block_size, head_dim]` is viewed as `[-1, head_dim]`.
-    """
-    heads = torch.arange(n_kv_heads, device=blocks.device)
-    return ((blocks.unsqueeze(-1) * n_kv_heads + heads) * block_size) + offsets.unsqueeze(-1)
 
 
 def table_key_rows(
@@ -103,22 +76,6 @@ def table_key_rows(
     offsets = torch.arange(block_size, device=pages.device).view(1, 1, 1, block_size)
     rows = (blocks * n_kv_heads + heads) * block_size + offsets
     return rows.view(batch, n_kv_heads, width * block_size), mapped
-
-
-def prefix_then_causal_mask(prefix_ok: torch.Tensor, seq: int) -> torch.Tensor:
-    """Attention mask `[B, 1, S, P + S]` of a prefill chunk whose keys are a cached prefix then
-    the chunk itself: query `s` sees the prefix keys `prefix_ok` `[B, P]` allows and the
-    chunk's keys up to `s`."""
-    batch = prefix_ok.shape[0]
-    cols = torch.arange(seq, device=prefix_ok.device)
-    causal = cols.unsqueeze(1) >= cols.unsqueeze(0)  # [S, S]
-    return torch.cat(
-        (
-            prefix_ok.unsqueeze(1).expand(batch, seq, -1),
-            causal.unsqueeze(0).expand(batch, seq, seq),
-        ),
-        dim=2,
-    ).unsqueeze(1)
 
 
 def redirect_writes(
@@ -175,12 +132,10 @@ def static_decode(
         tokens=safe_tokens,
         positions=safe_pos,
         active=active,
-        addressing=Addressing(
-            write_rows=source,
-            write_index=write_index,
+        attention=TableDecode(
+            writes=CacheWrites(token_rows=source, cache_rows=write_index, any_writer=any_writer),
             gather_index=gather_index,
             mask=visible.view(visible.shape[0], 1, 1, -1),
-            any_writer=any_writer,
         ),
     )
 
@@ -231,11 +186,9 @@ def static_prefill(
         positions=positions.clamp(max=max_seq_len - 1),
         last=(real - 1).clamp(min=0),
         has_tokens=has_tokens,
-        addressing=Addressing(
-            write_rows=source,
-            write_index=write_index,
-            gather_index=gather_index,
+        attention=TablePrefill(
+            writes=CacheWrites(token_rows=source, cache_rows=write_index, any_writer=any_writer),
+            prefix_index=gather_index,
             mask=mask,
-            any_writer=any_writer,
         ),
     )

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from runtime.backends import native_kernels
 
 if TYPE_CHECKING:
-    from models.llama.model import LlamaModel
+    from models.llama.kernel_hooks import KernelPlanHooks
 
 logger = logging.getLogger(__name__)
 
@@ -235,43 +235,10 @@ def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
         raise _error(
             where, f"decode_attention={attention!r} is invalid: allowed are {ATTENTION_KINDS}"
         )
-    projections: list[tuple[str, ProjectionChoice]] = []
-    for name, entry in sorted(data["projections"].items()):
-        if not isinstance(entry, dict):
-            raise _error(where, f"projection {name!r} must be an object")
-        layout = entry.get("layout")
-        if layout not in LAYOUTS:
-            raise _error(where, f"{name}.layout={layout!r} is invalid: allowed are {LAYOUTS}")
-        forms_raw = entry.get("forms")
-        if not isinstance(forms_raw, list) or not forms_raw:
-            raise _error(where, f"{name}.forms must be a non-empty list of [rows, form]")
-        forms: list[tuple[int, str]] = []
-        for item in forms_raw:
-            if (
-                not isinstance(item, list)
-                or len(item) != 2
-                or type(item[0]) is not int
-                or item[0] < 1
-                or item[1] not in FORMS
-            ):
-                raise _error(
-                    where,
-                    f"{name}.forms entry {item!r} is invalid: allowed is [rows >= 1, form] "
-                    f"with form one of {sorted(FORMS)}",
-                )
-            form = FORMS[item[1]]
-            if form.layout != layout or not form.fits(item[0]):
-                raise _error(
-                    where, f"{name}: form {form.name!r} cannot run {item[0]} rows from {layout}"
-                )
-            forms.append((item[0], item[1]))
-        if [b for b, _ in forms] != sorted({b for b, _ in forms}):
-            raise _error(where, f"{name}.forms buckets must be strictly increasing")
-        split = entry.get("split", False)
-        if not isinstance(split, bool):
-            raise _error(where, f"{name}.split={split!r} is invalid: allowed is true or false")
-        micro = tuple(float(us) for us in entry.get("microseconds", ()))
-        projections.append((name, ProjectionChoice(layout, split, tuple(forms), micro)))
+    projections = [
+        (name, _parse_projection(name, entry, where))
+        for name, entry in sorted(data["projections"].items())
+    ]
     return KernelPlan(
         projections=tuple(projections),
         decode_attention=attention,
@@ -282,6 +249,46 @@ def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
         cpu=str(data.get("cpu", "")),
         notes=tuple(str(n) for n in data.get("notes", ())),
     )
+
+
+def _parse_projection(name: str, entry: Any, where: str) -> ProjectionChoice:
+    """One projection's entry of a plan file: layout, forms per row bucket, split."""
+    if not isinstance(entry, dict):
+        raise _error(where, f"projection {name!r} must be an object")
+    layout = entry.get("layout")
+    if layout not in LAYOUTS:
+        raise _error(where, f"{name}.layout={layout!r} is invalid: allowed are {LAYOUTS}")
+    forms_raw = entry.get("forms")
+    if not isinstance(forms_raw, list) or not forms_raw:
+        raise _error(where, f"{name}.forms must be a non-empty list of [rows, form]")
+    forms = [_parse_form(name, layout, item, where) for item in forms_raw]
+    if [b for b, _ in forms] != sorted({b for b, _ in forms}):
+        raise _error(where, f"{name}.forms buckets must be strictly increasing")
+    split = entry.get("split", False)
+    if not isinstance(split, bool):
+        raise _error(where, f"{name}.split={split!r} is invalid: allowed is true or false")
+    micro = tuple(float(us) for us in entry.get("microseconds", ()))
+    return ProjectionChoice(layout, split, tuple(forms), micro)
+
+
+def _parse_form(name: str, layout: Layout, item: Any, where: str) -> tuple[int, str]:
+    """One `[rows, form]` entry of a projection's forms, runnable from `layout`."""
+    if (
+        not isinstance(item, list)
+        or len(item) != 2
+        or type(item[0]) is not int
+        or item[0] < 1
+        or item[1] not in FORMS
+    ):
+        raise _error(
+            where,
+            f"{name}.forms entry {item!r} is invalid: allowed is [rows >= 1, form] "
+            f"with form one of {sorted(FORMS)}",
+        )
+    form = FORMS[item[1]]
+    if form.layout != layout or not form.fits(item[0]):
+        raise _error(where, f"{name}: form {form.name!r} cannot run {item[0]} rows from {layout}")
+    return item[0], item[1]
 
 
 def load_kernel_plan(path: str | Path) -> KernelPlan:
@@ -349,7 +356,9 @@ def _run(
     dim = 0 if candidate.layout == "out_in" else 1
     for weight in weights:
         if candidate.split:
-            torch.cat([compute(part, x) for part in weight.split(list(parts), dim=dim)], dim=1)
+            torch.cat(
+                [compute(part, x) for part in weight.split_with_sizes(list(parts), dim=dim)], dim=1
+            )
         else:
             compute(weight, x)
 
@@ -432,7 +441,7 @@ _MEASURED: dict[tuple[Any, ...], KernelPlan] = {}
 
 
 def measure_kernel_plan(
-    model: LlamaModel, *, buckets: Sequence[int], attention: str, notes: Sequence[str] = ()
+    model: KernelPlanHooks, *, buckets: Sequence[int], attention: str, notes: Sequence[str] = ()
 ) -> KernelPlan:
     """Measure every projection of `model` at `buckets` (see `measure_projection`), once per
     process for a given geometry, dtype, thread count and attention."""
@@ -446,7 +455,7 @@ def measure_kernel_plan(
 
 
 def _measure(
-    model: LlamaModel, *, buckets: Sequence[int], attention: str, notes: Sequence[str]
+    model: KernelPlanHooks, *, buckets: Sequence[int], attention: str, notes: Sequence[str]
 ) -> KernelPlan:
     from runtime.backends.cpu_features import CpuFeatures
 
@@ -473,7 +482,7 @@ def _measure(
 
 
 def fixed_plan(
-    model: LlamaModel,
+    model: KernelPlanHooks,
     *,
     buckets: Sequence[int],
     attention: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ class Projection(nn.Module):
             compute = FORMS[choice.form_for(count)].compute
             if choice.split:
                 dim = 0 if self.layout == "out_in" else 1
-                pieces = weight.split(list(self.parts), dim=dim)
+                pieces = weight.split_with_sizes(list(self.parts), dim=dim)
                 product = torch.cat([compute(piece, rows) for piece in pieces], dim=1)
             else:
                 product = compute(weight, rows)
@@ -140,6 +141,34 @@ class DecoderLayer(nn.Module):
             args.dim, 2 * args.ffn_dim, parts=(args.ffn_dim, args.ffn_dim), **kw
         )
         self.w_down = Projection(args.ffn_dim, args.dim, **kw)
+        self._q_kv_out = (q_out, kv_out)
+
+    def load_canonical(self, tensor: Callable[[str], torch.Tensor]) -> None:
+        """Take this layer's weights from canonical (HF) tensors, `tensor(suffix)` each (the
+        suffix within the layer, `"self_attn.q_proj.weight"`); fuses qkv and gate/up."""
+        self.input_layernorm.weight = _frozen(tensor("input_layernorm.weight"))
+        self.post_attention_layernorm.weight = _frozen(tensor("post_attention_layernorm.weight"))
+        self.wqkv.load(torch.cat([tensor(f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")]))
+        self.wo.load(tensor("self_attn.o_proj.weight"))
+        self.w_gate_up.load(torch.cat([tensor(f"mlp.{p}_proj.weight") for p in ("gate", "up")]))
+        self.w_down.load(tensor("mlp.down_proj.weight"))
+
+    def canonical_tensors(self) -> dict[str, torch.Tensor]:
+        """This layer's weights by canonical suffix, as views split back from the fused ones."""
+        q_out, kv_out = self._q_kv_out
+        q, k, v = torch.split(self.wqkv.hf_weight(), [q_out, kv_out, kv_out])
+        gate, up = self.w_gate_up.hf_weight().chunk(2)
+        return {
+            "input_layernorm.weight": self.input_layernorm.weight.detach(),
+            "self_attn.q_proj.weight": q,
+            "self_attn.k_proj.weight": k,
+            "self_attn.v_proj.weight": v,
+            "self_attn.o_proj.weight": self.wo.hf_weight(),
+            "post_attention_layernorm.weight": self.post_attention_layernorm.weight.detach(),
+            "mlp.gate_proj.weight": gate,
+            "mlp.up_proj.weight": up,
+            "mlp.down_proj.weight": self.w_down.hf_weight(),
+        }
 
     def attention_out(self, attended: torch.Tensor) -> torch.Tensor:
         """The attention output projection `wo` (typed)."""
@@ -150,3 +179,8 @@ class DecoderLayer(nn.Module):
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
         out: torch.Tensor = self.w_down(F.silu(gate) * up)
         return out
+
+
+def _frozen(value: torch.Tensor) -> nn.Parameter:
+    """`value` as a contiguous parameter without gradients (the model is inference-only)."""
+    return nn.Parameter(value.contiguous(), requires_grad=False)

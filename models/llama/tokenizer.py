@@ -248,49 +248,17 @@ class LlamaTokenizer:
         vocab: dict[str, int] = {}
         for index, token in enumerate(tokens):
             vocab.setdefault(_respell(token, alphabet), index)
-        merges: list[tuple[str, str]] = []
-        for line in merges_raw:
-            left, sep, right = line.partition(" ")
-            if not sep:
-                raise ValueError(f"GGUF tokenizer.ggml.merges entry {line!r} is not 'left right'")
-            merges.append((left, right))
+        merges = [_gguf_merge(line) for line in merges_raw]
         backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         pre = meta.get("tokenizer.ggml.pre")
-        pattern = _SPLIT_PATTERNS.get(str(pre))
-        if pattern is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
-        control = [
-            AddedToken(token, special=True, normalized=False)
-            for token, kind_id in zip(tokens, types, strict=True)
-            if kind_id == _TOKEN_CONTROL and set(token) <= alphabet
-        ]
-        user = [
-            AddedToken(token, special=False, normalized=False)
-            for token, kind_id in zip(tokens, types, strict=True)
-            if kind_id == _TOKEN_USER_DEFINED and token in vocab
-        ]
-        if control:
-            backend.add_special_tokens(control)
-        if user:
-            backend.add_tokens(user)
+        _add_gguf_special_tokens(backend, tokens, types, vocab, alphabet)
         bos_raw = meta.get("tokenizer.ggml.bos_token_id")
         bos = None if bos_raw is None else int(bos_raw)
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
         if add_bos and bos is not None:
-            bos_token = tokens[bos]
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos_token}:0 $A:0",
-                pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
-                special_tokens=[(bos_token, bos)],
-            )
+            backend.post_processor = _bos_template(tokens[bos], bos)
         eos: list[int] = []
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
             value = meta.get(key)
@@ -312,3 +280,56 @@ class LlamaTokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             source=str(gguf_file.path),
         )
+
+
+def _gguf_merge(line: str) -> tuple[str, str]:
+    left, sep, right = line.partition(" ")
+    if not sep:
+        raise ValueError(f"GGUF tokenizer.ggml.merges entry {line!r} is not 'left right'")
+    return left, right
+
+
+def _gguf_pre_tokenizer(pre: object) -> Any:
+    """The split before byte-level BPE: the family's own regex, else GPT-2's."""
+    pattern = _SPLIT_PATTERNS.get(str(pre))
+    if pattern is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _add_gguf_special_tokens(
+    backend: Tokenizer,
+    tokens: list[str],
+    types: list[int],
+    vocab: dict[str, int],
+    alphabet: frozenset[str],
+) -> None:
+    """Control tokens become special (never split); user-defined ones plain added tokens."""
+    control = [
+        AddedToken(token, special=True, normalized=False)
+        for token, kind_id in zip(tokens, types, strict=True)
+        if kind_id == _TOKEN_CONTROL and set(token) <= alphabet
+    ]
+    user = [
+        AddedToken(token, special=False, normalized=False)
+        for token, kind_id in zip(tokens, types, strict=True)
+        if kind_id == _TOKEN_USER_DEFINED and token in vocab
+    ]
+    if control:
+        backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
+
+
+def _bos_template(bos_token: str, bos: int) -> Any:
+    """The post-processor that prepends BOS (the file's `add_bos_token`)."""
+    return processors.TemplateProcessing(
+        single=f"{bos_token}:0 $A:0",
+        pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
+        special_tokens=[(bos_token, bos)],
+    )

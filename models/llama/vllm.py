@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import weakref
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -35,74 +32,21 @@ import torch
 from lifecycle import Phase
 from lifecycle.errors import PhaseError
 from models.llama.executor import LlamaExecutor, build_executor
-from models.llama.sources import SMOLLM2_NAME, LoadedModel, load_model
-from runtime.backends import make_device
+from models.llama.sources import LoadedModel, load_model
+from models.llama.vllm_engine_args import (
+    OPTIMIZATIONS,
+    VLLMFacadeOptions,
+    check_bool,
+    check_hf_config,
+    engine_device,
+    engine_model_name,
+    engine_options,
+)
 from runtime.backends.base import Device
-from runtime.config import PagedKVCacheConfig, TraceConfig, WarmupConfig, require_positive_int
+from runtime.config import PagedKVCacheConfig, TraceConfig, require_positive_int
 from runtime.vllm_adapter import VLLMAdapter, VLLMAdapterConfig
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZATIONS: dict[str | None, torch.dtype] = {
-    None: torch.float32,
-    "accuracy": torch.float32,
-    "performance": torch.bfloat16,
-}
-"""The engine's `optimizations` setting -> the weight and KV cache dtype."""
-
-HUB_ALIASES: dict[str, str] = {
-    "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2_NAME,
-    "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF": SMOLLM2_NAME,
-}
-"""Hub ids the engine may report whose weights this project ships locally."""
-
-_HF_FIELDS: tuple[tuple[str, str], ...] = (
-    ("num_hidden_layers", "n_layers"),
-    ("num_attention_heads", "n_heads"),
-    ("num_key_value_heads", "n_kv_heads"),
-    ("hidden_size", "dim"),
-    ("vocab_size", "vocab_size"),
-)
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-    return value
-
-
-@attrs.frozen
-class VLLMFacadeOptions:
-    """Runtime settings the engine does not pass (give them as `initialize_vllm_model` keywords).
-
-    `trace_mode` must agree with the engine's trace mode; `block_size` only shapes the
-    placeholder geometry before the engine's `allocate_kv_cache` fixes the real one.
-    """
-
-    model: str | None = None
-    trace_mode: str = "decode_only"
-    block_size: int = 32
-    max_prefill_chunk_size: int = 256
-    device_sampling: bool = True
-    warmup: WarmupConfig | None = None
-    seed: int = 0
-
-    def __attrs_post_init__(self) -> None:
-        if self.model is not None and (not isinstance(self.model, str) or not self.model):
-            raise TypeError(f"model must be a non-empty model name or path, got {self.model!r}")
-        TraceConfig(mode=self.trace_mode)  # type: ignore[arg-type]
-        require_positive_int("block_size", self.block_size)
-        require_positive_int("max_prefill_chunk_size", self.max_prefill_chunk_size)
-        if self.max_prefill_chunk_size % self.block_size:
-            raise ValueError(
-                f"max_prefill_chunk_size ({self.max_prefill_chunk_size}) must be a multiple of "
-                f"block_size ({self.block_size})"
-            )
-        _check_bool("device_sampling", self.device_sampling)
-        if self.warmup is not None and not isinstance(self.warmup, WarmupConfig):
-            raise TypeError(f"warmup must be a WarmupConfig or None, got {self.warmup!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
 
 @attrs.define(eq=False)
@@ -143,51 +87,6 @@ class _TargetHolder:
             holder.target.close()
         except BaseException as error:  # a finalizer must not raise
             logger.warning("dropped vLLM facade: cleanup failed: %s", error)
-
-
-def _hf_value(hf_config: Any, name: str) -> Any:
-    if isinstance(hf_config, Mapping):
-        return hf_config.get(name)
-    return getattr(hf_config, name, None)
-
-
-def _model_name(hf_config: Any, override: str | None) -> str:
-    if override is not None:
-        return override
-    for field in ("name_or_path", "_name_or_path"):
-        value = _hf_value(hf_config, field)
-        if isinstance(value, str | Path) and str(value):
-            return HUB_ALIASES.get(str(value), str(value))
-    raise ValueError(
-        "hf_config names no model (name_or_path is empty); pass model=<name or path> to "
-        "initialize_vllm_model"
-    )
-
-
-def _check_hf_config(hf_config: Any, loaded: LoadedModel) -> None:
-    """The engine's view of the architecture must be the one the weights were loaded for."""
-    for hf_name, arg_name in _HF_FIELDS:
-        value = _hf_value(hf_config, hf_name)
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            expected = getattr(loaded.args, arg_name)
-            if int(value) != expected:
-                raise ValueError(
-                    f"hf_config.{hf_name}={value} disagrees with the loaded model "
-                    f"{loaded.source.name!r} ({arg_name}={expected})"
-                )
-
-
-def _device(mesh_device: Any) -> Device:
-    if mesh_device is None:
-        return make_device("cpu")
-    if isinstance(mesh_device, Device):
-        return mesh_device
-    if isinstance(mesh_device, str | torch.device):
-        return make_device(str(mesh_device))
-    raise TypeError(
-        "mesh_device must be None (cpu), a device spec such as 'cpu' or 'cuda:0', a "
-        f"torch.device or a runtime Device, got {type(mesh_device).__name__}"
-    )
 
 
 class LlamaVLLMModel:
@@ -254,36 +153,22 @@ class LlamaVLLMModel:
         `VLLMFacadeOptions` (trace_mode, block_size, max_prefill_chunk_size, device_sampling,
         warmup, seed, model). Every argument is checked before any weights load.
         """
-        require_positive_int("max_batch_size", max_batch_size)
-        require_positive_int("tt_data_parallel", tt_data_parallel)
-        if max_seq_len is not None:
-            require_positive_int("max_seq_len", max_seq_len)
-        if optimizations not in OPTIMIZATIONS:
-            raise ValueError(
-                f"optimizations must be one of {list(OPTIMIZATIONS)}, got {optimizations!r}"
-            )
-        if tt_data_parallel != 1:
-            raise ValueError(
-                f"tt_data_parallel={tt_data_parallel} needs a lane group "
-                "(runtime.lane_group.LaneGroupExecutor), which this facade does not build yet; "
-                "start the engine with data parallel size 1"
-            )
-        allowed = [field.name for field in attrs.fields(VLLMFacadeOptions)]
-        unknown = sorted(set(options) - set(allowed))
-        if unknown:
-            raise TypeError(
-                f"initialize_vllm_model got unknown option(s) {unknown}; allowed options: {allowed}"
-            )
-        facade_options = VLLMFacadeOptions(**options)
-        name = _model_name(hf_config, facade_options.model)
-        device = _device(mesh_device)
+        facade_options = engine_options(
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            tt_data_parallel=tt_data_parallel,
+            optimizations=optimizations,
+            options=options,
+        )
+        name = engine_model_name(hf_config, facade_options.model)
+        device = engine_device(mesh_device)
         loaded = load_model(
             name,
             dtype=OPTIMIZATIONS[optimizations],
             device=device.torch_device,
             seed=facade_options.seed,
         )
-        _check_hf_config(hf_config, loaded)
+        check_hf_config(hf_config, loaded)
         model_max = loaded.args.max_seq_len
         seq_len = model_max if max_seq_len is None else max_seq_len
         if seq_len > model_max:
@@ -586,7 +471,7 @@ class LlamaVLLMModel:
         `read_from_device=True` returns host tokens `[B]` / logits `[B, 1, V]`; False returns
         a `DecodeOutput` for `read_decode_output` or `process_decode_output_host`.
         """
-        _check_bool("read_from_device", read_from_device)
+        check_bool("read_from_device", read_from_device)
         self._require_servable("decode_forward")
         normalized, trace = self.adapter.normalize_decode(
             tokens,
@@ -613,7 +498,7 @@ class LlamaVLLMModel:
 
         The engine waits for the events, then calls `process_decode_output_host`.
         """
-        _check_bool("async_read", async_read)
+        check_bool("async_read", async_read)
         if not isinstance(out, DecodeOutput):
             raise TypeError(
                 "read_decode_output expects the DecodeOutput that decode_forward("
@@ -638,7 +523,7 @@ class LlamaVLLMModel:
         Accepts a `HostDecodeOutput` (after the read's events) or an unread `DecodeOutput`
         (read here, blocking).
         """
-        _check_bool("is_tokens", is_tokens)
+        check_bool("is_tokens", is_tokens)
         if isinstance(out, DecodeOutput):
             if out.read:
                 raise RuntimeError(

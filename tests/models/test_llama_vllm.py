@@ -10,11 +10,11 @@ import torch
 from lifecycle import Phase
 from models.llama.config import LlamaArgs
 from models.llama.vllm import (
-    HUB_ALIASES,
     DecodeOutput,
     HostDecodeOutput,
     LlamaVLLMModel,
 )
+from models.llama.vllm_engine_args import HUB_ALIASES
 from runtime.backends import TorchDevice
 
 TINY = LlamaArgs.tiny_random()

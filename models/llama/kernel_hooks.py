@@ -1,0 +1,135 @@
+"""The kernel-plan hooks of `LlamaModel`: warmup measures (or replays) a plan and applies it.
+
+Mixed into the model because the runtime calls them on it (`choose_kernels`, `adopt_kernels`)
+and the CLI replays a recorded plan through it (`replay_kernels`); how each form is measured
+is in `kernels`. A plan also picks how the dynamic decode attends (`decode_attention`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.llama.kernels import (
+    KernelPlan,
+    ProjectionShape,
+    check_plan_fits,
+    fixed_plan,
+    measure_kernel_plan,
+    parse_kernel_plan,
+    row_buckets,
+)
+from models.llama.layers import Projection
+from runtime.backends import native_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class KernelPlanHooks:
+    """Kernel-plan state and hooks over the model's projections (`layers`, `lm_head`)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    layers: nn.ModuleList
+    lm_head: Projection
+    decode_attention: str | None
+
+    def _init_kernel_state(self) -> None:
+        """No plan yet: the default forms, decode attention chosen by availability."""
+        self.decode_attention = None
+        self.kernel_plan: KernelPlan | None = None
+        self._replay_plan: KernelPlan | None = None
+
+    def projection_groups(self) -> dict[str, list[Projection]]:
+        """Every projection by kind (one per layer; `lm_head` once), in a fixed order."""
+        groups: dict[str, list[Projection]] = {}
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                groups.setdefault(name, []).append(getattr(layer, name))
+        groups["lm_head"] = [self.lm_head]
+        return groups
+
+    def projection_shapes(self) -> dict[str, ProjectionShape]:
+        """Each projection kind's geometry (what a kernel plan must cover)."""
+        return {
+            name: ProjectionShape(m[0].in_features, m[0].out_features, m[0].parts, len(m))
+            for name, m in self.projection_groups().items()
+        }
+
+    def replay_kernels(self, plan: KernelPlan, *, where: str = "kernels") -> None:
+        """Use `plan` at warmup instead of measuring; checked against this model now.
+
+        `where` names the plan's origin in errors (the CLI passes `--kernels FILE`).
+        """
+        check_plan_fits(plan, self.projection_shapes(), where)
+        if plan.decode_attention == "paged_inplace":
+            reason = self._inplace_unavailable()
+            if reason is not None:
+                raise ValueError(
+                    f"{where}: decode_attention 'paged_inplace' cannot run here ({reason}): "
+                    "allowed here is 'gather'"
+                )
+        self._replay_plan = plan
+
+    def adopt_kernels(self, data: Mapping[str, Any]) -> None:
+        """Replay another lane's kernel plan (its JSON), checked against this model now."""
+        self.replay_kernels(parse_kernel_plan(data, where="lane 0's kernel plan"))
+
+    def choose_kernels(self, *, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
+        """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.
+
+        Measures each projection at the row buckets of a lane of `decode_rows` slots and
+        prefill chunks of `prefill_rows` tokens (`kernels.measure_kernel_plan`). Once a plan
+        is applied, later calls return it unchanged.
+        """
+        if self.kernel_plan is None:
+            buckets = row_buckets(decode_rows, prefill_rows)
+            self.apply_kernel_plan(self._resolve_kernel_plan(buckets))
+        assert self.kernel_plan is not None
+        return self.kernel_plan.to_json()
+
+    def _resolve_kernel_plan(self, buckets: Sequence[int]) -> KernelPlan:
+        if self._replay_plan is not None:
+            return self._replay_plan
+        attention, notes = self._attention_choice()
+        if self.device.type != "cpu":
+            source = f"fixed ({self.device.type}: F.linear, nothing timed)"
+            return fixed_plan(
+                self, buckets=buckets, attention=attention, source=source, notes=notes
+            )
+        return measure_kernel_plan(self, buckets=buckets, attention=attention, notes=notes)
+
+    def _inplace_unavailable(self) -> str | None:
+        """Why the in-place paged decode attention cannot run for this model, or None."""
+        if self.device.type != "cpu":
+            return f"the native kernel is CPU-only, the model is on {self.device.type}"
+        return native_kernels.unavailable_reason()
+
+    def _attention_choice(self) -> tuple[str, tuple[str, ...]]:
+        if self.decode_attention is not None:
+            return self.decode_attention, ("decode attention set by the caller",)
+        reason = self._inplace_unavailable()
+        if reason is None:
+            return "paged_inplace", ()
+        return "gather", (f"in-place paged attention unavailable: {reason}",)
+
+    def apply_kernel_plan(self, plan: KernelPlan) -> None:
+        """Lay every projection out and pick its forms as `plan` says (checked first)."""
+        check_plan_fits(plan, self.projection_shapes(), f"kernel plan ({plan.source})")
+        for name, modules in self.projection_groups().items():
+            choice = plan.choice(name)
+            for module in modules:
+                module.apply_choice(choice)
+        self.decode_attention = plan.decode_attention
+        self.kernel_plan = plan
+        logger.info("%s", plan.summary())
+
+    def _decodes_in_place(self) -> bool:
+        attention = self.decode_attention
+        if attention is None:
+            attention = "paged_inplace" if self._inplace_unavailable() is None else "gather"
+        return attention == "paged_inplace"
