@@ -49,7 +49,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict lifecycle runtime
+	$(BIN)/mypy --strict lifecycle runtime models
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest

@@ -35,7 +35,7 @@ from runtime.backends.memory import format_bytes
 from runtime.config import (
     PagedKVCacheConfig,
 )
-from runtime.decode_batch import SlotRemap
+from runtime.decode_batch import DecodeArguments
 from runtime.execution import EagerExecutor, TracedExecutor
 from runtime.prefill.batch import IntVector, PrefillArguments
 from runtime.prefill.result_collector import PrefillOutput
@@ -288,15 +288,17 @@ class ModelExecutor(LifecycleHost):
             return (target or self.eager_executor).compile_prefill_batch(batch)
 
     @guarded(*_SETUP)
-    def compile_decode(self, *, kv_cache: Any = None, **request: Any) -> CompiledProgram:
+    def compile_decode(
+        self, *, kv_cache: object = None, **arguments: Unpack[DecodeArguments]
+    ) -> CompiledProgram:
         """Compile the decode program of one call (traced lanes also register a plan).
 
-        `request` takes `DecodeRuntime.prepare`'s arguments by name; the step is checked there.
+        The step is checked by `DecodeRuntime.prepare`, as in `decode_forward`.
         """
         self._validate_cache_argument(kv_cache)
         target = self.traced_executor if self.config.trace.decode_enabled else None
         with self._faulting("compile_decode"):
-            prepared = self.decode_runtime.prepare(**request)
+            prepared = self.decode_runtime.prepare(**arguments)
             return (target or self.eager_executor).compile_decode_batch(prepared)
 
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
@@ -498,17 +500,10 @@ class ModelExecutor(LifecycleHost):
     def decode_forward(
         self,
         *,
-        tokens: torch.Tensor,
-        start_pos: torch.Tensor,
-        page_table: torch.Tensor,
-        kv_cache: Any = None,
-        sampling_params: SamplingParams | None = None,
-        prompt_tokens: torch.Tensor | None = None,
-        output_tokens: torch.Tensor | None = None,
-        slot_remap: SlotRemap | None = None,
-        reset_batch: bool = False,
+        kv_cache: object = None,
         read_from_device: bool = True,
         execution: str | None = None,
+        **arguments: Unpack[DecodeArguments],
     ) -> Any:
         """One decode step over the whole lane (negative positions are inactive rows).
 
@@ -516,20 +511,11 @@ class ModelExecutor(LifecycleHost):
         eager or traced executor runs the checked `PreparedDecode`.
         """
         self._validate_cache_argument(kv_cache)
-        self._check_sampling(sampling_params)
+        self._check_sampling(arguments.get("sampling_params"))
         require_bool("read_from_device", read_from_device)
         target = self._target("decode", execution)
         try:
-            prepared = self.decode_runtime.prepare(
-                tokens,
-                start_pos,
-                page_table,
-                sampling_params=sampling_params,
-                prompt_tokens=prompt_tokens,
-                output_tokens=output_tokens,
-                slot_remap=slot_remap,
-                reset_batch=reset_batch,
-            )
+            prepared = self.decode_runtime.prepare(**arguments)
             return target.decode_forward(prepared, read_from_device=read_from_device)
         except BaseException as error:  # inline: this is the per-step path
             self._fault_if_holding("decode_forward", error)

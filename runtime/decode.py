@@ -21,7 +21,7 @@ positions in place) is used only by compile and traced replay, as in the referen
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -29,10 +29,11 @@ from lifecycle.errors import attach_cleanup_failures
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout
 from runtime.decode_batch import (
+    DecodeOptions,
     LaneInputs,
     PreparedDecode,
-    SlotRemap,
     assert_lane_batch,
+    check_decode_options,
     check_lane_inputs,
     check_sampling_arguments,
     check_token_ids,
@@ -149,12 +150,7 @@ class DecodeRuntime:
         tokens: torch.Tensor,
         start_pos: torch.Tensor,
         page_table: torch.Tensor,
-        *,
-        sampling_params: SamplingParams | None = None,
-        prompt_tokens: torch.Tensor | None = None,
-        output_tokens: torch.Tensor | None = None,
-        slot_remap: SlotRemap | None = None,
-        reset_batch: bool = False,
+        **options: Unpack[DecodeOptions],
     ) -> PreparedDecode:
         """The decode boundary: check one lane step, normalise its page table, classify it.
 
@@ -162,7 +158,13 @@ class DecodeRuntime:
         `start_pos >= 0`; sampling parameters are slot-indexed over the lane and inactive
         rows are neutral. Nothing touches the device.
         """
+        check_decode_options("DecodeRuntime.prepare", options)
         self._refuse_while_orphaned()
+        sampling_params = options.get("sampling_params")
+        prompt_tokens = options.get("prompt_tokens")
+        output_tokens = options.get("output_tokens")
+        slot_remap = options.get("slot_remap")
+        reset_batch = options.get("reset_batch", False)
         config = self._config
         lane = check_lane_inputs(config.lane_capacity, tokens, start_pos, page_table)
         require_bool("reset_batch", reset_batch)

@@ -8,8 +8,8 @@ executors) trusts the value; `assert_lane_batch` states what it guarantees.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import Required, TypeAlias, TypedDict
 
 import attrs
 import torch
@@ -25,10 +25,14 @@ from runtime.sampling import (
 )
 
 __all__ = [
+    "DECODE_OPTIONS",
+    "DecodeArguments",
+    "DecodeOptions",
     "LaneInputs",
     "PreparedDecode",
     "SlotRemap",
     "assert_lane_batch",
+    "check_decode_options",
     "check_lane_inputs",
     "check_sampling_arguments",
     "check_token_ids",
@@ -39,6 +43,35 @@ __all__ = [
 
 SlotRemap: TypeAlias = Sequence[int] | torch.Tensor
 """`slot_remap[i]`: the slot whose request-owned sampling state moves into slot `i`."""
+
+
+class DecodeOptions(TypedDict, total=False):
+    """The optional keywords of one decode step, after the lane's three tensors."""
+
+    sampling_params: SamplingParams | None
+    prompt_tokens: torch.Tensor | None
+    output_tokens: torch.Tensor | None
+    slot_remap: SlotRemap | None
+    reset_batch: bool
+
+
+class DecodeArguments(DecodeOptions):
+    """Every keyword of a public decode step: what every layer above `DecodeRuntime.prepare`
+    passes through unchanged (the one declaration of the decode keyword list)."""
+
+    tokens: Required[torch.Tensor]
+    start_pos: Required[torch.Tensor]
+    page_table: Required[torch.Tensor]
+
+
+DECODE_OPTIONS = frozenset(DecodeOptions.__optional_keys__)
+
+
+def check_decode_options(operation: str, options: Mapping[str, object]) -> None:
+    """Refuse an unknown keyword as Python would for an explicit keyword list."""
+    for name in options:
+        if name not in DECODE_OPTIONS:
+            raise TypeError(f"{operation}() got an unexpected keyword argument {name!r}")
 
 
 @attrs.frozen(eq=False)

@@ -14,14 +14,15 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Unpack
 
 import attrs
 
 from lifecycle import LifecycleHost, Phase, PhaseError, guarded, host_table
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
+from runtime.decode_batch import DecodeArguments
 from runtime.lane_routing import (
     LaneRows,
     concat_decode,
@@ -40,6 +41,7 @@ from runtime.lanes.barrier import (
 from runtime.lanes.fanout import TERMINAL_TEXT, LaneFanOut, close_all
 from runtime.lanes.group_view import LaneGroupView
 from runtime.lanes.protocol import Lane, LaneFailure
+from runtime.prefill.batch import PrefillArguments
 from runtime.validation import positive_int
 
 logger = logging.getLogger(__name__)
@@ -299,9 +301,11 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     # -- compile, warm, capture -----------------------------------------------------------------
 
     @guarded(*_SETUP)
-    def compile_prefill(self, **request: Any) -> None:
+    def compile_prefill(
+        self, *, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
+    ) -> None:
         """Compile one slot-routed prefill on the lanes it reaches (returns None)."""
-        routed, _ = self._split_prefill(request)
+        routed, _ = self._split_prefill(_with_lane_values(arguments, kv_cache=kv_cache))
         self._guard(
             "compile_prefill",
             lambda: self._lanes.each(
@@ -312,8 +316,11 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         )
 
     @guarded(*_SETUP)
-    def compile_decode(self, **request: Any) -> None:
+    def compile_decode(
+        self, *, kv_cache: object = None, **arguments: Unpack[DecodeArguments]
+    ) -> None:
         """Compile one decode call on every fixed-capacity lane (returns None)."""
+        request = _with_lane_values(arguments, kv_cache=kv_cache)
         split = self._split_decode(request, compile_only=True)
         self._guard(
             "compile_decode", lambda: self._lanes.each("compile_decode", lambda i: split[i])
@@ -411,12 +418,19 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     # -- prefill --------------------------------------------------------------------------------
 
     @guarded(P.SERVING)
-    def prefill_forward(self, *, tokens: Any, page_table: Any, **request: Any) -> Any:
-        """Prefill global rows: route by slot, preflight traced lanes, run, restore order."""
-        routed, routes = self._split_prefill(
-            {"tokens": tokens, "page_table": page_table, **request}
-        )
-        batch = int(tokens.shape[0])
+    def prefill_forward(
+        self,
+        *,
+        kv_cache: object = None,
+        execution: object = None,
+        **arguments: Unpack[PrefillArguments],
+    ) -> Any:
+        """Prefill global rows: route by slot, preflight traced lanes, run, restore order.
+
+        `kv_cache` and `execution`: one value, or one per lane (None: each lane's own)."""
+        request = _with_lane_values(arguments, kv_cache=kv_cache, execution=execution)
+        routed, routes = self._split_prefill(request)
+        batch = int(arguments["tokens"].shape[0])
 
         def work() -> Any:
             tickets = self._lanes.preflight_traced(routed)
@@ -465,9 +479,19 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     # -- decode ---------------------------------------------------------------------------------
 
     @guarded(P.SERVING)
-    def decode_forward(self, *, read_from_device: bool = True, **request: Any) -> Any:
-        """One decode step over the global batch; every lane is issued before any is waited."""
+    def decode_forward(
+        self,
+        *,
+        kv_cache: object = None,
+        execution: object = None,
+        read_from_device: bool = True,
+        **arguments: Unpack[DecodeArguments],
+    ) -> Any:
+        """One decode step over the global batch; every lane is issued before any is waited.
+
+        `kv_cache` and `execution`: one value, or one per lane (None: each lane's own)."""
         clock = time.perf_counter()
+        request = _with_lane_values(arguments, kv_cache=kv_cache, execution=execution)
         split = self._split_decode(request)
         read = bool(read_from_device)
         active = self._active_lanes(split)
@@ -563,3 +587,10 @@ def _clone(config: Any) -> Any:
 
 def _same(detail: str) -> str:
     return detail
+
+
+def _with_lane_values(arguments: Mapping[str, object], **per_lane: object) -> dict[str, Any]:
+    """One request dict for the router: the call's arguments plus the per-lane values given."""
+    request: dict[str, Any] = dict(arguments)
+    request.update({name: value for name, value in per_lane.items() if value is not None})
+    return request

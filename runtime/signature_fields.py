@@ -13,7 +13,7 @@ import attrs
 
 from runtime.identity import KeyPairs
 from runtime.sampling import SamplingPath
-from runtime.validation import is_int, positive_int
+from runtime.validation import is_int, plain_bool, positive_int
 
 SAMPLING_PATHS: tuple[SamplingPath, ...] = get_args(SamplingPath)
 
@@ -33,8 +33,7 @@ def optional_positive_field(
 
 def bool_field(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
     """attrs validator: exactly True or False (1 and "yes" are refused)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{attribute.name} must be bool, got {type(value).__name__} {value!r}")
+    plain_bool(attribute.name, value)
 
 
 def sampling_path_field(instance: object, attribute: attrs.Attribute[str], value: object) -> None:

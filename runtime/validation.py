@@ -39,6 +39,13 @@ def require_bool(name: str, value: object) -> bool:
     return value
 
 
+def plain_bool(name: str, value: object) -> bool:
+    """As `require_bool`, worded "`name` must be bool" (the configuration and planner texts)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def integer_tensor(name: str, value: object) -> torch.Tensor:
     """`value` if it is a tensor of an integer dtype, or TypeError naming `name`."""
     if not isinstance(value, torch.Tensor):

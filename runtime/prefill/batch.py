@@ -16,9 +16,8 @@ import attrs
 import torch
 
 from runtime.config import RuntimePolicy
-from runtime.prefill.checks import require_plain_bool
 from runtime.sampling import SamplingParams
-from runtime.validation import is_int, positive_int
+from runtime.validation import is_int, plain_bool, positive_int
 
 IntVector = torch.Tensor | Sequence[int] | None
 """A per-row int vector as callers pass it: a rank-1 integer tensor, a sequence, or None."""
@@ -114,9 +113,9 @@ class PlanLimits:
         supports = (
             None
             if supports_batched_prefill is None
-            else require_plain_bool("supports_batched_prefill", supports_batched_prefill)
+            else plain_bool("supports_batched_prefill", supports_batched_prefill)
         )
-        disable = require_plain_bool("disable_batched_prefill", disable_batched_prefill)
+        disable = plain_bool("disable_batched_prefill", disable_batched_prefill)
         actual, canonical = _widths(max_actual_width, canonical_width, policy)
         return cls(block, lane, chunk, wave, supports, disable, actual, canonical, policy)
 

@@ -19,8 +19,7 @@ from runtime.config import PageTableLayout, RuntimePolicy
 from runtime.model_contract import PagedModel
 from runtime.output_reader import OutputReader
 from runtime.prefill.batch import PlanLimits
-from runtime.prefill.checks import require_plain_bool
-from runtime.validation import is_int, positive_int
+from runtime.validation import is_int, plain_bool, positive_int
 
 TraceCapability = Callable[[int, int], bool]
 """`can_enable_trace(invocation_length, cached_tokens) -> bool`."""
@@ -292,9 +291,9 @@ def _check_limits(
 def _check_switches(supports_batched_prefill: object, switches: Mapping[str, object]) -> None:
     """`supports_batched_prefill` is a bool or None (the legacy rule); the others are bools."""
     if supports_batched_prefill is not None:
-        require_plain_bool("supports_batched_prefill", supports_batched_prefill)
+        plain_bool("supports_batched_prefill", supports_batched_prefill)
     for name, value in switches.items():
-        require_plain_bool(name, value)
+        plain_bool(name, value)
 
 
 def _check_collaborators(

@@ -14,9 +14,8 @@ from typing import Literal, TypeVar
 import attrs
 import torch
 
-from runtime.prefill.checks import require_plain_bool
 from runtime.prefill.plan_source import PlanSource, install_deferred_fields
-from runtime.validation import is_int, non_negative_int, positive_int
+from runtime.validation import is_int, non_negative_int, plain_bool, positive_int
 
 PrefillKind = Literal["single", "batched"]
 PREFILL_KINDS: tuple[PrefillKind, ...] = ("single", "batched")
@@ -96,7 +95,7 @@ class PrefillChunk:
             raise ValueError(
                 f"chunk_page_table must be None or a rank-2 torch tensor, got {table!r:.80}"
             )
-        require_plain_bool("contains_last_token", self.contains_last_token)
+        plain_bool("contains_last_token", self.contains_last_token)
 
     @property
     def chunk_page_table_width(self) -> int | None:
@@ -228,7 +227,7 @@ class PrefillRequest:
                     f"chunk page table has {table.shape[0]} rows, padded_batch_size is {batch}"
                 )
         has_tables = any(chunk.chunk_page_table is not None for chunk in chunks)
-        if require_plain_bool("uses_chunked_prefill", self.uses_chunked_prefill) != has_tables:
+        if plain_bool("uses_chunked_prefill", self.uses_chunked_prefill) != has_tables:
             raise ValueError(
                 f"uses_chunked_prefill={self.uses_chunked_prefill} must equal whether any "
                 f"chunk has a chunk page table ({has_tables})"

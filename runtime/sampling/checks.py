@@ -2,8 +2,7 @@
 
 Row lists, slot lists and masks arrive as a sequence or a tensor; `listed` turns either into a
 plain list (or names the argument), and `row_indices` is the row-list rule used by every slice,
-place and merge. `exact_bool` keeps the "X must be bool" wording those call sites have always
-raised (runtime.validation's `require_bool` words it differently).
+place and merge.
 """
 
 from __future__ import annotations
@@ -36,13 +35,6 @@ def row_indices(name: str, rows: Sequence[int] | torch.Tensor) -> list[int]:
     if len(set(out)) != len(out):
         raise ValueError(f"{name} must not repeat a row, got {out}")
     return out
-
-
-def exact_bool(name: str, value: object) -> bool:
-    """`value` if it is True or False, else TypeError "`name` must be bool, got ..."."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be bool, got {value!r}")
-    return value
 
 
 def checked_slot_remap(

@@ -15,7 +15,7 @@ from typing import TypeVar
 import attrs
 import torch
 
-from runtime.sampling.checks import checked_slot_remap, exact_bool, listed
+from runtime.sampling.checks import checked_slot_remap, listed
 from runtime.sampling.params import (
     DEFAULT_FREQUENCY_PENALTY,
     DEFAULT_PRESENCE_PENALTY,
@@ -35,7 +35,7 @@ from runtime.sampling.prepared import (
     RowPath,
     assemble_prepared,
 )
-from runtime.validation import integer_tensor, positive_int
+from runtime.validation import integer_tensor, plain_bool, positive_int
 
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -232,7 +232,7 @@ def prepare_sampling_params(
         raise TypeError(f"sp must be SamplingParams, got {type(sp).__name__}")
     positive_int("batch_size", batch_size)
     positive_int("max_device_top_k", max_device_top_k)
-    exact_bool("allow_force_argmax", allow_force_argmax)
+    plain_bool("allow_force_argmax", allow_force_argmax)
     mask = _resolve_active_mask(sp, batch_size, active_mask)
     cover = max(row for row, active in enumerate(mask) if active) + 1
     values = _RowValues.spread(sp, batch_size, cover)

@@ -51,13 +51,12 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
 from runtime.backends import Device, allocates_torch_tensors
-from runtime.sampling.checks import exact_bool
 from runtime.sampling.noise import gumbel_noise, seeded_row_keys
 from runtime.sampling.params import SamplingParams
 from runtime.sampling.penalties import apply_penalties
 from runtime.sampling.prepare import prepare_sampling_params
 from runtime.sampling.prepared import PreparedSamplingParams
-from runtime.validation import positive_int
+from runtime.validation import plain_bool, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: object) 
 
 
 def _is_bool(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    exact_bool(attribute.name, value)
+    plain_bool(attribute.name, value)
 
 
 @attrs.frozen
