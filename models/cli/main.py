@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 
@@ -122,6 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipeClosed:
         _silence_stdout()
         return EXIT_OK
+    except BrokenPipeError as error:
+        if _stdout_closed():  # any subcommand piped into `head`: stop quietly
+            _silence_stdout()
+            return EXIT_OK
+        report(error, debug, prefix=f"{type(error).__name__}: ")
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print_error("interrupted")
         return EXIT_INTERRUPTED
@@ -129,6 +136,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(error, debug, prefix=f"{type(error).__name__}: ")
         return EXIT_FAILURE
     return status
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (a broken pipe elsewhere is a real failure).
+
+    A pipe whose read end is closed polls as an error condition on its write end.
+    """
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll(), or stdout is not a real file
+        return False
 
 
 def run() -> None:

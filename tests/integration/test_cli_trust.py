@@ -362,6 +362,20 @@ def test_json_survives_a_closed_pipe() -> None:
     assert "BrokenPipeError" not in err and "Traceback" not in err
 
 
+def test_every_subcommand_stops_quietly_on_a_closed_pipe() -> None:
+    producer = subprocess.Popen(
+        [*command(), "lifecycle", "diagram", "--machine", "host"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert producer.stdout is not None and producer.stderr is not None
+    producer.stdout.close()  # the reader is gone before anything is written
+    status = producer.wait(timeout=60)
+    err = producer.stderr.read().decode()
+    assert status == 0, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err
+
+
 def test_ctrl_c_prints_what_finished_and_exits_130() -> None:
     prompts = [arg for i in range(400) for arg in ("--prompt", f"prompt number {i}")]
     producer = subprocess.Popen(
