@@ -142,8 +142,8 @@ class EagerExecutor(_WarmupDecodeEntry):
     def __init__(
         self,
         *,
-        prefill: Any,
-        decode: Any,
+        prefill: PrefillRuntime,
+        decode: DecodeRuntime,
         program_compiler: ProgramCompiler,
         trace_mode: str = "none",
     ) -> None:
@@ -288,8 +288,6 @@ class EagerExecutor(_WarmupDecodeEntry):
 
     # -- decode ---------------------------------------------------------------------------------
 
-    decode: DecodeRuntime  # the decode half works on its checked steps (`PreparedDecode`)
-
     def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram:
         """Compile the program of a checked decode step (run once, outputs released)."""
         signature = self.decode.program_signature(prepared)
@@ -360,8 +358,7 @@ class TracedExecutor(_WarmupDecodeEntry):
     @property
     def prefill(self) -> PrefillRuntime:
         """The prefill runtime of the eager executor."""
-        runtime: PrefillRuntime = self.eager_executor.prefill
-        return runtime
+        return self.eager_executor.prefill
 
     @property
     def decode(self) -> DecodeRuntime:
