@@ -142,9 +142,11 @@ class LaneFanOut:
                 tickets[lane] = call.wait(self.call_timeout_s)
             except BaseException as error:
                 self.drain_journals()
-                raise RuntimeError(
+                # A LaneFailure (a RuntimeError) names the lane, as every other lane call does.
+                raise LaneFailure(
+                    lane,
                     f"Required traced prefill is unavailable for DP lane {lane}; no DP lane "
-                    f"executed: {type(error).__name__}: {error}"
+                    f"executed: {type(error).__name__}: {error}",
                 ) from error
         self.drain_journals()
         return tickets

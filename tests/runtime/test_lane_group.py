@@ -247,6 +247,16 @@ def test_a_failed_preflight_executes_no_lane_and_cleans_every_lane() -> None:
         _prefill(group, [0])
 
 
+def test_a_lane_fault_in_preflight_is_a_lane_failure_naming_the_lane() -> None:
+    """Hypothesis found it: a preflight error was a bare RuntimeError, unlike every other call."""
+    group, fakes = serving_group(2, trace_mode="all")
+    fakes[1].fail["preflight_prefill"] = RuntimeError("injected lane fault")
+    with pytest.raises(LaneFailure, match="DP lane 1: Required traced prefill") as failure:
+        _prefill(group, [0, 3])
+    assert failure.value.lane == 1
+    assert group.phase is Phase.TERMINAL
+
+
 def test_can_trace_prefill_asks_each_participating_lane_with_its_rows() -> None:
     group, fakes = serving_group(2, trace_mode="all")
     tokens = torch.zeros((2, 3), dtype=torch.long)
