@@ -21,7 +21,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -40,6 +39,7 @@ from models.vllm_plugin.device_sampling import (
 from models.vllm_plugin.facades import facade_class
 from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
 from models.vllm_plugin.settings import PluginSettings
+from models.vllm_plugin.step_samples import StepSamples
 from runtime.sampling import DeviceSampler
 
 if TYPE_CHECKING:
@@ -50,43 +50,6 @@ logger = logging.getLogger(__name__)
 
 OPTIMIZATIONS: dict[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "performance"}
 """vLLM's model dtype -> the facade's `optimizations` (which sets weight and KV dtype)."""
-
-
-@attrs.define
-class StepSamples:
-    """One step's sampled rows: tokens the facade sampled, and host logit rows, split into
-    device-samplable requests (the runtime's sampler) and the rest (vLLM's sampler)."""
-
-    device_tokens: dict[str, int] = attrs.field(factory=dict)
-    runtime_ids: list[str] = attrs.field(factory=list)
-    runtime_logits: list[torch.Tensor] = attrs.field(factory=list)
-    vllm_ids: list[str] = attrs.field(factory=list)
-    vllm_logits: list[torch.Tensor] = attrs.field(factory=list)
-
-    def collect(
-        self,
-        output: Any,
-        sampling: FacadeSampling | None,
-        rows: list[tuple[str, int]],
-        on_device: set[str],
-    ) -> None:
-        """A facade call's sampled `(request, output row)` pairs; `on_device`: the requests
-        the device could sample (their host rows go to the runtime's sampler)."""
-        if not rows:
-            return
-        count = 1 + max(row for _, row in rows)
-        if sampling is not None:
-            tokens = _tokens(output, count)
-            self.device_tokens.update((req_id, int(tokens[row])) for req_id, row in rows)
-            return
-        logits = _logits(output, count)
-        for req_id, row in rows:
-            if req_id in on_device:
-                self.runtime_ids.append(req_id)
-                self.runtime_logits.append(logits[row])
-            else:
-                self.vllm_ids.append(req_id)
-                self.vllm_logits.append(logits[row])
 
 
 def layer_names(num_layers: int) -> list[str]:
@@ -114,6 +77,7 @@ class LLMRuntimeModelRunner:
         self.sampling_policy: DeviceSamplingPolicy | None = None  # set once the facade loads
         self.host_runtime_sampler: DeviceSampler | None = None
         self._logged_host_reasons: set[str] = set()
+        self._sampled_lane: tuple[str | None, ...] | None = None  # last device-sampled decode
         self.vocab_size = int(model_config.get_vocab_size())
         config = self.hf_config
         self.num_layers = int(config.num_hidden_layers)
@@ -483,8 +447,11 @@ class LLMRuntimeModelRunner:
             "kv_cache": self.kv_cache,
             "start_pos": batch.start_pos,
             "enable_trace": enable_trace,
-            **({} if sampling is None else sampling.keywords()),
         }
+        if sampling is not None:
+            arguments.update(sampling.keywords(), reset_batch=self._lane_changed(batch))
+        else:
+            self._sampled_lane = None
         if self.supports_async_decode:
             raw = model.decode_forward(**arguments, read_from_device=False)
             host, events = model.read_decode_output(raw, async_read=True)
@@ -498,42 +465,24 @@ class LLMRuntimeModelRunner:
         self.stats["decode_seconds"] += time.perf_counter() - clock
         return output
 
+    def _lane_changed(self, batch: DecodeBatch) -> bool:
+        """`reset_batch` for a device-sampled decode: a facade that feeds sampled tokens back
+        on the device must take the host's tokens when a slot changed request since the last
+        device-sampled decode (or the previous decode returned logits)."""
+        lane: list[str | None] = [None] * int(batch.tokens.shape[0])
+        for req_id, slot in zip(batch.req_ids, batch.slots, strict=True):
+            lane[slot] = req_id
+        layout = tuple(lane)
+        changed = layout != self._sampled_lane
+        self._sampled_lane = layout
+        return changed
+
     def close(self) -> None:
         """Release the facade's device state now (the engine only drops the object)."""
         model, self.model, self.kv_cache = self.model, None, None
         close = getattr(model, "close", None) or getattr(model, "cleanup", None)
         if callable(close):
             close()
-
-
-def _logits(output: Any, count: int) -> torch.Tensor:
-    """Host logits as `[rows, vocab]` (the facade may return `[B, 1, V]` or a tuple)."""
-    if isinstance(output, tuple):
-        output = output[0]
-    tensor = torch.as_tensor(output)
-    if tensor.dim() == 3:
-        tensor = tensor[:, -1, :]
-    if tensor.dim() != 2 or tensor.shape[0] < count:
-        raise RuntimeError(
-            f"the facade returned output of shape {tuple(tensor.shape)}; expected logits "
-            f"[>= {count}, vocab] for a call without sampling_params"
-        )
-    return tensor
-
-
-def _tokens(output: Any, count: int) -> torch.Tensor:
-    """Sampled tokens as `[rows]` (the facade may return `(tokens, log_probs)`)."""
-    if isinstance(output, tuple):
-        output = output[0]
-    tensor = torch.as_tensor(output)
-    if tensor.dim() == 2 and tensor.shape[1] == 1:
-        tensor = tensor[:, 0]
-    if tensor.dim() != 1 or tensor.shape[0] < count or tensor.is_floating_point():
-        raise RuntimeError(
-            f"the facade returned output of shape {tuple(tensor.shape)} ({tensor.dtype}); "
-            f"expected sampled token ids [>= {count}] for a call with sampling_params"
-        )
-    return tensor
 
 
 def _synchronize(model: Any, event: Any) -> None:

@@ -22,6 +22,7 @@ from models.vllm_plugin.device_sampling import (
     runtime_sampling_params,
     sample_rows_on_host,
 )
+from models.vllm_plugin.step_samples import StepSamples
 from runtime.sampling import (
     DeviceSampler,
     SamplerConfig,
@@ -236,3 +237,26 @@ def test_host_rows_draw_what_the_lane_draws_at_any_slot() -> None:
 def test_runtime_sampling_params_needs_a_row() -> None:
     with pytest.raises(ValueError, match="at least one row"):
         runtime_sampling_params([], vocab_size=VOCAB)
+
+
+def test_step_samples_sort_rows_by_sampler() -> None:
+    sampled = facade_sampling([GREEDY, GREEDY], [None, None], vocab_size=VOCAB)
+    step = StepSamples()
+    # A sampled prefill returns (tokens [B], log_probs); rows are the call's rows.
+    step.collect((torch.tensor([7, 9, 4]), None), sampled, [("a", 0), ("c", 2)], {"a", "c"})
+    # A decode that returned logits [lane, 1, V]: slot rows, split by sampler.
+    logits = torch.arange(4 * 1 * 5, dtype=torch.float32).reshape(4, 1, 5)
+    step.collect(logits, None, [("d", 3), ("e", 1)], {"e"})
+    assert step.device_tokens == {"a": 7, "c": 4}
+    assert step.runtime_ids == ["e"] and step.runtime_logits[0].tolist() == logits[1, 0].tolist()
+    assert step.vllm_ids == ["d"] and step.vllm_logits[0].tolist() == logits[3, 0].tolist()
+    step.collect(logits, None, [], set())  # a call that samples nothing (a chunk) adds nothing
+    assert len(step.vllm_ids) == 1
+
+
+def test_step_samples_name_an_output_of_the_wrong_kind() -> None:
+    sampled = facade_sampling([GREEDY], [None], vocab_size=VOCAB)
+    with pytest.raises(RuntimeError, match=r"expected sampled token ids \[>= 2\]"):
+        StepSamples().collect(torch.zeros(2, 1, 5), sampled, [("a", 1)], {"a"})
+    with pytest.raises(RuntimeError, match=r"expected logits \[>= 3, vocab\]"):
+        StepSamples().collect(torch.tensor([1, 2, 3]), None, [("a", 2)], set())
