@@ -43,6 +43,8 @@ def test_device_sampling_equals_the_host_path_and_falls_back_per_request(
     oracle = generate_oracle("tiny-random", tiny_prompts()[:6], MAX_TOKENS)
     greedy = requests_from(oracle, MAX_TOKENS, [2])
     requests = sampling_requests(greedy)
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
     on = run_offline(tmp_path / "on", tiny_folder, requests, *ENGINE)
     off = run_offline(tmp_path / "off", tiny_folder, requests, *ENGINE, "--device-sampling", "off")
     expected = [row["token_ids"] for row in oracle]
