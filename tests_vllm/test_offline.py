@@ -73,6 +73,9 @@ def test_tiny_random_equals_generate_with_chunks_preemption_and_prefix_hits(
     assert stats["resumed_requests"] > 0 and metrics["vllm:num_preemptions"] > 0, (stats, metrics)
     assert stats["prefix_hit_requests"] > 0 and metrics["vllm:prefix_cache_hits"] > 0
     assert stats["decode_rows"] > stats["decode_calls"] > 0  # decodes were batched
+    # Greedy requests only: the facade sampled every row on the device.
+    assert stats["device_sampled_rows"] > 0 and stats["host_sampling_calls"] == 0, stats
+    assert stats["host_sampled_rows"] == stats["host_runtime_sampled_rows"] == 0, stats
 
 
 def test_block_count_comes_from_the_runtime_with_traced_decode(
@@ -90,6 +93,9 @@ def test_block_count_comes_from_the_runtime_with_traced_decode(
     # The runtime's capacity: every slot can reach max_model_len (512) in blocks of 32, plus
     # one block per slot (vLLM's null block and each request's partial block).
     assert report["num_gpu_blocks"] == 3 * 512 // 32 + 3
+    # The traced decode samples on the device (warmup captured the sampled decode programs).
+    stats = report["runtime_stats"]
+    assert stats["device_sampled_rows"] > 0 and stats["host_sampled_rows"] == 0, stats
 
 
 def test_smollm2_equals_generate(tmp_path: Path, smollm2_folder: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -69,3 +69,35 @@ def test_requests_with_unimplemented_options_are_refused(
     LLMRuntimeCpuPlatform.validate_request(None, SamplingParams(temperature=0.7, top_k=5))
     with pytest.raises(ValueError, match=rf"does not support {named}"):
         LLMRuntimeCpuPlatform.validate_request(None, SamplingParams(**params))
+
+
+def test_device_sampling_follows_the_facade_and_the_setting(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On where the facade declares it, off on request; `true` is refused without it."""
+    import torch
+
+    from models.llama.vllm import LlamaVLLMModel
+    from models.vllm_plugin import model_runner
+    from models.vllm_plugin.model_runner import LLMRuntimeModelRunner
+
+    def runner(section: dict[str, Any]) -> LLMRuntimeModelRunner:
+        config = engine_config(
+            tiny_folder, skip_tokenizer_init=True, additional_config={"llm_runtime": section}
+        )
+        return LLMRuntimeModelRunner(config, torch.device("cpu"))
+
+    assert LlamaVLLMModel.model_capabilities["supports_sample_on_device"] is True
+    assert runner({}).device_sampling is True
+    assert runner({"device_sampling": False}).device_sampling is False
+
+    class HostOnlyFacade(LlamaVLLMModel):
+        model_capabilities: ClassVar[dict[str, bool]] = {
+            **LlamaVLLMModel.model_capabilities,
+            "supports_sample_on_device": False,
+        }
+
+    monkeypatch.setattr(model_runner, "facade_class", lambda hf_config: HostOnlyFacade)
+    assert runner({}).device_sampling is False
+    with pytest.raises(ValueError, match=r"\['device_sampling'\] is true but the facade"):
+        runner({"device_sampling": True})

@@ -244,6 +244,17 @@ class LlamaVLLMModel:
         return phase
 
     @property
+    def max_device_top_k(self) -> int | None:
+        """The device sampler's top-k ceiling (None without device sampling).
+
+        An engine sends a stochastic request with a wider top_k, or none, to its host sampler.
+        """
+        sampler = getattr(self.loaded.model, "sampling", None)
+        if not self.options.device_sampling or sampler is None:
+            return None
+        return int(sampler.config.max_top_k)
+
+    @property
     def kv_cache_dtype(self) -> torch.dtype:
         """The torch dtype the engine must allocate the KV cache with."""
         return self.adapter.config.kv_cache_torch_dtype

@@ -3,7 +3,16 @@
 vLLM's scheduler decides everything about batching; this runner keeps the request table
 (`batch.RequestTable`), turns each `SchedulerOutput` into one `prefill_forward` and one
 `decode_forward` on the facade (the engine's block tables as page tables), and samples the
-rows that finished a prompt or decoded a token with vLLM's own sampler on the host logits.
+rows that finished a prompt or decoded a token.
+
+Sampling: where the facade declares `supports_sample_on_device` (and the `device_sampling`
+setting allows it), a request whose parameters the runtime's `SamplingParams` express is
+sampled by the runtime's sampler: on the device when every row its facade call samples is
+such a request (the call returns tokens), else on the host over that call's logits with the
+same parameters and position-keyed seeded noise, so its tokens never depend on the requests
+it shares a call with. Any other request (logprobs, a top_k the device cannot honour,
+penalties on a traced lane), and every request without device sampling, is sampled by vLLM's
+own `Sampler` on the host logits.
 """
 
 from __future__ import annotations
@@ -17,10 +26,21 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 
-from models.vllm_plugin.batch import DecodeBatch, PrefillBatch, RequestTable
+from models.vllm_plugin.batch import DecodeBatch, PrefillBatch, RequestState, RequestTable
+from models.vllm_plugin.device_sampling import (
+    DeviceSamplingPolicy,
+    FacadeSampling,
+    HistoryRow,
+    HostRow,
+    facade_sampling,
+    host_runtime_sampler,
+    sample_rows_on_host,
+)
 from models.vllm_plugin.facades import facade_class
 from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
 from models.vllm_plugin.settings import PluginSettings
+from models.vllm_plugin.step_samples import StepSamples
+from runtime.sampling import DeviceSampler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,6 +73,11 @@ class LLMRuntimeModelRunner:
         self.facade_cls = facade_class(model_config.hf_config)
         capabilities = getattr(self.facade_cls, "model_capabilities", None) or {}
         self.supports_async_decode = bool(capabilities.get("supports_async_decode", False))
+        self.device_sampling = self._device_sampling(capabilities)
+        self.sampling_policy: DeviceSamplingPolicy | None = None  # set once the facade loads
+        self.host_runtime_sampler: DeviceSampler | None = None
+        self._logged_host_reasons: set[str] = set()
+        self._sampled_lane: tuple[str | None, ...] | None = None  # last device-sampled decode
         self.vocab_size = int(model_config.get_vocab_size())
         config = self.hf_config
         self.num_layers = int(config.num_hidden_layers)
@@ -79,9 +104,25 @@ class LLMRuntimeModelRunner:
                 "decode_rows",
                 "prefill_seconds",
                 "decode_seconds",
+                "device_sampled_rows",
+                "host_runtime_sampled_rows",
+                "host_sampled_rows",
+                "host_sampling_calls",
             ),
             0,
         )
+
+    def _device_sampling(self, capabilities: dict[str, Any]) -> bool:
+        """On where the facade declares it, unless the `device_sampling` setting says no."""
+        declared = bool(capabilities.get("supports_sample_on_device", False))
+        wanted = self.settings.device_sampling
+        if wanted and not declared:
+            raise ValueError(
+                "additional_config['llm_runtime']['device_sampling'] is true but the facade "
+                f"{self.facade_cls.__name__} does not declare supports_sample_on_device; set it "
+                "to false or leave it unset (vLLM's sampler on the host logits)"
+            )
+        return declared if wanted is None else wanted
 
     # -- load, capacity, allocation, warmup -------------------------------------------------------
 
@@ -97,10 +138,17 @@ class LLMRuntimeModelRunner:
             optimizations=self._optimizations(),
             **self._facade_options(),
         )
+        if self.device_sampling:
+            self.sampling_policy = DeviceSamplingPolicy(
+                vocab_size=self.vocab_size,
+                max_top_k=getattr(self.model, "max_device_top_k", None),
+                penalties=self.settings.trace_mode == "none",
+            )
         logger.info(
-            "llm-runtime facade %s loaded in %.1f s",
+            "llm-runtime facade %s loaded in %.1f s; sampling: %s",
             self.facade_cls.__name__,
             time.perf_counter() - clock,
+            "on the device where requests allow it" if self.device_sampling else "vLLM's sampler",
         )
 
     def _optimizations(self) -> str | None:
@@ -118,7 +166,7 @@ class LLMRuntimeModelRunner:
             "model": str(self.vllm_config.model_config.model),
             "block_size": self.block_size,
             "trace_mode": self.settings.trace_mode,
-            "device_sampling": False,  # vLLM's sampler runs on the host logits
+            "device_sampling": self.device_sampling,
         }
         if self.settings.max_prefill_chunk_size is not None:
             options["max_prefill_chunk_size"] = self.settings.max_prefill_chunk_size
@@ -161,7 +209,9 @@ class LLMRuntimeModelRunner:
             trace_decode = self.settings.trace_mode != "none"
             if not enable_trace or trace_prefill:
                 self.model.warmup_model_prefill(
-                    enable_trace=enable_trace, kv_cache=self.kv_cache, can_sample_on_device=False
+                    enable_trace=enable_trace,
+                    kv_cache=self.kv_cache,
+                    can_sample_on_device=self.device_sampling,
                 )
             if not enable_trace or trace_decode:
                 self.model.warmup_model_decode(
@@ -169,7 +219,7 @@ class LLMRuntimeModelRunner:
                     kv_cache=self.kv_cache,
                     max_batch_size=self.max_num_seqs,
                     num_blocks=self.decode_width,  # blocks per request: the page-table width
-                    can_sample_on_device=False,
+                    can_sample_on_device=self.device_sampling,
                 )
 
     # -- one scheduler step ---------------------------------------------------------------------
@@ -214,43 +264,39 @@ class LLMRuntimeModelRunner:
         if not out.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         plan = self.requests.plan(out.num_scheduled_tokens)
-        sampled_ids: list[str] = []
-        logits: list[torch.Tensor] = []
+        step = StepSamples()
         if plan.prefill is not None:
-            rows = self._prefill(plan.prefill)
-            for row, (req_id, sample) in enumerate(
-                zip(plan.prefill.req_ids, plan.prefill.sample, strict=True)
-            ):
-                if sample:
-                    sampled_ids.append(req_id)
-                    logits.append(rows[row])
+            batch = plan.prefill
+            sampled = [r for r, sample in zip(batch.req_ids, batch.sample, strict=True) if sample]
+            on_device = self._device_samplable(sampled)
+            sampling = self._prefill_sampling(batch, sampled, on_device)
+            rows = {req_id: row for row, req_id in enumerate(batch.req_ids)}
+            output = self._prefill(batch, sampling)
+            step.collect(output, sampling, [(r, rows[r]) for r in sampled], on_device)
         if plan.decode is not None:
-            rows = self._decode(plan.decode)
-            for req_id, slot in zip(plan.decode.req_ids, plan.decode.slots, strict=True):
-                sampled_ids.append(req_id)
-                logits.append(rows[slot])
+            lane = plan.decode
+            on_device = self._device_samplable(list(lane.req_ids))
+            sampling = self._decode_sampling(lane, on_device)
+            output = self._decode(lane, sampling)
+            step.collect(
+                output, sampling, list(zip(lane.req_ids, lane.slots, strict=True)), on_device
+            )
         req_ids = list(out.num_scheduled_tokens)
         index = {req_id: i for i, req_id in enumerate(req_ids)}
-        tokens: list[list[int]] = [[] for _ in req_ids]
+        chosen = dict(step.device_tokens)
+        self.stats["device_sampled_rows"] += len(chosen)
+        if step.runtime_ids:
+            chosen.update(self._runtime_sample_on_host(step.runtime_ids, step.runtime_logits))
         logprobs = None
-        if sampled_ids:
-            states = [self.requests[r] for r in sampled_ids]
-            metadata = build_sampling_metadata(
-                [s.payload[0] for s in states],
-                [s.payload[1] for s in states],
-                [s.prompt for s in states],
-                [s.output for s in states],
-                vocab_size=self.vocab_size,
-                device=self.device,
-            )
-            stacked = torch.stack([row[: self.vocab_size] for row in logits]).float()
-            result = self.sampler(stacked, metadata)
-            chosen = result.sampled_token_ids[:, 0].tolist()
-            for req_id, token in zip(sampled_ids, chosen, strict=True):
-                tokens[index[req_id]] = [int(token)]
-                self.requests.append_token(req_id, int(token))
+        if step.vllm_ids:
+            host_tokens, result = self._vllm_sample(step.vllm_ids, step.vllm_logits)
+            chosen.update(zip(step.vllm_ids, host_tokens, strict=True))
             if result.logprobs_tensors is not None:
-                logprobs = self._logprobs_in_request_order(result, sampled_ids, req_ids)
+                logprobs = self._logprobs_in_request_order(result, step.vllm_ids, req_ids)
+        tokens: list[list[int]] = [[] for _ in req_ids]
+        for req_id, token in chosen.items():
+            tokens[index[req_id]] = [token]
+            self.requests.append_token(req_id, token)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=index,
@@ -258,10 +304,103 @@ class LLMRuntimeModelRunner:
             logprobs=logprobs,
         )
 
+    # -- sampling -------------------------------------------------------------------------------
+
+    def _device_samplable(self, sampled: list[str]) -> set[str]:
+        """The requests among `sampled` whose parameters the facade's sampler can honour."""
+        policy = self.sampling_policy
+        if policy is None:
+            return set()
+        found: set[str] = set()
+        for req_id in sampled:
+            reason = policy.host_reason(self.requests[req_id].payload[0])
+            if reason is None:
+                found.add(req_id)
+            elif reason not in self._logged_host_reasons:
+                self._logged_host_reasons.add(reason)
+                logger.info(
+                    "llm-runtime: request %s is sampled by vLLM's sampler on the host: %s "
+                    "(the calls it shares return logits)",
+                    req_id,
+                    reason,
+                )
+        return found
+
+    def _on_device(self, sampled: list[str], on_device: set[str]) -> bool:
+        """Whether the facade samples this call: it samples something, all of it samplable."""
+        if not sampled or self.sampling_policy is None:
+            return False
+        if len(on_device) == len(sampled):
+            return True
+        self.stats["host_sampling_calls"] += 1
+        return False
+
+    def _history(self, state: RequestState) -> HistoryRow:
+        return HistoryRow(prompt=state.prompt, output=state.output)
+
+    def _prefill_sampling(
+        self, batch: PrefillBatch, sampled: list[str], on_device: set[str]
+    ) -> FacadeSampling | None:
+        """Parameters by the call's rows (chunks that sample nothing neutral), history by slot."""
+        if not self._on_device(sampled, on_device):
+            return None
+        wanted = set(sampled)
+        params = [self.requests[r].payload[0] if r in wanted else None for r in batch.req_ids]
+        histories: list[HistoryRow | None] = [None] * self.max_num_seqs
+        for req_id, slot in zip(batch.req_ids, batch.empty_slots, strict=True):
+            histories[slot] = self._history(self.requests[req_id])
+        return facade_sampling(params, histories, vocab_size=self.vocab_size)
+
+    def _decode_sampling(self, batch: DecodeBatch, on_device: set[str]) -> FacadeSampling | None:
+        """Parameters and history by slot; slots without a running request neutral."""
+        if not self._on_device(list(batch.req_ids), on_device):
+            return None
+        params: list[Any] = [None] * int(batch.tokens.shape[0])
+        histories: list[HistoryRow | None] = [None] * len(params)
+        for req_id, slot in zip(batch.req_ids, batch.slots, strict=True):
+            state = self.requests[req_id]
+            params[slot] = state.payload[0]
+            histories[slot] = self._history(state)
+        return facade_sampling(params, histories, vocab_size=self.vocab_size)
+
+    def _runtime_sample_on_host(
+        self, req_ids: list[str], logits: list[torch.Tensor]
+    ) -> dict[str, int]:
+        """Device-samplable rows of a call that returned logits: the runtime's own sampler on
+        the host, so each such request draws what the device would have drawn."""
+        policy = self.sampling_policy
+        assert policy is not None
+        if self.host_runtime_sampler is None:
+            self.host_runtime_sampler = host_runtime_sampler(policy, self.max_num_seqs)
+        rows = []
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            rows.append(HostRow(state.payload[0], self._history(state), state.num_tokens - 1))
+        stacked = torch.stack([row[: self.vocab_size] for row in logits])
+        tokens = sample_rows_on_host(self.host_runtime_sampler, stacked, rows)
+        self.stats["host_runtime_sampled_rows"] += len(req_ids)
+        return dict(zip(req_ids, tokens, strict=True))
+
+    def _vllm_sample(self, req_ids: list[str], logits: list[torch.Tensor]) -> tuple[list[int], Any]:
+        """vLLM's `Sampler` over the host logit rows of `req_ids`."""
+        states = [self.requests[r] for r in req_ids]
+        metadata = build_sampling_metadata(
+            [s.payload[0] for s in states],
+            [s.payload[1] for s in states],
+            [s.prompt for s in states],
+            [s.output for s in states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        stacked = torch.stack([row[: self.vocab_size] for row in logits]).float()
+        result = self.sampler(stacked, metadata)
+        self.stats["host_sampled_rows"] += len(req_ids)
+        return [int(t) for t in result.sampled_token_ids[:, 0].tolist()], result
+
     def _logprobs_in_request_order(
         self, result: Any, sampled_ids: list[str], req_ids: list[str]
     ) -> Any:
-        """vLLM expects one logprobs row per scheduled request; unsampled rows are empty."""
+        """vLLM expects one logprobs row per scheduled request; rows not sampled here are empty."""
         tensors = result.logprobs_tensors
         order = {r: i for i, r in enumerate(sampled_ids)}
         width = tensors.logprob_token_ids.shape[1]
@@ -276,7 +415,9 @@ class LLMRuntimeModelRunner:
                 ranks[row] = tensors.selected_token_ranks[source]
         return type(tensors)(ids, values, ranks).tolists()
 
-    def _prefill(self, batch: PrefillBatch) -> torch.Tensor:
+    # -- facade calls ---------------------------------------------------------------------------
+
+    def _prefill(self, batch: PrefillBatch, sampling: FacadeSampling | None) -> Any:
         clock = time.perf_counter()
         output = self.model.prefill_forward(
             tokens=batch.tokens,
@@ -286,6 +427,7 @@ class LLMRuntimeModelRunner:
             prompt_lens=batch.prompt_lens,
             start_pos=batch.start_pos,
             empty_slots=list(batch.empty_slots),
+            **({} if sampling is None else sampling.keywords()),
         )
         stats = self.stats
         stats["prefill_calls"] += 1
@@ -293,38 +435,47 @@ class LLMRuntimeModelRunner:
         stats["cached_prefill_rows"] += int((batch.start_pos > 0).sum())
         stats["partial_prefill_rows"] += batch.sample.count(False)
         stats["prefill_seconds"] += time.perf_counter() - clock
-        return _rows(output, len(batch.req_ids))
+        return output
 
-    def _decode(self, batch: DecodeBatch) -> torch.Tensor:
+    def _decode(self, batch: DecodeBatch, sampling: FacadeSampling | None) -> Any:
         clock = time.perf_counter()
         enable_trace = self.settings.trace_mode != "none"
         model = self.model
+        arguments: dict[str, Any] = {
+            "tokens": batch.tokens,
+            "page_table": batch.page_table,
+            "kv_cache": self.kv_cache,
+            "start_pos": batch.start_pos,
+            "enable_trace": enable_trace,
+        }
+        if sampling is not None:
+            arguments.update(sampling.keywords(), reset_batch=self._lane_changed(batch))
+        else:
+            self._sampled_lane = None
         if self.supports_async_decode:
-            raw = model.decode_forward(
-                tokens=batch.tokens,
-                page_table=batch.page_table,
-                kv_cache=self.kv_cache,
-                start_pos=batch.start_pos,
-                enable_trace=enable_trace,
-                read_from_device=False,
-            )
+            raw = model.decode_forward(**arguments, read_from_device=False)
             host, events = model.read_decode_output(raw, async_read=True)
             for event in events or ():
                 _synchronize(model, event)
-            output = model.process_decode_output_host(host, is_tokens=False)
+            output = model.process_decode_output_host(host, is_tokens=sampling is not None)
         else:
-            output = model.decode_forward(
-                tokens=batch.tokens,
-                page_table=batch.page_table,
-                kv_cache=self.kv_cache,
-                start_pos=batch.start_pos,
-                enable_trace=enable_trace,
-                read_from_device=True,
-            )
+            output = model.decode_forward(**arguments, read_from_device=True)
         self.stats["decode_calls"] += 1
         self.stats["decode_rows"] += len(batch.req_ids)
         self.stats["decode_seconds"] += time.perf_counter() - clock
-        return _rows(output, batch.tokens.shape[0])
+        return output
+
+    def _lane_changed(self, batch: DecodeBatch) -> bool:
+        """`reset_batch` for a device-sampled decode: a facade that feeds sampled tokens back
+        on the device must take the host's tokens when a slot changed request since the last
+        device-sampled decode (or the previous decode returned logits)."""
+        lane: list[str | None] = [None] * int(batch.tokens.shape[0])
+        for req_id, slot in zip(batch.req_ids, batch.slots, strict=True):
+            lane[slot] = req_id
+        layout = tuple(lane)
+        changed = layout != self._sampled_lane
+        self._sampled_lane = layout
+        return changed
 
     def close(self) -> None:
         """Release the facade's device state now (the engine only drops the object)."""
@@ -332,21 +483,6 @@ class LLMRuntimeModelRunner:
         close = getattr(model, "close", None) or getattr(model, "cleanup", None)
         if callable(close):
             close()
-
-
-def _rows(output: Any, count: int) -> torch.Tensor:
-    """Host logits as `[rows, vocab]` (the facade may return `[B, 1, V]` or a tuple)."""
-    if isinstance(output, tuple):
-        output = output[0]
-    tensor = torch.as_tensor(output)
-    if tensor.dim() == 3:
-        tensor = tensor[:, -1, :]
-    if tensor.dim() != 2 or tensor.shape[0] < count:
-        raise RuntimeError(
-            f"the facade returned output of shape {tuple(tensor.shape)}; expected logits "
-            f"[>= {count}, vocab] (is device sampling on? this worker samples on the host)"
-        )
-    return tensor
 
 
 def _synchronize(model: Any, event: Any) -> None:

@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="num_gpu_blocks_override")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--trace-mode", default=None, help="additional_config llm_runtime")
+    parser.add_argument(
+        "--device-sampling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="additional_config llm_runtime device_sampling (auto: where the facade has it)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the request list N times")
     return parser.parse_args(argv)
 
@@ -102,9 +108,27 @@ def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, 
             options[key] = value
     if args.platform == "vllm":  # vLLM's CPU worker sizes its KV cache from this budget
         options["kv_cache_memory_bytes"] = VLLM_CPU_KV_BYTES
-    if args.platform == "llm-runtime" and args.trace_mode:
-        options["additional_config"] = {"llm_runtime": {"trace_mode": args.trace_mode}}
+    runtime: dict[str, Any] = {}
+    if args.trace_mode:
+        runtime["trace_mode"] = args.trace_mode
+    if args.device_sampling != "auto":
+        runtime["device_sampling"] = args.device_sampling == "on"
+    if args.platform == "llm-runtime" and runtime:
+        options["additional_config"] = {"llm_runtime": runtime}
     return options
+
+
+SAMPLING_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+"""Per-request sampling options a request may carry (greedy when it gives none)."""
 
 
 def _timed_runs(
@@ -117,7 +141,7 @@ def _timed_runs(
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [
         SamplingParams(
-            temperature=0.0,
+            **{"temperature": 0.0, **{k: r[k] for k in SAMPLING_KEYS if k in r}},
             max_tokens=int(r["max_tokens"]),
             ignore_eos=bool(r.get("ignore_eos", False)),
             stop_token_ids=list(r.get("stop_token_ids") or []),
@@ -136,9 +160,17 @@ def _timed_runs(
                 "seconds": seconds,
                 "generated_tokens": sum(len(o) for o in outputs),
                 "outputs": outputs,
+                "logprobs": [_logprobs(r.outputs[0].logprobs) for r in results],
             }
         )
     return runs
+
+
+def _logprobs(per_token: Any) -> list[dict[str, float]] | None:
+    """A request's logprobs as JSON: one `{token id: logprob}` per generated token."""
+    if per_token is None:
+        return None
+    return [{str(token): float(lp.logprob) for token, lp in row.items()} for row in per_token]
 
 
 if __name__ == "__main__":

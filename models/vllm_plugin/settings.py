@@ -22,6 +22,9 @@ class PluginSettings:
 
     trace_mode: str = "none"
     max_prefill_chunk_size: int | None = None
+    device_sampling: bool | None = None
+    """None: sample on the device where the facade declares it; False: always vLLM's sampler
+    on host logits; True: require the facade's device sampling (refused where it has none)."""
 
     @classmethod
     def from_additional_config(cls, additional: Any) -> PluginSettings:
@@ -45,4 +48,12 @@ class PluginSettings:
             raise ValueError(
                 f"{where}['max_prefill_chunk_size'] must be a positive integer, got {chunk!r}"
             )
-        return cls(trace_mode=trace_mode, max_prefill_chunk_size=chunk)
+        device_sampling = raw.get("device_sampling")
+        if device_sampling is not None and not isinstance(device_sampling, bool):
+            raise ValueError(
+                f"{where}['device_sampling'] must be true, false or null (null: where the "
+                f"model's facade supports it), got {device_sampling!r}"
+            )
+        return cls(
+            trace_mode=trace_mode, max_prefill_chunk_size=chunk, device_sampling=device_sampling
+        )

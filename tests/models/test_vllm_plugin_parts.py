@@ -40,6 +40,9 @@ def test_settings_read_the_llm_runtime_section() -> None:
         {"llm_runtime": {"trace_mode": "decode_only", "max_prefill_chunk_size": 512}, "other": 1}
     )
     assert settings == PluginSettings(trace_mode="decode_only", max_prefill_chunk_size=512)
+    assert settings.device_sampling is None  # unset: on where the facade declares it
+    off = PluginSettings.from_additional_config({"llm_runtime": {"device_sampling": False}})
+    assert off.device_sampling is False
 
 
 @pytest.mark.parametrize(
@@ -49,6 +52,8 @@ def test_settings_read_the_llm_runtime_section() -> None:
         ({"max_prefill_chunk_size": 0}, r"\['max_prefill_chunk_size'\] must be a positive"),
         ({"max_prefill_chunk_size": True}, r"must be a positive integer, got True"),
         ({"tracemode": "all"}, r"unknown keys \['tracemode'\]; allowed are"),
+        ({"device_sampling": "off"}, r"\['device_sampling'\] must be true, false or null"),
+        ({"device_sampling": 0}, r"\['device_sampling'\] must be true, false or null"),
     ],
 )
 def test_settings_errors_name_the_key(section: dict[str, object], message: str) -> None:
