@@ -301,13 +301,15 @@ class ModelExecutor(LifecycleHost):
             prepared = self.decode_runtime.prepare(**arguments)
             return (target or self.eager_executor).compile_decode_batch(prepared)
 
+    def _sampling_choice(self, sampling: bool | None) -> bool:
+        """A warmup's `can_sample_on_device`: the caller's choice, else the lane's policy."""
+        return self.config.device_sampling_enabled if sampling is None else sampling
+
     def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
         try:
             self.warmup.warmup_prefill(
                 kv_cache=kv_cache,
-                can_sample_on_device=self.config.device_sampling_enabled
-                if sampling is None
-                else sampling,
+                can_sample_on_device=self._sampling_choice(sampling),
                 enable_trace=self.config.trace.prefill_enabled if trace is None else trace,
             )
         finally:
@@ -330,9 +332,7 @@ class ModelExecutor(LifecycleHost):
                 kv_cache=kv_cache,
                 max_batch_size=lane if max_batch_size is None else max_batch_size,
                 num_blocks=physical if num_blocks is None else num_blocks,
-                can_sample_on_device=self.config.device_sampling_enabled
-                if sampling is None
-                else sampling,
+                can_sample_on_device=self._sampling_choice(sampling),
                 enable_trace=self.config.trace.decode_enabled if trace is None else trace,
             )
         finally:
