@@ -11,7 +11,13 @@ project's loader (so every engine reads the same tensors):
 * `vllm+llm-runtime`: `vllm.LLM` with this project's platform plugin (vLLM schedules, this
   runtime executes: lifecycle, paged KV cache, planner, warmup);
 * `llm-runtime`: this runtime's `Generator`, the engine behind `llm-runtime generate`
-  (through `benchmarks/bench_generate.py`'s runner, so EOS can be ignored).
+  (through `benchmarks/bench_generate.py`'s runner, so EOS can be ignored);
+* `vllm+llm-runtime-sync` (only when named in `--engines`): the plugin with vLLM's
+  `--no-async-scheduling`, to see what async scheduling gains.
+
+For the plugin engines the report also keeps the worker's counters (`runtime_stats`: seconds
+inside the facade's prefill and decode calls, rows sampled where), which split a step's time
+into the runtime's share and vLLM's (scheduler, sampler, output handling).
 
 Method: random token prompts of mixed lengths (fixed seed), batch 1 and batch 32, greedy,
 exactly `--new-tokens` tokens per row (EOS ignored), prefix caching off, `max_num_seqs` equal
@@ -41,7 +47,9 @@ if __name__ == "__main__":  # direct runs: make the checkout importable
 MODEL = "smollm2-135m"
 MAX_NUM_BATCHED_TOKENS = 2048
 VLLM_CPU_KV_BYTES = 1 << 30
-ENGINES = ("vllm-cpu", "vllm+llm-runtime", "llm-runtime")
+ENGINES = ("vllm-cpu", "vllm+llm-runtime", "llm-runtime", "vllm+llm-runtime-sync")
+DEFAULT_ENGINES = ENGINES[:3]
+VLLM_ENGINES = ("vllm-cpu", "vllm+llm-runtime", "vllm+llm-runtime-sync")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,9 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument(
-        "--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}"
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
+        help=f"a subset of {','.join(ENGINES)}",
     )
-    parser.add_argument("--worker", choices=ENGINES[:2], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=VLLM_ENGINES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -104,6 +114,8 @@ def vllm_worker(args: argparse.Namespace) -> int:
     }
     if args.worker == "vllm-cpu":
         options["kv_cache_memory_bytes"] = VLLM_CPU_KV_BYTES
+    if args.worker == "vllm+llm-runtime-sync":
+        options["async_scheduling"] = False
     clock = time.perf_counter()
     llm = LLM(**options)
     startup = time.perf_counter() - clock
@@ -116,6 +128,9 @@ def vllm_worker(args: argparse.Namespace) -> int:
 
     report = timed_cases(run, prompts, args.new_tokens, args.repeats)
     report["startup_seconds"] = startup
+    report["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    if args.worker != "vllm-cpu":
+        report["runtime_stats"] = llm.collective_rpc("runtime_stats")[0]
     args.out.write_text(json.dumps(report))
     return 0
 
@@ -258,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                 "raw_seconds": {
                     e: {"seconds_1": r["seconds_1"], "seconds_n": r["seconds_n"]}
                     for e, r in results.items()
+                },
+                "async_scheduling": {
+                    e: r["async_scheduling"] for e, r in results.items() if "async_scheduling" in r
+                },
+                "runtime_stats": {
+                    e: r["runtime_stats"] for e, r in results.items() if "runtime_stats" in r
                 },
             }
             report["rows"].append(row)

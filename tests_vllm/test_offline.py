@@ -73,6 +73,10 @@ def test_tiny_random_equals_generate_with_chunks_preemption_and_prefix_hits(
     assert stats["resumed_requests"] > 0 and metrics["vllm:num_preemptions"] > 0, (stats, metrics)
     assert stats["prefix_hit_requests"] > 0 and metrics["vllm:prefix_cache_hits"] > 0
     assert stats["decode_rows"] > stats["decode_calls"] > 0  # decodes were batched
+    # vLLM's async scheduling (the facade declares async decode): every step's output was
+    # handed back pending and read after the next step was scheduled.
+    assert report["async_scheduling"] is True
+    assert stats["async_steps"] >= stats["decode_calls"], stats
     # Greedy requests only: the facade sampled every row on the device.
     assert stats["device_sampled_rows"] > 0 and stats["host_sampling_calls"] == 0, stats
     assert stats["host_sampled_rows"] == stats["host_runtime_sampled_rows"] == 0, stats
@@ -88,8 +92,10 @@ def test_block_count_comes_from_the_runtime_with_traced_decode(
         requests_from(oracle, 8, [2]),
         "--max-num-seqs", "3",
         "--trace-mode", "decode_only",
+        "--no-async-scheduling",
     )  # fmt: skip
     assert_same_tokens(report, oracle)
+    assert report["async_scheduling"] is False and report["runtime_stats"]["async_steps"] == 0
     # The runtime's capacity: every slot can reach max_model_len (512) in blocks of 32, plus
     # one block per slot (vLLM's null block and each request's partial block).
     assert report["num_gpu_blocks"] == 3 * 512 // 32 + 3

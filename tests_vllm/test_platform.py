@@ -29,8 +29,35 @@ def test_vllm_selects_this_runtime_platform_and_worker(tiny_folder: Path) -> Non
     config = engine_config(tiny_folder, skip_tokenizer_init=True)
     assert config.parallel_config.worker_cls == "models.vllm_plugin.worker.LLMRuntimeWorker"
     assert config.cache_config.block_size == 32  # the runtime's default block size
-    assert config.scheduler_config.async_scheduling is False
     assert config.model_config.enforce_eager is True
+
+
+def test_async_scheduling_follows_the_facade_and_the_flag(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On where the facade declares async decode (vLLM's CPU platform would turn it off),
+    off with vLLM's --no-async-scheduling or a facade without async decode."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from models.llama.vllm import LlamaVLLMModel
+    from models.vllm_plugin import facades
+
+    assert LlamaVLLMModel.model_capabilities["supports_async_decode"] is True
+    config = engine_config(tiny_folder, skip_tokenizer_init=True)
+    assert config.scheduler_config.async_scheduling is True
+    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+    config = engine_config(tiny_folder, skip_tokenizer_init=True, async_scheduling=False)
+    assert config.scheduler_config.async_scheduling is False
+
+    class SyncOnlyFacade(LlamaVLLMModel):
+        model_capabilities: ClassVar[dict[str, bool]] = {
+            **LlamaVLLMModel.model_capabilities,
+            "supports_async_decode": False,
+        }
+
+    monkeypatch.setattr(facades, "facade_class", lambda hf_config: SyncOnlyFacade)
+    config = engine_config(tiny_folder, skip_tokenizer_init=True)
+    assert config.scheduler_config.async_scheduling is False
 
 
 @pytest.mark.parametrize(

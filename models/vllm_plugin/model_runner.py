@@ -13,6 +13,12 @@ same parameters and position-keyed seeded noise, so its tokens never depend on t
 it shares a call with. Any other request (logprobs, a top_k the device cannot honour,
 penalties on a traced lane), and every request without device sampling, is sampled by vLLM's
 own `Sampler` on the host logits.
+
+Steps: `execute_model` issues a step's facade calls (the prefill, then the decode with the
+facade's async read started) and `sample_tokens` hands back its output. Under vLLM's async
+scheduling (on where the facade declares `supports_async_decode`) that output is a
+`PendingStep`: vLLM reads it after it has already scheduled the next step, and the next
+`execute_model` finishes it first if vLLM has not, since its tokens are the next inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 
 from models.vllm_plugin.batch import DecodeBatch, PrefillBatch, RequestState, RequestTable
@@ -37,6 +43,7 @@ from models.vllm_plugin.device_sampling import (
     sample_rows_on_host,
 )
 from models.vllm_plugin.facades import facade_class
+from models.vllm_plugin.pending_step import IssuedDecode, IssuedStep, PendingStep
 from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
 from models.vllm_plugin.settings import PluginSettings
 from models.vllm_plugin.step_samples import StepSamples
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+AsyncModelRunnerOutput.register(PendingStep)  # vLLM's output thread calls its get_output()
 
 OPTIMIZATIONS: dict[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "performance"}
 """vLLM's model dtype -> the facade's `optimizations` (which sets weight and KV dtype)."""
@@ -73,6 +81,11 @@ class LLMRuntimeModelRunner:
         self.facade_cls = facade_class(model_config.hf_config)
         capabilities = getattr(self.facade_cls, "model_capabilities", None) or {}
         self.supports_async_decode = bool(capabilities.get("supports_async_decode", False))
+        # The platform turned vLLM's async scheduling on only where the facade declares it.
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self._step_index = 0
+        self._issued: PendingStep | None = None  # execute_model's step, until sample_tokens
+        self._last_step: PendingStep | None = None  # handed to vLLM, maybe not read yet
         self.device_sampling = self._device_sampling(capabilities)
         self.sampling_policy: DeviceSamplingPolicy | None = None  # set once the facade loads
         self.host_runtime_sampler: DeviceSampler | None = None
@@ -108,6 +121,8 @@ class LLMRuntimeModelRunner:
                 "host_runtime_sampled_rows",
                 "host_sampled_rows",
                 "host_sampling_calls",
+                "async_steps",
+                "steps_finished_by_next_step",
             ),
             0,
         )
@@ -259,12 +274,48 @@ class LLMRuntimeModelRunner:
                 num_output_tokens=cached.num_output_tokens[index],
             )
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Issue the step's facade calls; the output comes from `sample_tokens`.
+
+        The previous step is finished first: its tokens are this step's inputs (under async
+        scheduling vLLM may not have asked for its output yet).
+        """
+        self._finish_previous_step()
         self._update_requests(out)
         if not out.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        self._step_index += 1
+        issued = self._issue(out)
+        self._issued = PendingStep(self._step_index, lambda: self._finish_step(issued))
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput | PendingStep:
+        """The issued step's output: pending under async scheduling, else read now."""
+        if grammar_output is not None:
+            raise ValueError("structured outputs are not supported by the llm-runtime worker")
+        pending, self._issued = self._issued, None
+        if pending is None:
+            raise RuntimeError("sample_tokens() without a step issued by execute_model()")
+        self._last_step = pending
+        if self.async_scheduling:
+            self.stats["async_steps"] += 1
+            return pending
+        output: ModelRunnerOutput = pending.get_output()
+        return output
+
+    def _finish_previous_step(self) -> None:
+        """Wait for the last step (if vLLM has not read it yet) so the table has its tokens."""
+        if self._issued is not None:
+            raise RuntimeError("execute_model() again before sample_tokens() read the last step")
+        last, self._last_step = self._last_step, None
+        if last is not None and not last.finished:
+            self.stats["steps_finished_by_next_step"] += 1
+            last.get_output()
+
+    def _issue(self, out: SchedulerOutput) -> IssuedStep:
+        """Run the prefill call and start the decode call of one step."""
         plan = self.requests.plan(out.num_scheduled_tokens)
-        step = StepSamples()
+        issued = IssuedStep(req_ids=list(out.num_scheduled_tokens), samples=StepSamples())
         if plan.prefill is not None:
             batch = plan.prefill
             sampled = [r for r, sample in zip(batch.req_ids, batch.sample, strict=True) if sample]
@@ -272,16 +323,21 @@ class LLMRuntimeModelRunner:
             sampling = self._prefill_sampling(batch, sampled, on_device)
             rows = {req_id: row for row, req_id in enumerate(batch.req_ids)}
             output = self._prefill(batch, sampling)
-            step.collect(output, sampling, [(r, rows[r]) for r in sampled], on_device)
+            issued.samples.collect(output, sampling, [(r, rows[r]) for r in sampled], on_device)
         if plan.decode is not None:
             lane = plan.decode
             on_device = self._device_samplable(list(lane.req_ids))
             sampling = self._decode_sampling(lane, on_device)
-            output = self._decode(lane, sampling)
-            step.collect(
-                output, sampling, list(zip(lane.req_ids, lane.slots, strict=True)), on_device
-            )
-        req_ids = list(out.num_scheduled_tokens)
+            issued.decode = self._start_decode(lane, sampling, on_device)
+        return issued
+
+    def _finish_step(self, issued: IssuedStep) -> ModelRunnerOutput:
+        """Read the decode output, sample the host rows, record every request's new token."""
+        step = issued.samples
+        if issued.decode is not None:
+            decode = issued.decode
+            step.collect(self._read_decode(decode), decode.sampling, decode.rows, decode.on_device)
+        req_ids = issued.req_ids
         index = {req_id: i for i, req_id in enumerate(req_ids)}
         chosen = dict(step.device_tokens)
         self.stats["device_sampled_rows"] += len(chosen)
@@ -437,31 +493,48 @@ class LLMRuntimeModelRunner:
         stats["prefill_seconds"] += time.perf_counter() - clock
         return output
 
-    def _decode(self, batch: DecodeBatch, sampling: FacadeSampling | None) -> Any:
+    def _start_decode(
+        self, batch: DecodeBatch, sampling: FacadeSampling | None, on_device: set[str]
+    ) -> IssuedDecode:
+        """`decode_forward` over the lane; with the facade's async read, the read is started
+        here and waited for in `_read_decode`."""
         clock = time.perf_counter()
-        enable_trace = self.settings.trace_mode != "none"
-        model = self.model
         arguments: dict[str, Any] = {
             "tokens": batch.tokens,
             "page_table": batch.page_table,
             "kv_cache": self.kv_cache,
             "start_pos": batch.start_pos,
-            "enable_trace": enable_trace,
+            "enable_trace": self.settings.trace_mode != "none",
         }
         if sampling is not None:
             arguments.update(sampling.keywords(), reset_batch=self._lane_changed(batch))
         else:
             self._sampled_lane = None
+        decode = IssuedDecode(
+            sampling=sampling,
+            rows=list(zip(batch.req_ids, batch.slots, strict=True)),
+            on_device=on_device,
+        )
         if self.supports_async_decode:
-            raw = model.decode_forward(**arguments, read_from_device=False)
-            host, events = model.read_decode_output(raw, async_read=True)
-            for event in events or ():
-                _synchronize(model, event)
-            output = model.process_decode_output_host(host, is_tokens=sampling is not None)
+            raw = self.model.decode_forward(**arguments, read_from_device=False)
+            decode.host, decode.events = self.model.read_decode_output(raw, async_read=True)
         else:
-            output = model.decode_forward(**arguments, read_from_device=True)
+            decode.output = self.model.decode_forward(**arguments, read_from_device=True)
         self.stats["decode_calls"] += 1
         self.stats["decode_rows"] += len(batch.req_ids)
+        self.stats["decode_seconds"] += time.perf_counter() - clock
+        return decode
+
+    def _read_decode(self, decode: IssuedDecode) -> Any:
+        """The decode call's host output (waiting for its read events first)."""
+        if decode.host is None:
+            return decode.output
+        clock = time.perf_counter()
+        for event in decode.events or ():
+            _synchronize(self.model, event)
+        output = self.model.process_decode_output_host(
+            decode.host, is_tokens=decode.sampling is not None
+        )
         self.stats["decode_seconds"] += time.perf_counter() - clock
         return output
 

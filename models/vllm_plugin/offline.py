@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="additional_config llm_runtime device_sampling (auto: where the facade has it)",
     )
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="vLLM's --no-async-scheduling (by default on where the facade has async decode)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the request list N times")
     return parser.parse_args(argv)
 
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "metrics": _metrics(llm),
         "runtime_stats": stats,
         "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
     }
     args.out.write_text(json.dumps(report))
     del llm
@@ -98,6 +104,8 @@ def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, 
         "seed": 0,
         "disable_log_stats": False,
     }
+    if args.no_async_scheduling:
+        options["async_scheduling"] = False
     for key, value in (
         ("block_size", args.block_size),
         ("max_num_batched_tokens", args.max_num_batched_tokens),

@@ -2,9 +2,11 @@
 
 Everything device-generic (distributed backend, memory queries, the CPU kernels vLLM's
 sampler uses) stays vLLM's; the platform swaps in `LLMRuntimeWorker`, takes the runtime's
-block size unless the user chose one, turns off what the worker does not do (async
-scheduling, vLLM's graph capture and compilation: the runtime captures its own traces) and
-refuses requests whose sampling options the worker would not honour.
+block size unless the user chose one, keeps vLLM's async scheduling where the facade
+declares async decode (vLLM's CPU platform turns it off; `--no-async-scheduling` still
+does), turns off what the worker does not do (vLLM's graph capture and compilation: the
+runtime captures its own traces) and refuses requests whose sampling options the worker
+would not honour.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ def adapt_config(vllm_config: VllmConfig, parent_check: Any) -> None:
         parallel.worker_cls = WORKER_CLS
     cache = vllm_config.cache_config
     user_block_size = bool(cache.user_specified_block_size)
+    # vLLM has resolved its default (on unless --no-async-scheduling) before this hook.
+    wanted_async = bool(vllm_config.scheduler_config.async_scheduling)
     parent_check(vllm_config)
     if not user_block_size:
         cache.block_size = DEFAULT_BLOCK_SIZE
-    if vllm_config.scheduler_config.async_scheduling:
-        logger.info("llm-runtime worker: async scheduling turned off")
-        vllm_config.scheduler_config.async_scheduling = False
+    vllm_config.scheduler_config.async_scheduling = async_scheduling(vllm_config, wanted_async)
     compilation = vllm_config.compilation_config
     compilation.mode = CompilationMode.NONE
     compilation.cudagraph_mode = CUDAGraphMode.NONE
@@ -61,6 +63,21 @@ def adapt_config(vllm_config: VllmConfig, parent_check: Any) -> None:
         parallel.worker_cls,
         cache.block_size,
     )
+
+
+def async_scheduling(vllm_config: VllmConfig, wanted: bool) -> bool:
+    """vLLM's async scheduling: on where wanted and the model's facade declares async decode
+    (its output is read after the next step is scheduled)."""
+    model_config = vllm_config.model_config
+    if not wanted or model_config is None:
+        return False
+    from models.vllm_plugin.facades import facade_class
+
+    capabilities = getattr(facade_class(model_config.hf_config), "model_capabilities", None)
+    declared = bool((capabilities or {}).get("supports_async_decode", False))
+    if not declared:
+        logger.info("llm-runtime worker: async scheduling off (the facade has no async decode)")
+    return declared
 
 
 def check_settings(vllm_config: VllmConfig) -> None:

@@ -101,11 +101,13 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
         self.runner.warm_up()
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Issue the step; None tells the engine to call `sample_tokens` for its output."""
         return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        raise RuntimeError("the llm-runtime worker samples inside execute_model()")
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Any:
+        """The step's output (an `AsyncModelRunnerOutput` under async scheduling)."""
+        return self.runner.sample_tokens(grammar_output)
 
     def runtime_stats(self) -> dict[str, float]:
         """Counters of the facade calls made so far (`LLM.collective_rpc("runtime_stats")`)."""

@@ -1,0 +1,79 @@
+"""A scheduler step whose device work is issued but whose output is not read yet.
+
+Why: under vLLM's async scheduling the engine schedules step N+1 while step N runs, and
+asks for step N's output later (`AsyncModelRunnerOutput.get_output`, from vLLM's output
+thread in a multiprocess worker). The runner issues a step's facade calls, then hands back
+a `PendingStep`; whoever needs the step's tokens first finishes it: vLLM's `get_output`,
+or the runner itself at the start of step N+1, whose inputs are step N's tokens. Finishing
+happens exactly once, under a lock, and a failure is re-raised to every caller.
+
+Imports no vLLM (the runner registers the class as an `AsyncModelRunnerOutput`), so the
+main suite tests it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from models.vllm_plugin.device_sampling import FacadeSampling
+from models.vllm_plugin.step_samples import StepSamples
+
+
+@attrs.define
+class IssuedDecode:
+    """A started `decode_forward`: its read (host buffers and events) or, without the
+    facade's async read, its output; and how its rows are to be sampled."""
+
+    sampling: FacadeSampling | None
+    rows: list[tuple[str, int]]  # (request, output row)
+    on_device: set[str]
+    host: Any = None
+    events: Any = None
+    output: Any = None
+
+
+@attrs.define
+class IssuedStep:
+    """A step's facade calls: prefill rows already collected, the decode maybe in flight."""
+
+    req_ids: list[str]
+    samples: StepSamples
+    decode: IssuedDecode | None = None
+
+
+class PendingStep:
+    """One issued step: `finish()` once, then `get_output()` returns its output."""
+
+    def __init__(self, step_index: int, finish: Callable[[], Any]) -> None:
+        self.step_index = step_index
+        self._finish: Callable[[], Any] | None = finish
+        self._lock = threading.Lock()
+        self._output: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._finish is None
+
+    def get_output(self) -> Any:
+        """The step's output, finishing it first if nobody has (waits for the device)."""
+        with self._lock:
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                try:
+                    self._output = finish()
+                except Exception as error:
+                    self._error = error
+                except BaseException as error:  # Ctrl-C: later callers still see a failure
+                    self._error = error
+                    raise
+            if self._error is not None:
+                raise RuntimeError(
+                    f"llm-runtime scheduler step {self.step_index} failed while reading its "
+                    f"output: {self._error}"
+                ) from self._error
+            return self._output
