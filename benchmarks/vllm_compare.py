@@ -19,6 +19,12 @@ For the plugin engines the report also keeps the worker's counters (`runtime_sta
 inside the facade's prefill and decode calls, rows sampled where), which split a step's time
 into the runtime's share and vLLM's (scheduler, sampler, output handling).
 
+Threads: vLLM's CPU platform pins its worker process to the cores it does not reserve for
+the scheduler process (on a 2-core machine: one core, one torch thread), for both vLLM
+engines alike; `--vllm-reserved-cpus 0` (vLLM's `VLLM_CPU_NUM_OF_RESERVED_CPU`) gives the
+worker every core. The table's `threads` column is each engine's torch thread count where
+its model runs (asked of the vLLM worker process).
+
 Method: random token prompts of mixed lengths (fixed seed), batch 1 and batch 32, greedy,
 exactly `--new-tokens` tokens per row (EOS ignored), prefix caching off, `max_num_seqs` equal
 to the batch. Each vLLM engine runs in its own fresh process (vLLM spawns its engine core).
@@ -63,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         default=",".join(DEFAULT_ENGINES),
         help=f"a subset of {','.join(ENGINES)}",
+    )
+    parser.add_argument(
+        "--vllm-reserved-cpus",
+        type=int,
+        default=None,
+        help="cores vLLM keeps for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU; "
+        "default: vLLM's choice)",
     )
     parser.add_argument("--worker", choices=VLLM_ENGINES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
@@ -129,10 +142,18 @@ def vllm_worker(args: argparse.Namespace) -> int:
     report = timed_cases(run, prompts, args.new_tokens, args.repeats)
     report["startup_seconds"] = startup
     report["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    report["threads"] = llm.collective_rpc(_worker_threads)[0]
     if args.worker != "vllm-cpu":
         report["runtime_stats"] = llm.collective_rpc("runtime_stats")[0]
     args.out.write_text(json.dumps(report))
     return 0
+
+
+def _worker_threads(worker: Any) -> int:
+    """Run inside vLLM's worker process: the torch threads its model runs on."""
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def run_vllm_engine(engine: str, folder: Path, prompts: list[list[int]], args: Any) -> Any:
@@ -143,7 +164,14 @@ def run_vllm_engine(engine: str, folder: Path, prompts: list[list[int]], args: A
         command += ["--folder", str(folder), "--prompts", str(prompt_file), "--out", str(out)]
         command += ["--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
         command += ["--max-model-len", str(args.max_model_len)]
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+        # The thread probe is a function sent to the worker (vLLM pickles it only when asked).
+        env = {
+            **os.environ,
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        }
+        if args.vllm_reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"{engine} failed:\n{done.stderr[-5000:]}")
@@ -154,6 +182,8 @@ def run_vllm_engine(engine: str, folder: Path, prompts: list[list[int]], args: A
 
 
 def run_runtime(prompts: list[list[int]], args: Any, config: Any) -> Any:
+    import torch
+
     from benchmarks.bench_generate import _runtime_executor
     from models.generation.generator import GenerationParams, Generator
 
@@ -170,6 +200,7 @@ def run_runtime(prompts: list[list[int]], args: Any, config: Any) -> Any:
 
         report = timed_cases(run, prompts, args.new_tokens, args.repeats)
         report["startup_seconds"] = startup
+        report["threads"] = torch.get_num_threads()
         return report
     finally:
         executor.close()
@@ -184,6 +215,7 @@ def rates(result: Any, batch: int, new_tokens: int) -> dict[str, float]:
         "end_to_end_tokens_per_second": batch * new_tokens / full,
         "decode_tokens_per_second": batch * (new_tokens - 1) / max(full - first, 1e-9),
         "startup_seconds": result["startup_seconds"],
+        "threads": result["threads"],
     }
 
 
@@ -195,8 +227,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def format_table(report: dict[str, Any]) -> str:
     lines = [
         "| batch | engine | end-to-end tok/s | decode tok/s | vs the first (e2e / decode) "
-        "| same tokens as the first | startup s |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| same tokens as the first | threads | startup s |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in report["rows"]:
         engines = list(row["engines"])
@@ -209,7 +241,8 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {row['batch_size']} | {engine} | {e2e:.1f} | {decode:.1f} "
                 f"| {e2e_ratio:.2f}x / {decode_ratio:.2f}x "
-                f"| {row['same_tokens'][engine]:.0%} | {r['startup_seconds']:.0f} |"
+                f"| {row['same_tokens'][engine]:.0%} | {r['threads']} "
+                f"| {r['startup_seconds']:.0f} |"
             )
     return "\n".join(lines)
 
@@ -252,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "max_model_len": args.max_model_len,
         "cpu_count": os.cpu_count(),
+        "vllm_reserved_cpus": args.vllm_reserved_cpus,
         "rows": [],
     }
     with tempfile.TemporaryDirectory() as scratch:

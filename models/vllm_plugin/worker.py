@@ -110,8 +110,9 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
         return self.runner.sample_tokens(grammar_output)
 
     def runtime_stats(self) -> dict[str, float]:
-        """Counters of the facade calls made so far (`LLM.collective_rpc("runtime_stats")`)."""
-        return dict(self.runner.stats)
+        """Counters of the facade calls made so far (`LLM.collective_rpc("runtime_stats")`),
+        and the worker's torch thread count (what its CPU work runs on)."""
+        return {**self.runner.stats, "torch_threads": float(torch.get_num_threads())}
 
     def execute_dummy_batch(self) -> None:
         """A data-parallel rank with nothing to run has nothing to synchronise (dense models)."""
