@@ -211,9 +211,9 @@ def _print_completions(args: argparse.Namespace, executor: Any, stream: Any, tot
         except Exception as error:
             logger.warning("stopping the stream after Ctrl-C failed: %s", one_line(error))
         printer.summary(stream, executor, interrupted=True)
+        where = " (printed above)" if printer.finished else ""
         print(
-            f"{PROG}: interrupted: {printer.finished} of {total} request(s) finished "
-            "(printed above)",
+            f"{PROG}: interrupted: {printer.finished} of {total} request(s) finished{where}",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
