@@ -515,6 +515,10 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         """Active rows' decode: attention reads K/V pages in place (the native kernel) or,
         rows sorted by position (undone on the last hidden state), gathers key tiles per
         group of rows."""
+        # Fused decode stack (`models.llama.fused_decode`): chosen per row bucket at warmup.
+        fused = self.fused_decode
+        if fused is not None and fused.runs(tokens.shape[0]):
+            return self._logits(fused.hidden(cache.layers, cache.block_size, tokens, pos, pages))
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():
