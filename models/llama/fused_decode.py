@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from models.llama.attention import LayerCache
+from models.llama.kernels import FUSED_MAX_ROWS
 from models.llama.layers import DecoderLayer, Projection
 from runtime.backends import native_kernels
 from runtime.backends.native_kernels import STACK_TABLE_WIDTH, DecodeStackGeometry
@@ -29,9 +30,6 @@ from runtime.backends.native_kernels import STACK_TABLE_WIDTH, DecodeStackGeomet
 if TYPE_CHECKING:
     from models.llama.model import LlamaModel
 
-# The fused path is offered for decode calls of at most this many rows (above, the products
-# are no longer bound by streaming the weights, and the per-op path batches better).
-FUSED_MAX_ROWS = 4
 _LAYOUT_CODES = {"out_in": 0, "in_out": 1}
 _PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -109,7 +107,8 @@ class FusedDecodeStack:
 
     def _table_of(self, cache: tuple[LayerCache, ...]) -> torch.Tensor:
         if self._table_for is not cache:
-            rows = [_layer_addresses(layer, c) for layer, c in zip(self._layers, cache, strict=True)]
+            pairs = zip(self._layers, cache, strict=True)
+            rows = [_layer_addresses(layer, layer_cache) for layer, layer_cache in pairs]
             self._table = torch.tensor(rows, dtype=torch.int64)
             self._table_for = cache
         return self._table
@@ -149,4 +148,3 @@ def _projection(layer: DecoderLayer, name: str) -> Projection:
     projection = getattr(layer, name)
     assert isinstance(projection, Projection)
     return projection
-

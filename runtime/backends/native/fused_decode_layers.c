@@ -28,46 +28,94 @@
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
 
-/* y[r, o] (= or +=) sum_i W[o, i] x[r, i] for o in [o0, o1), W `[n_out, n_in]` row-major. */
+/* Portable vectors (GCC/Clang vector extensions): the native width of -march=native. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vf load_vf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; ++i) s += v[i];
+    return s;
+}
+
+/* out[r][k] = W[k] . x[r] for 4 consecutive weight rows and R (<= 4) input rows: every
+ * weight vector is loaded once and used for all R rows (R is a constant where inlined). */
+static inline __attribute__((always_inline)) void dot4(const int R, const float *w0,
+                                                       int64_t n_in, const float *x,
+                                                       int64_t ldx, float out[4][4]) {
+    const float *w1 = w0 + n_in, *w2 = w1 + n_in, *w3 = w2 + n_in;
+    vf acc[4][4];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < 4; ++k) acc[r][k] = (vf){0};
+    int64_t i = 0;
+    for (; i + LANES <= n_in; i += LANES) {
+        const vf a = load_vf(w0 + i), b = load_vf(w1 + i), c = load_vf(w2 + i),
+                 d = load_vf(w3 + i);
+        for (int r = 0; r < R; ++r) {
+            const vf xv = load_vf(x + r * ldx + i);
+            acc[r][0] += a * xv;
+            acc[r][1] += b * xv;
+            acc[r][2] += c * xv;
+            acc[r][3] += d * xv;
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float *xr = x + r * ldx;
+        float t0 = hsum(acc[r][0]), t1 = hsum(acc[r][1]), t2 = hsum(acc[r][2]),
+              t3 = hsum(acc[r][3]);
+        for (int64_t j = i; j < n_in; ++j) {
+            t0 += w0[j] * xr[j];
+            t1 += w1[j] * xr[j];
+            t2 += w2[j] * xr[j];
+            t3 += w3[j] * xr[j];
+        }
+        out[r][0] = t0;
+        out[r][1] = t1;
+        out[r][2] = t2;
+        out[r][3] = t3;
+    }
+}
+
+/* y[r, o] (= or +=) sum_i W[o, i] x[r, i] for o in [o0, o1), W `[n_out, n_in]` row-major:
+ * one sequential pass over the stripe's weight rows, for up to 4 input rows at a time. */
 static void project_out_in(const float *w, int64_t n_in, const float *x, int64_t ldx,
                            int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
                            int accumulate) {
-    int64_t o = o0;
-    for (; o + 4 <= o1; o += 4) {
-        const float *w0 = w + o * n_in, *w1 = w0 + n_in, *w2 = w1 + n_in, *w3 = w2 + n_in;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *xr = x + r * ldx;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t i = 0; i < n_in; ++i) {
-                const float xi = xr[i];
-                a0 += w0[i] * xi;
-                a1 += w1[i] * xi;
-                a2 += w2[i] * xi;
-                a3 += w3[i] * xi;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        int64_t o = o0;
+        for (; o + 4 <= o1; o += 4) {
+            float out[4][4];
+            const float *wo = w + o * n_in;
+            switch (R) {
+                case 1: dot4(1, wo, n_in, xr, ldx, out); break;
+                case 2: dot4(2, wo, n_in, xr, ldx, out); break;
+                case 3: dot4(3, wo, n_in, xr, ldx, out); break;
+                default: dot4(4, wo, n_in, xr, ldx, out); break;
             }
-            float *yr = y + r * ldy + o;
-            if (accumulate) {
-                yr[0] += a0;
-                yr[1] += a1;
-                yr[2] += a2;
-                yr[3] += a3;
-            } else {
-                yr[0] = a0;
-                yr[1] = a1;
-                yr[2] = a2;
-                yr[3] = a3;
-            }
+            for (int r = 0; r < R; ++r)
+                for (int k = 0; k < 4; ++k)
+                    yr[r * ldy + o + k] = accumulate ? yr[r * ldy + o + k] + out[r][k] : out[r][k];
         }
-    }
-    for (; o < o1; ++o) {
-        const float *wo = w + o * n_in;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *xr = x + r * ldx;
-            float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-            for (int64_t i = 0; i < n_in; ++i) a += wo[i] * xr[i];
-            y[r * ldy + o] = accumulate ? y[r * ldy + o] + a : a;
+        for (; o < o1; ++o) {
+            const float *wo = w + o * n_in;
+            for (int r = 0; r < R; ++r) {
+                float a = 0.0f;
+                for (int64_t i = 0; i < n_in; ++i) a += wo[i] * xr[r * ldx + i];
+                yr[r * ldy + o] = accumulate ? yr[r * ldy + o] + a : a;
+            }
         }
     }
 }
@@ -221,16 +269,17 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
                 project((int)layouts[L_QKV], (const float *)(intptr_t)entry[WQKV], dim, qkv_out,
                         normed, dim, rows, qkv, qkv_out, v0, v1, 0);
 #pragma omp barrier
-                /* 2. rotary on q and k, K/V into the cache at each row's position */
+                /* 2. per (row, KV head): rotary on its q group and k, K/V into the cache at
+                 * the row's position */
 #pragma omp for schedule(static)
                 for (int64_t job = 0; job < rows * kv; ++job) {
                     const int64_t b = job / kv, h = job % kv, pos = n_keys[b] - 1;
                     float *row = qkv + b * qkv_out;
+                    const float *cos_b = cos + b * head_dim, *sin_b = sin + b * head_dim;
                     for (int64_t g = 0; g < group; ++g)
-                        rotate(row + (h * group + g) * head_dim, cos + b * head_dim,
-                               sin + b * head_dim, head_dim, rot);
+                        rotate(row + (h * group + g) * head_dim, cos_b, sin_b, head_dim, rot);
                     float *k = row + q_out + h * head_dim;
-                    rotate(k, cos + b * head_dim, sin + b * head_dim, head_dim, rot);
+                    rotate(k, cos_b, sin_b, head_dim, rot);
                     const int64_t page = pages[b * width + pos / block_size];
                     if (page >= 0) {
                         const int64_t slot =
@@ -240,7 +289,8 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
                                sizeof(float) * head_dim);
                     }
                 }
-                /* (implicit barrier) 3. attention over each row's pages, in place */
+                /* (implicit barrier: rows may share pages, so every write lands before any
+                 * read, as in the per-op path) 3. attention over each row's pages in place */
 #pragma omp for schedule(static)
                 for (int64_t job = 0; job < rows * kv; ++job) {
                     const int64_t b = job / kv, h = job % kv;
