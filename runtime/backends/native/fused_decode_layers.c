@@ -42,10 +42,15 @@ static inline vf load_vf(const float *p) {
     return v;
 }
 
+typedef float v4f __attribute__((vector_size(4 * sizeof(float))));
+
+/* The sum of v's lanes: quarters added as 4-wide vectors, then the last four. */
 static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; ++i) s += v[i];
-    return s;
+    v4f quarters[LANES / 4];
+    memcpy(quarters, &v, sizeof(v));
+    v4f s = quarters[0];
+    for (int i = 1; i < LANES / 4; ++i) s += quarters[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 /* out[r][k] = W[k] . x[r] for 4 consecutive weight rows and R (<= 4) input rows: every
