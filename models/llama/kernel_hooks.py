@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from models.llama.fused_choice import choose_fused_decode
+from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.llama.kernels import (
     KernelPlan,
     ProjectionShape,
@@ -26,6 +28,9 @@ from models.llama.kernels import (
 from models.llama.layers import Projection
 from runtime.backends import native_kernels
 
+if TYPE_CHECKING:
+    from models.llama.model import LlamaModel
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,10 +42,13 @@ class KernelPlanHooks:
     layers: nn.ModuleList
     lm_head: Projection
     decode_attention: str | None
+    fused_decode: FusedDecodeStack | None
 
     def _init_kernel_state(self) -> None:
-        """No plan yet: the default forms, decode attention chosen by availability."""
+        """No plan yet: the default forms, decode attention chosen by availability, no
+        fused decode stack."""
         self.decode_attention = None
+        self.fused_decode = None
         self.kernel_plan: KernelPlan | None = None
         self._replay_plan: KernelPlan | None = None
 
@@ -73,6 +81,7 @@ class KernelPlanHooks:
                     f"{where}: decode_attention 'paged_inplace' cannot run here ({reason}): "
                     "allowed here is 'gather'"
                 )
+        self._check_fused_runs(plan, where)
         self._replay_plan = plan
 
     def adopt_kernels(self, data: Mapping[str, Any]) -> None:
@@ -88,7 +97,11 @@ class KernelPlanHooks:
         """
         if self.kernel_plan is None:
             buckets = row_buckets(decode_rows, prefill_rows)
-            self.apply_kernel_plan(self._resolve_kernel_plan(buckets))
+            plan = self._resolve_kernel_plan(buckets)
+            self.apply_kernel_plan(plan)
+            if self._replay_plan is None and self.device.type == "cpu":
+                # The fused decode stack is timed against the per-op path as just applied.
+                self.apply_kernel_plan(choose_fused_decode(self._model(), plan))
         assert self.kernel_plan is not None
         return self.kernel_plan.to_json()
 
@@ -119,11 +132,16 @@ class KernelPlanHooks:
 
     def apply_kernel_plan(self, plan: KernelPlan) -> None:
         """Lay every projection out and pick its forms as `plan` says (checked first)."""
-        check_plan_fits(plan, self.projection_shapes(), f"kernel plan ({plan.source})")
+        where = f"kernel plan ({plan.source})"
+        check_plan_fits(plan, self.projection_shapes(), where)
+        self._check_fused_runs(plan, where)
         for name, modules in self.projection_groups().items():
             choice = plan.choice(name)
             for module in modules:
                 module.apply_choice(choice)
+        self.fused_decode = None
+        if plan.fused_decode:
+            self.fused_decode = FusedDecodeStack(self._model(), plan.buckets, plan.fused_decode)
         self.decode_attention = plan.decode_attention
         self.kernel_plan = plan
         logger.info("%s", plan.summary())
@@ -133,3 +151,22 @@ class KernelPlanHooks:
         if attention is None:
             attention = "paged_inplace" if self._inplace_unavailable() is None else "gather"
         return attention == "paged_inplace"
+
+    # ------------------------------------------------------------ fused decode stack
+    def _model(self) -> LlamaModel:
+        from models.llama.model import LlamaModel
+
+        assert isinstance(self, LlamaModel)
+        return self
+
+    def _check_fused_runs(self, plan: KernelPlan, where: str) -> None:
+        """Refuse a plan choosing the fused decode stack where it cannot run (named by
+        `where`), before anything changes."""
+        if not plan.fused_decode:
+            return
+        reason = fused_unsupported_reason(self._model())
+        if reason is not None:
+            raise ValueError(
+                f"{where}: fused_decode buckets {list(plan.fused_decode)} cannot run here "
+                f"({reason}): allowed here is none"
+            )

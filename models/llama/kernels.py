@@ -34,7 +34,13 @@ logger = logging.getLogger(__name__)
 
 Layout = Literal["out_in", "in_out"]
 LAYOUTS: tuple[Layout, ...] = ("out_in", "in_out")
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# Plan versions `--kernels FILE` reads: version 1 plans predate the fused decode choice
+# (they replay with it off).
+READABLE_PLAN_VERSIONS = (1, 2)
+# The fused decode stack (`models.llama.fused_decode`) is offered for decode buckets of at
+# most this many rows: above, the products stop being bound by streaming the weights.
+FUSED_MAX_ROWS = 4
 # Decode attention implementations (`LlamaModel.decode_attention`).
 ATTENTION_KINDS = ("paged_inplace", "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
@@ -168,6 +174,10 @@ class KernelPlan:
     threads: int
     cpu: str
     notes: tuple[str, ...] = ()
+    # Decode buckets (of `buckets`, at most `FUSED_MAX_ROWS` rows) that run the fused decode
+    # stack, and what warmup measured for it: `(bucket, fused us, per-op us)` per bucket.
+    fused_decode: tuple[int, ...] = ()
+    fused_timings: tuple[tuple[int, float, float], ...] = ()
 
     def choice(self, name: str) -> ProjectionChoice:
         return dict(self.projections)[name]
@@ -184,6 +194,13 @@ class KernelPlan:
             "decode_attention": self.decode_attention,
             "notes": list(self.notes),
             "summary": self.summary(),
+            "fused_decode": {
+                "buckets": list(self.fused_decode),
+                "measured_us": [
+                    {"bucket": bucket, "fused": round(fused, 1), "per_op": round(per_op, 1)}
+                    for bucket, fused, per_op in self.fused_timings
+                ],
+            },
             "projections": {
                 name: {
                     "layout": choice.layout,
@@ -205,8 +222,10 @@ class KernelPlan:
             forms = ",".join(f"{form}@{bucket}" for bucket, form in choice.forms)
             fused = " split" if choice.split else ""
             parts.append(f"{name} {choice.layout}{fused} {forms}")
+        fused = ",".join(f"@{bucket}" for bucket in self.fused_decode) or " off"
         return (
             f"kernels {self.source}: {'; '.join(parts)}; decode attention {self.decode_attention}"
+            f"; fused decode{fused}"
         )
 
 
@@ -228,8 +247,10 @@ def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
         data = data["kernels"]
     if not isinstance(data, dict) or not isinstance(data.get("projections"), dict):
         raise _error(where, "is not a kernel plan: allowed is a JSON object with 'projections'")
-    if data.get("version") != PLAN_VERSION:
-        raise _error(where, f"has version {data.get('version')!r}: allowed is {PLAN_VERSION}")
+    if data.get("version") not in READABLE_PLAN_VERSIONS:
+        raise _error(
+            where, f"has version {data.get('version')!r}: allowed are {READABLE_PLAN_VERSIONS}"
+        )
     attention = data.get("decode_attention")
     if attention not in ATTENTION_KINDS:
         raise _error(
@@ -239,16 +260,42 @@ def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
         (name, _parse_projection(name, entry, where))
         for name, entry in sorted(data["projections"].items())
     ]
+    buckets = tuple(int(b) for b in data.get("buckets", ()))
+    fused, timings = _parse_fused(data.get("fused_decode"), buckets, where)
     return KernelPlan(
         projections=tuple(projections),
         decode_attention=attention,
-        buckets=tuple(int(b) for b in data.get("buckets", ())),
+        buckets=buckets,
         source=str(data.get("source", "file")),
         dtype=str(data.get("dtype", "")),
         threads=int(data.get("threads", 0)),
         cpu=str(data.get("cpu", "")),
         notes=tuple(str(n) for n in data.get("notes", ())),
+        fused_decode=fused,
+        fused_timings=timings,
     )
+
+
+def _parse_fused(
+    entry: Any, buckets: Sequence[int], where: str
+) -> tuple[tuple[int, ...], tuple[tuple[int, float, float], ...]]:
+    """A plan's `fused_decode` record (absent in version 1 plans: fused decode off)."""
+    if entry is None:
+        return (), ()
+    chosen = entry.get("buckets") if isinstance(entry, dict) else None
+    if not isinstance(chosen, list) or any(
+        type(b) is not int or b not in buckets or b > FUSED_MAX_ROWS for b in chosen
+    ):
+        raise _error(
+            where,
+            f"fused_decode={entry!r} is invalid: allowed is {{'buckets': [...]}} naming "
+            f"decode buckets of the plan ({list(buckets)}) of at most {FUSED_MAX_ROWS} rows",
+        )
+    timings = tuple(
+        (int(item["bucket"]), float(item["fused"]), float(item["per_op"]))
+        for item in entry.get("measured_us", ())
+    )
+    return tuple(sorted(set(chosen))), timings
 
 
 def _parse_projection(name: str, entry: Any, where: str) -> ProjectionChoice:

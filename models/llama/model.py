@@ -7,7 +7,9 @@ as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over ba
 Q/K/V and gate/up projections are stored fused, one matrix each; how every projection is
 computed (form, layout, fused or split) is chosen by measurement at warmup
 (`choose_kernels`, `models.llama.kernel_hooks`). The dynamic decode attends with a native
-kernel that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run.
+kernel that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run;
+decodes of a few float32 rows may instead run every layer in one native call where warmup
+measured that faster (`fused_decode`, `models.llama.fused_decode`).
 
 Each call plans its addressing once into an attention path (`models.llama.attention`), and
 every layer runs the same `_attention`: project, store K/V, `path.attend`. Two
@@ -515,6 +517,10 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         """Active rows' decode: attention reads K/V pages in place (the native kernel) or,
         rows sorted by position (undone on the last hidden state), gathers key tiles per
         group of rows."""
+        # Fused decode stack (`models.llama.fused_decode`): chosen per row bucket at warmup.
+        fused = self.fused_decode
+        if fused is not None and fused.runs(tokens.shape[0]):
+            return self._logits(fused.hidden(cache.layers, cache.block_size, tokens, pos, pages))
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():

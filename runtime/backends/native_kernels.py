@@ -5,7 +5,9 @@ scattered pages. torch has no paged attention on CPU, so the torch path gathers 
 into a workspace first, copying every key and value once more per step. The kernel in
 `native/paged_decode_attention.c` reads the pages in place. `native/small_rows_matmul.c` is
 one more candidate form for decode projections (a weight-streaming product for a few rows);
-warmup keeps it only where it measures fastest.
+warmup keeps it only where it measures fastest. `native/fused_decode_layers.c` runs a whole
+decoder stack of a few-row float32 decode step in one call (no per-op overhead); warmup keeps
+it only for the row counts where it beats the per-op path.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into
 `$LLM_RUNTIME_NATIVE_CACHE` (default `~/.cache/llm-runtime/native`), under a file lock so
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name("native") / name
-    for name in ("paged_decode_attention.c", "small_rows_matmul.c")
+    for name in ("paged_decode_attention.c", "small_rows_matmul.c", "fused_decode_layers.c")
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64
@@ -230,6 +232,79 @@ class SmallRowsMatmul:
         return out
 
 
+@attrs.frozen
+class DecodeStackGeometry:
+    """What the fused decode stack needs to know about the model and its cache."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    block_size: int
+    norm_eps: float
+
+
+# Addresses per layer in the fused stack's table (see `fused_decode_layers.c`).
+STACK_TABLE_WIDTH = 8
+
+
+class FusedDecodeLayers:
+    """Every decoder layer of a float32 decode step for a few rows, in one native call.
+
+    The caller passes a layer table (`STACK_TABLE_WIDTH` addresses per layer: attention norm,
+    QKV, O, MLP norm, gate/up, down, K cache, V cache) and the four projections' layouts
+    (0 `[out, in]`, 1 `[in, out]`); `x` `[rows, dim]` (float32, contiguous) is the residual
+    stream, updated in place. The tensors behind the table must outlive the call.
+    """
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._kernel = library.fused_decode_layers_f32
+        self._kernel.argtypes = [_PTR] * 7 + [_I64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
+        self._kernel.restype = ctypes.c_int
+
+    def unchecked(
+        self,
+        geometry: DecodeStackGeometry,
+        table: torch.Tensor,
+        layouts: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pages: torch.Tensor,
+        n_keys: torch.Tensor,
+    ) -> None:
+        """Run the stack on `x` in place. Inputs are the model's, validated once per step by
+        its decode: `table` int64 `[n_layers, 8]`, `layouts` int64 `[4]`, `cos`/`sin` the rows'
+        rotary rows `[rows, head_dim]`, `pages` int64 `[rows, W]`, `n_keys` int64 `[rows]`
+        (position + 1). A bad address, page id or key count here reads out of bounds."""
+        g = geometry
+        failed = self._kernel(
+            table.data_ptr(),
+            layouts.data_ptr(),
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            pages.data_ptr(),
+            n_keys.data_ptr(),
+            x.shape[0],
+            g.n_layers,
+            g.dim,
+            g.n_heads,
+            g.n_kv_heads,
+            g.head_dim,
+            g.ffn_dim,
+            g.block_size,
+            pages.shape[1],
+            g.norm_eps,
+            g.head_dim**-0.5,
+            _threads(),
+        )
+        if failed:
+            raise MemoryError("the fused decode stack could not allocate its buffers")
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -240,13 +315,16 @@ class NativeKernels:
 
     paged_decode_attention: PagedDecodeAttention
     small_rows_matmul: SmallRowsMatmul
+    fused_decode_layers: FusedDecodeLayers
 
 
 @functools.cache
 def _load() -> NativeKernels | str:
     try:
         library = ctypes.CDLL(str(_build(_compiler())))
-        return NativeKernels(PagedDecodeAttention(library), SmallRowsMatmul(library))
+        return NativeKernels(
+            PagedDecodeAttention(library), SmallRowsMatmul(library), FusedDecodeLayers(library)
+        )
     except (NativeKernelsUnavailable, OSError) as error:
         logger.warning("native CPU kernels unavailable: %s", error)
         return str(error)
@@ -268,6 +346,11 @@ def paged_decode_attention() -> PagedDecodeAttention:
 def small_rows_matmul() -> SmallRowsMatmul:
     """The weight-streaming few-rows matrix product."""
     return native_kernels().small_rows_matmul
+
+
+def fused_decode_layers() -> FusedDecodeLayers:
+    """The one-call float32 decoder stack for a few rows."""
+    return native_kernels().fused_decode_layers
 
 
 def unavailable_reason() -> str | None:

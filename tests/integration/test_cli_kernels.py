@@ -16,7 +16,9 @@ SMALL = ["--model", "tiny-random", "--block-size", "16", "--prefill-chunk", "32"
 def _kernel_line(output: str) -> str:
     """The journal's kernel summary of the compile transition."""
     found = re.search(
-        r"compile: ALLOCATED -> COMPILED .*?; (kernels .*?decode attention \w+)", output
+        r"compile: ALLOCATED -> COMPILED .*?; "
+        r"(kernels .*?decode attention \w+; fused decode(?: off|(?:@\d+,?)+))",
+        output,
     )
     assert found is not None, output
     return found.group(1)

@@ -1,0 +1,106 @@
+"""Warmup's choice of the fused decode stack, per decode bucket, by measurement.
+
+Why measure: the fused stack (`models.llama.fused_decode`) saves the per-op overhead of a
+decode step, but whether it beats the per-op path at a given row count depends on the CPU,
+the thread count and the projection forms the plan chose. So for every decode bucket of at
+most `FUSED_MAX_ROWS` rows, warmup times a whole decode step both ways on the model's own
+weights (all layers, so they stream from memory as in a real step) against a scratch paged
+cache of the model's block size, and keeps the fused stack where it measures faster. The
+result is recorded in the kernel plan (`KernelPlan.fused_decode`), so a replayed plan makes
+the same choice without timing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
+from models.llama.kernels import FUSED_MAX_ROWS, KernelPlan
+
+if TYPE_CHECKING:
+    from models.llama.model import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+# Timed steps per path and bucket (best kept), after one warm-up step each; the two paths
+# alternate so background load hits both alike.
+_ROUNDS = 3
+# Context of the timed rows: a few pages at a typical block size, so the step's attention
+# crosses page boundaries like a real one.
+_CONTEXT = 96
+_DEFAULT_BLOCK_SIZE = 32
+
+# Choices made in this process, by the projection plan they were measured on (lanes of one
+# model in one process compute alike; see `kernels._MEASURED`).
+_CHOSEN: dict[int, tuple[KernelPlan, KernelPlan]] = {}
+
+
+def choose_fused_decode(model: LlamaModel, plan: KernelPlan) -> KernelPlan:
+    """`plan` (already applied to `model`) with the fused decode buckets chosen."""
+    cached = _CHOSEN.get(id(plan))
+    if cached is not None and cached[0] is plan:
+        return cached[1]
+    chosen = _choose(model, plan)
+    _CHOSEN[id(plan)] = (plan, chosen)
+    return chosen
+
+
+def _choose(model: LlamaModel, plan: KernelPlan) -> KernelPlan:
+    reason = fused_unsupported_reason(model)
+    buckets = [bucket for bucket in plan.buckets if bucket <= FUSED_MAX_ROWS]
+    if reason is None and not buckets:
+        reason = f"no decode bucket of at most {FUSED_MAX_ROWS} rows"
+    if reason is not None:
+        return attrs.evolve(plan, notes=(*plan.notes, f"fused decode off: {reason}"))
+    paged = model.paged_attention_config
+    block_size = paged.block_size if paged is not None else _DEFAULT_BLOCK_SIZE
+    timings = []
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for bucket in buckets:
+            fused, per_op = _time_bucket(model, bucket, block_size)
+            timings.append((bucket, fused * 1e6, per_op * 1e6))
+    logger.info("measured the fused decode stack in %.2f s", time.perf_counter() - started)
+    return attrs.evolve(
+        plan,
+        fused_decode=tuple(bucket for bucket, fused, per_op in timings if fused < per_op),
+        fused_timings=tuple(timings),
+    )
+
+
+def _time_bucket(model: LlamaModel, rows: int, block_size: int) -> tuple[float, float]:
+    """Best seconds of one decode step of `rows` rows: fused, then per-op."""
+    from models.llama.model import BoundCache
+
+    pages_per_row = (_CONTEXT + rows) // block_size + 1
+    blocks = rows * pages_per_row
+    shape = (blocks, model.args.n_kv_heads, block_size, model.args.head_dim)
+    generator = torch.Generator().manual_seed(0)
+    layers = tuple(
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(model.n_layers)
+    )
+    cache = BoundCache(layers, block_size)
+    pages = torch.arange(blocks, dtype=torch.long).view(rows, pages_per_row)
+    positions = torch.arange(rows, dtype=torch.long) + _CONTEXT
+    tokens = torch.arange(rows, dtype=torch.long) % model.vocab_size
+    stack = FusedDecodeStack(model, [rows], [rows])
+    saved = model.fused_decode
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        for round_index in range(_ROUNDS + 1):
+            for fused in (True, False):
+                model.fused_decode = stack if fused else None
+                start = time.perf_counter()
+                model._decode_dynamic(cache, tokens, positions, pages)
+                seconds = time.perf_counter() - start
+                if round_index:
+                    best[fused] = min(best[fused], seconds)
+    finally:
+        model.fused_decode = saved
+    return best[True], best[False]

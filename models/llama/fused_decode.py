@@ -1,0 +1,150 @@
+"""The fused decode path: every decoder layer of a few-row float32 decode step in one native call.
+
+Why: at batch 1 the per-op path runs about 1,000 small torch ops a step (norms, rotary,
+views, copies, residual adds) around the weight-streaming products; their overhead is a
+third of the step. `runtime/backends/native/fused_decode_layers.c` runs the whole stack in
+one OpenMP region instead, streaming each weight once in the layout the kernel plan chose,
+writing K/V into the paged cache and attending over the row's pages in place. The
+embedding lookup, the final norm and the LM head stay torch (the head keeps the form the
+plan measured for it).
+
+Warmup decides, per row bucket, whether this path runs (`models.llama.fused_choice`); the
+model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `LlamaModel._decode_dynamic`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from models.llama.attention import LayerCache
+from models.llama.kernels import FUSED_MAX_ROWS
+from models.llama.layers import DecoderLayer, Projection
+from runtime.backends import native_kernels
+from runtime.backends.native_kernels import STACK_TABLE_WIDTH, DecodeStackGeometry
+
+if TYPE_CHECKING:
+    from models.llama.model import LlamaModel
+
+_LAYOUT_CODES = {"out_in": 0, "in_out": 1}
+_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def fused_unsupported_reason(model: LlamaModel) -> str | None:
+    """Why this model cannot decode through the fused stack, or None when it can."""
+    if model.dtype != torch.float32:
+        return f"the fused decode stack is float32 only, the model is {model.dtype}"
+    if model.device.type != "cpu":
+        return f"the fused decode stack is CPU-only, the model is on {model.device.type}"
+    if model.uses_graph_safe_path():
+        return "the model runs the graph-safe decode (the fused stack is dynamic-path only)"
+    return native_kernels.unavailable_reason()
+
+
+def _layer_addresses(layer: DecoderLayer, cache: LayerCache) -> list[int]:
+    """One row of the kernel's layer table (order fixed by `fused_decode_layers.c`)."""
+    weights = [
+        layer.input_layernorm.weight,
+        layer.wqkv.weight,
+        layer.wo.weight,
+        layer.post_attention_layernorm.weight,
+        layer.w_gate_up.weight,
+        layer.w_down.weight,
+        cache[0],
+        cache[1],
+    ]
+    for tensor in weights:
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError("the fused decode stack needs contiguous float32 weights and caches")
+    return [tensor.data_ptr() for tensor in weights]
+
+
+class FusedDecodeStack:
+    """The fused path for one model as its kernel plan laid it out, for the buckets `rows`.
+
+    Built when a plan that chose it is applied (the projections' layouts are fixed from
+    then on); the layer table of a bound cache is built once and reused while the same
+    cache stays bound.
+    """
+
+    def __init__(self, model: LlamaModel, buckets: Sequence[int], rows: Sequence[int]) -> None:
+        args = model.args
+        self._model = model
+        self._buckets = tuple(sorted(buckets))
+        self._rows = frozenset(rows)
+        self._kernel = native_kernels.fused_decode_layers()
+        layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+        self._layers = layers
+        self._layouts = torch.tensor(
+            [_LAYOUT_CODES[_projection(layers[0], name).layout] for name in _PROJECTIONS],
+            dtype=torch.int64,
+        )
+        self._geometry = DecodeStackGeometry(
+            n_layers=args.n_layers,
+            dim=args.dim,
+            n_heads=args.n_heads,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            ffn_dim=args.ffn_dim,
+            block_size=0,
+            norm_eps=args.norm_eps,
+        )
+        self._table_for: tuple[LayerCache, ...] | None = None
+        self._table = torch.empty(0, STACK_TABLE_WIDTH, dtype=torch.int64)
+
+    def runs(self, rows: int) -> bool:
+        """Whether a decode of `rows` active rows takes this path (its bucket chose it)."""
+        if rows > FUSED_MAX_ROWS:
+            return False
+        for bucket in self._buckets:
+            if rows <= bucket:
+                return bucket in self._rows
+        return False
+
+    def _table_of(self, cache: tuple[LayerCache, ...]) -> torch.Tensor:
+        if self._table_for is not cache:
+            pairs = zip(self._layers, cache, strict=True)
+            rows = [_layer_addresses(layer, layer_cache) for layer, layer_cache in pairs]
+            self._table = torch.tensor(rows, dtype=torch.int64)
+            self._table_for = cache
+        return self._table
+
+    def hidden(
+        self,
+        cache: tuple[LayerCache, ...],
+        block_size: int,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        pages: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last hidden states `[rows, dim]` of active rows (`tokens`, `pos` `[rows]`,
+        `pages` `[rows, W]`, long, validated by the decode), their K/V written."""
+        model = self._model
+        x = F.embedding(tokens, model.embedding_matrix()).contiguous()
+        cos = model._rope_cos.index_select(0, pos)
+        sin = model._rope_sin.index_select(0, pos)
+        geometry = self._geometry
+        if geometry.block_size != block_size:
+            geometry = attrs.evolve(geometry, block_size=block_size)
+            self._geometry = geometry
+        self._kernel.unchecked(
+            geometry,
+            self._table_of(cache),
+            self._layouts,
+            x,
+            cos,
+            sin,
+            pages.contiguous(),
+            (pos + 1).contiguous(),
+        )
+        return x
+
+
+def _projection(layer: DecoderLayer, name: str) -> Projection:
+    projection = getattr(layer, name)
+    assert isinstance(projection, Projection)
+    return projection

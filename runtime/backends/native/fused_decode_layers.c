@@ -1,0 +1,341 @@
+/* The whole decoder stack of a Llama-family decode step for a few rows, in one call.
+ *
+ * Why: at batch 1 a decode step streams every weight once (~14 MB a layer for SmolLM2-135M)
+ * and does almost no arithmetic, yet the per-op torch path spends a third of the step on
+ * ~1,000 small ops (norms, rotary, views, copies, residual adds). Here one OpenMP parallel
+ * region runs every layer: the threads split each projection's output rows (each streams
+ * its own contiguous stripe of the weight once) and meet at a barrier between stages:
+ *
+ *   RMSNorm -> QKV -> | rotary, K/V write | attention over the row's pages | O + residual |
+ *   RMSNorm -> gate/up, SiLU * up -> | down + residual |
+ *
+ * Layouts and conventions are the model's (`models/llama`): x is float32 `[rows, dim]`, the
+ * residual stream, updated in place. Per layer, `table` holds 8 addresses: attention norm
+ * weight, fused QKV `[q + 2 kv, dim]`, O `[dim, q]`, MLP norm weight, fused gate/up
+ * `[2 ffn, dim]`, down `[dim, ffn]`, K cache, V cache (caches `[blocks, kv, block_size, hd]`).
+ * `layouts[4]` says how QKV, O, gate/up and down are stored: 0 `[out, in]`, 1 `[in, out]`.
+ * Rotary is rotate-half with the row's `cos` / signed `sin` rows `[rows, head_dim]`. Row b
+ * sits at position n_keys[b] - 1, writes its K/V there (on page pages[b, pos / bs]; an
+ * unmapped page, -1, is not written and its keys are masked) and attends to its first
+ * n_keys[b] positions. Attention is computed as in `paged_decode_attention.c`.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
+enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
+
+/* Portable vectors (GCC/Clang vector extensions): the native width of -march=native. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vf load_vf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+typedef float v4f __attribute__((vector_size(4 * sizeof(float))));
+
+/* The sum of v's lanes: quarters added as 4-wide vectors, then the last four. */
+static inline float hsum(vf v) {
+    v4f quarters[LANES / 4];
+    memcpy(quarters, &v, sizeof(v));
+    v4f s = quarters[0];
+    for (int i = 1; i < LANES / 4; ++i) s += quarters[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/* out[r][k] = W[k] . x[r] for 4 consecutive weight rows and R (<= 4) input rows: every
+ * weight vector is loaded once and used for all R rows (R is a constant where inlined). */
+static inline __attribute__((always_inline)) void dot4(const int R, const float *w0,
+                                                       int64_t n_in, const float *x,
+                                                       int64_t ldx, float out[4][4]) {
+    const float *w1 = w0 + n_in, *w2 = w1 + n_in, *w3 = w2 + n_in;
+    vf acc[4][4];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < 4; ++k) acc[r][k] = (vf){0};
+    int64_t i = 0;
+    for (; i + LANES <= n_in; i += LANES) {
+        const vf a = load_vf(w0 + i), b = load_vf(w1 + i), c = load_vf(w2 + i),
+                 d = load_vf(w3 + i);
+        for (int r = 0; r < R; ++r) {
+            const vf xv = load_vf(x + r * ldx + i);
+            acc[r][0] += a * xv;
+            acc[r][1] += b * xv;
+            acc[r][2] += c * xv;
+            acc[r][3] += d * xv;
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const float *xr = x + r * ldx;
+        float t0 = hsum(acc[r][0]), t1 = hsum(acc[r][1]), t2 = hsum(acc[r][2]),
+              t3 = hsum(acc[r][3]);
+        for (int64_t j = i; j < n_in; ++j) {
+            t0 += w0[j] * xr[j];
+            t1 += w1[j] * xr[j];
+            t2 += w2[j] * xr[j];
+            t3 += w3[j] * xr[j];
+        }
+        out[r][0] = t0;
+        out[r][1] = t1;
+        out[r][2] = t2;
+        out[r][3] = t3;
+    }
+}
+
+/* y[r, o] (= or +=) sum_i W[o, i] x[r, i] for o in [o0, o1), W `[n_out, n_in]` row-major:
+ * one sequential pass over the stripe's weight rows, for up to 4 input rows at a time. */
+static void project_out_in(const float *w, int64_t n_in, const float *x, int64_t ldx,
+                           int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                           int accumulate) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        int64_t o = o0;
+        for (; o + 4 <= o1; o += 4) {
+            float out[4][4];
+            const float *wo = w + o * n_in;
+            switch (R) {
+                case 1: dot4(1, wo, n_in, xr, ldx, out); break;
+                case 2: dot4(2, wo, n_in, xr, ldx, out); break;
+                case 3: dot4(3, wo, n_in, xr, ldx, out); break;
+                default: dot4(4, wo, n_in, xr, ldx, out); break;
+            }
+            for (int r = 0; r < R; ++r)
+                for (int k = 0; k < 4; ++k)
+                    yr[r * ldy + o + k] = accumulate ? yr[r * ldy + o + k] + out[r][k] : out[r][k];
+        }
+        for (; o < o1; ++o) {
+            const float *wo = w + o * n_in;
+            for (int r = 0; r < R; ++r) {
+                float a = 0.0f;
+                for (int64_t i = 0; i < n_in; ++i) a += wo[i] * xr[r * ldx + i];
+                yr[r * ldy + o] = accumulate ? yr[r * ldy + o] + a : a;
+            }
+        }
+    }
+}
+
+/* The same product from W stored transposed, `[n_in, n_out]`: each input element scales a
+ * contiguous chunk of W's row into the (L1-resident) outputs. */
+static void project_in_out(const float *wt, int64_t n_in, int64_t n_out, const float *x,
+                           int64_t ldx, int64_t rows, float *y, int64_t ldy, int64_t o0,
+                           int64_t o1, int accumulate) {
+    if (!accumulate)
+        for (int64_t r = 0; r < rows; ++r) memset(y + r * ldy + o0, 0, sizeof(float) * (o1 - o0));
+    for (int64_t i = 0; i < n_in; ++i) {
+        const float *wi = wt + i * n_out;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float xi = x[r * ldx + i];
+            float *yr = y + r * ldy;
+#pragma omp simd
+            for (int64_t o = o0; o < o1; ++o) yr[o] += xi * wi[o];
+        }
+    }
+}
+
+static void project(int layout, const float *w, int64_t n_in, int64_t n_out, const float *x,
+                    int64_t ldx, int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                    int accumulate) {
+    if (o0 >= o1) return;
+    if (layout == 0)
+        project_out_in(w, n_in, x, ldx, rows, y, ldy, o0, o1, accumulate);
+    else
+        project_in_out(w, n_in, n_out, x, ldx, rows, y, ldy, o0, o1, accumulate);
+}
+
+/* This thread's share [*o0, *o1) of n outputs, in multiples of 16 (one cache line). */
+static void stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *o1) {
+    int64_t step = (n + threads - 1) / threads;
+    step = (step + 15) / 16 * 16;
+    *o0 = thread * step < n ? thread * step : n;
+    *o1 = *o0 + step < n ? *o0 + step : n;
+}
+
+static void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim,
+                     float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * dim;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        float *orow = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) orow[i] = xr[i] * inv * weight[i];
+    }
+}
+
+static void rotate(float *head, const float *cos, const float *sin, int64_t head_dim,
+                   float *scratch) {
+    const int64_t half = head_dim / 2;
+    memcpy(scratch, head, sizeof(float) * head_dim);
+    for (int64_t d = 0; d < head_dim; ++d)
+        head[d] = scratch[d] * cos[d] + scratch[(d + half) % head_dim] * sin[d];
+}
+
+/* Row b, KV head h: softmax(q K^T * scale) V over the row's pages, for its `group` queries. */
+static void attend(const float *qh, const float *k_cache, const float *v_cache,
+                   const int64_t *pages, int64_t keys, int64_t kv, int64_t h, int64_t group,
+                   int64_t head_dim, int64_t block_size, float scale, float *scores,
+                   float *out, int64_t out_stride) {
+    for (int64_t g = 0; g < group; ++g) memset(out + g * out_stride, 0, sizeof(float) * head_dim);
+    for (int64_t t = 0; t < keys; ++t) {
+        const int64_t page = pages[t / block_size];
+        if (page < 0) {
+            for (int64_t g = 0; g < group; ++g) scores[g * keys + t] = -INFINITY;
+            continue;
+        }
+        const float *kp = k_cache + ((page * kv + h) * block_size + t % block_size) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+            const float *qg = qh + g * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kp[d];
+            scores[g * keys + t] = dot * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *s = scores + g * keys;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < keys; ++t) top = s[t] > top ? s[t] : top;
+        if (top == -INFINITY) {
+            for (int64_t t = 0; t < keys; ++t) s[t] = 0.0f;
+            continue;
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < keys; ++t) {
+            s[t] = expf(s[t] - top);
+            total += s[t];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t t = 0; t < keys; ++t) s[t] *= inv;
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+        const int64_t page = pages[t / block_size];
+        if (page < 0) continue;
+        const float *vp = v_cache + ((page * kv + h) * block_size + t % block_size) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * keys + t];
+            float *og = out + g * out_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) og[d] += p * vp[d];
+        }
+    }
+}
+
+int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,
+                            const float *cos, const float *sin, const int64_t *pages,
+                            const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
+                            int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
+                            int64_t block_size, int64_t width, float eps, float scale,
+                            int n_threads) {
+    const int64_t q_out = n_heads * head_dim, kv_out = kv * head_dim;
+    const int64_t qkv_out = q_out + 2 * kv_out, group = n_heads / kv;
+    int64_t max_keys = 1;
+    for (int64_t b = 0; b < rows; ++b) max_keys = n_keys[b] > max_keys ? n_keys[b] : max_keys;
+    float *qkv = (float *)malloc(sizeof(float) * rows * qkv_out);
+    float *attended = (float *)malloc(sizeof(float) * rows * q_out);
+    float *gate_up = (float *)malloc(sizeof(float) * rows * 2 * ffn);
+    float *hidden = (float *)malloc(sizeof(float) * rows * ffn);
+    int failed = qkv == NULL || attended == NULL || gate_up == NULL || hidden == NULL;
+    if (!failed) {
+#pragma omp parallel num_threads(n_threads)
+        {
+            const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+            float *normed = (float *)malloc(sizeof(float) * rows * dim);
+            float *scores = (float *)malloc(sizeof(float) * group * max_keys);
+            float *rot = (float *)malloc(sizeof(float) * head_dim);
+            int mine_failed = normed == NULL || scores == NULL || rot == NULL;
+#pragma omp atomic
+            failed += mine_failed;
+#pragma omp barrier
+            int64_t f0, f1, d0, d1, v0, v1;
+            stripe(qkv_out, thread, threads, &v0, &v1);
+            stripe(dim, thread, threads, &d0, &d1);
+            stripe(ffn, thread, threads, &f0, &f1);
+            for (int64_t layer = 0; layer < n_layers && !failed; ++layer) {
+                const int64_t *entry = table + layer * TABLE_WIDTH;
+                const float *k_cache = (const float *)(intptr_t)entry[K_CACHE];
+                const float *v_cache = (const float *)(intptr_t)entry[V_CACHE];
+                float *k_store = (float *)(intptr_t)entry[K_CACHE];
+                float *v_store = (float *)(intptr_t)entry[V_CACHE];
+                /* 1. QKV of the normed stream (each thread norms for itself: no barrier) */
+                rms_norm(x, (const float *)(intptr_t)entry[ATTN_NORM], normed, rows, dim, eps);
+                project((int)layouts[L_QKV], (const float *)(intptr_t)entry[WQKV], dim, qkv_out,
+                        normed, dim, rows, qkv, qkv_out, v0, v1, 0);
+#pragma omp barrier
+                /* 2. per (row, KV head): rotary on its q group and k, K/V into the cache at
+                 * the row's position */
+#pragma omp for schedule(static)
+                for (int64_t job = 0; job < rows * kv; ++job) {
+                    const int64_t b = job / kv, h = job % kv, pos = n_keys[b] - 1;
+                    float *row = qkv + b * qkv_out;
+                    const float *cos_b = cos + b * head_dim, *sin_b = sin + b * head_dim;
+                    for (int64_t g = 0; g < group; ++g)
+                        rotate(row + (h * group + g) * head_dim, cos_b, sin_b, head_dim, rot);
+                    float *k = row + q_out + h * head_dim;
+                    rotate(k, cos_b, sin_b, head_dim, rot);
+                    const int64_t page = pages[b * width + pos / block_size];
+                    if (page >= 0) {
+                        const int64_t slot =
+                            ((page * kv + h) * block_size + pos % block_size) * head_dim;
+                        memcpy(k_store + slot, k, sizeof(float) * head_dim);
+                        memcpy(v_store + slot, row + q_out + kv_out + h * head_dim,
+                               sizeof(float) * head_dim);
+                    }
+                }
+                /* (implicit barrier: rows may share pages, so every write lands before any
+                 * read, as in the per-op path) 3. attention over each row's pages in place */
+#pragma omp for schedule(static)
+                for (int64_t job = 0; job < rows * kv; ++job) {
+                    const int64_t b = job / kv, h = job % kv;
+                    attend(qkv + b * qkv_out + h * group * head_dim, k_cache, v_cache,
+                           pages + b * width, n_keys[b], kv, h, group, head_dim, block_size,
+                           scale, scores, attended + b * q_out + h * group * head_dim,
+                           head_dim);
+                }
+                /* (implicit barrier) 4. O projection into the residual stream */
+                project((int)layouts[L_O], (const float *)(intptr_t)entry[WO], q_out, dim,
+                        attended, q_out, rows, x, dim, d0, d1, 1);
+#pragma omp barrier
+                /* 5. gate and up of the same outputs, then SiLU(gate) * up */
+                rms_norm(x, (const float *)(intptr_t)entry[MLP_NORM], normed, rows, dim, eps);
+                const float *w_gu = (const float *)(intptr_t)entry[W_GATE_UP];
+                const int gu_layout = (int)layouts[L_GATE_UP];
+                project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn, f0,
+                        f1, 0);
+                project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn,
+                        ffn + f0, ffn + f1, 0);
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *gr = gate_up + r * 2 * ffn;
+                    float *hr = hidden + r * ffn;
+                    for (int64_t o = f0; o < f1; ++o)
+                        hr[o] = gr[o] / (1.0f + expf(-gr[o])) * gr[ffn + o];
+                }
+#pragma omp barrier
+                /* 6. down projection into the residual stream */
+                project((int)layouts[L_DOWN], (const float *)(intptr_t)entry[W_DOWN], ffn, dim,
+                        hidden, ffn, rows, x, dim, d0, d1, 1);
+#pragma omp barrier
+            }
+            free(normed);
+            free(scores);
+            free(rot);
+        }
+    }
+    free(qkv);
+    free(attended);
+    free(gate_up);
+    free(hidden);
+    return failed != 0;
+}

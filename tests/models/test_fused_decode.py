@@ -1,0 +1,280 @@
+"""The fused decode stack equals the per-op decode and transformers; warmup's choice of it is
+recorded, replayed, and falls back with a reason where it cannot run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from models.llama import TINY_PRESETS, LlamaArgs, LlamaModel, greedy_generate, random_state_dict
+from models.llama.fused_decode import FusedDecodeStack
+from models.llama.kernels import (
+    FUSED_MAX_ROWS,
+    KernelPlan,
+    KernelPlanError,
+    Layout,
+    ProjectionChoice,
+    load_kernel_plan,
+    parse_kernel_plan,
+)
+from runtime.backends import native_kernels
+from tests.models.llama_oracle import hf_greedy, tiny_pair
+
+REASON = native_kernels.unavailable_reason()
+needs_native = pytest.mark.skipif(
+    REASON is not None, reason=f"the native CPU kernels need a C compiler (gcc): {REASON}"
+)
+ALL_ROWS = tuple(range(1, FUSED_MAX_ROWS + 1))
+
+
+def _model(args: LlamaArgs, seed: int = 4) -> LlamaModel:
+    return LlamaModel.from_state_dict(args, random_state_dict(args, seed=seed))
+
+
+def _plan(model: LlamaModel, layouts: dict[str, Layout]) -> KernelPlan:
+    """A hand-written plan storing each projection in `layouts[name]` (default `out_in`)."""
+    forms: dict[Layout, tuple[tuple[int, str], ...]] = {
+        "out_in": ((1, "mv"), (64, "linear")),
+        "in_out": ((1, "mv_t"), (64, "mm_xw")),
+    }
+    projections = []
+    for name in model.projection_shapes():
+        layout = layouts.get(name, "out_in")
+        projections.append((name, ProjectionChoice(layout, False, forms[layout])))
+    return KernelPlan(
+        projections=tuple(projections),
+        decode_attention="paged_inplace",
+        buckets=(1, 2, 4, 64),
+        source="hand-written",
+        dtype="float32",
+        threads=torch.get_num_threads(),
+        cpu="test",
+    )
+
+
+def _decode_both_ways(
+    model: LlamaModel,
+    *,
+    block_size: int,
+    positions: list[int],
+    shared_pages: bool,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One decode step per-op and fused from the same random cache: logits and caches."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(positions)
+    width = max(positions) // block_size + 1
+    blocks = rows * width + 3
+    model.set_kv_cache(None)
+    model.configure_paged_attention(block_size=block_size, max_num_blocks=blocks)
+    shape = model.kv_cache_shape(blocks)
+    cache = [
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(model.n_layers)
+    ]
+    if shared_pages:  # rows drawing pages independently may share some
+        pages = torch.stack(
+            [torch.randperm(blocks, generator=generator)[:width] for _ in positions]
+        )
+    else:
+        pages = torch.randperm(blocks, generator=generator)[: rows * width].view(rows, width)
+    for row, position in enumerate(positions):
+        pages[row, position // block_size + 1 :] = -1  # past the row's position: unmapped
+    tokens = torch.randint(0, model.vocab_size, (rows,), generator=generator)
+    results = []
+    for fused in (False, True):
+        copy = [(k.clone(), v.clone()) for k, v in cache]
+        model.set_kv_cache(copy)
+        model.fused_decode = FusedDecodeStack(model, ALL_ROWS, ALL_ROWS) if fused else None
+        try:
+            logits = model.decode(
+                tokens, positions=torch.tensor(positions), page_table=pages.to(torch.int32)
+            )
+        finally:
+            model.fused_decode = None
+            model.set_kv_cache(None)
+        results.append((logits, [t for pair in copy for t in pair]))
+    (per_op, per_op_cache), (fused_logits, fused_cache) = results
+    return per_op, fused_logits, per_op_cache, fused_cache
+
+
+@needs_native
+@given(
+    n_kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([8, 16, 24, 64]),
+    dim=st.integers(8, 80),
+    ffn=st.integers(8, 120),
+    layers=st.integers(1, 3),
+    block_size=st.sampled_from([1, 4, 8, 16]),
+    positions=st.lists(st.integers(0, 70), min_size=1, max_size=FUSED_MAX_ROWS),
+    layouts=st.dictionaries(
+        st.sampled_from(["wqkv", "wo", "w_gate_up", "w_down"]), st.sampled_from(["in_out"])
+    ),
+    shared_pages=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_stack_equals_the_per_op_decode(
+    n_kv: int,
+    group: int,
+    head_dim: int,
+    dim: int,
+    ffn: int,
+    layers: int,
+    block_size: int,
+    positions: list[int],
+    layouts: dict[str, Layout],
+    shared_pages: bool,
+    seed: int,
+) -> None:
+    """Random tiny configs (GQA, odd widths, both weight layouts), 1-4 rows at positions
+    crossing page boundaries: same logits and same K/V written as the per-op path."""
+    args = LlamaArgs(
+        dim=dim,
+        n_layers=layers,
+        n_heads=n_kv * group,
+        n_kv_heads=n_kv,
+        vocab_size=96,
+        ffn_dim=ffn,
+        head_dim=head_dim,
+        max_seq_len=128,
+        rope_theta=10000.0 + seed,
+        name="tiny-random-fused",
+    )
+    model = _model(args, seed=seed)
+    model.apply_kernel_plan(_plan(model, layouts))
+    per_op, fused, per_op_cache, fused_cache = _decode_both_ways(
+        model, block_size=block_size, positions=positions, shared_pages=shared_pages, seed=seed
+    )
+    torch.testing.assert_close(fused, per_op, atol=2e-5, rtol=2e-5)
+    for got, expected in zip(fused_cache, per_op_cache, strict=True):
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture
+def fused_tiny_models() -> Iterator[None]:
+    """Route the (cached, shared) tiny models' decode through the fused stack, then back."""
+    models = [tiny_pair(preset)[0] for preset in sorted(TINY_PRESETS)]
+    for model in models:
+        model.fused_decode = FusedDecodeStack(model, ALL_ROWS, ALL_ROWS)
+    yield
+    for model in models:
+        model.fused_decode = None
+
+
+@needs_native
+@pytest.mark.usefixtures("fused_tiny_models")
+@pytest.mark.parametrize("preset", sorted(TINY_PRESETS))
+def test_fused_decode_greedy_matches_transformers(preset: str) -> None:
+    """Every preset's rope variant, GQA/MQA/MHA and tied head, four rows at once."""
+    model, hf = tiny_pair(preset)
+    lengths = (1, 9, 17, 40)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in lengths
+    ]
+    ours = greedy_generate(model, prompts, 24, block_size=8)
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == hf_greedy(hf, prompt, 24, ()), (preset, len(prompt))
+
+
+@needs_native
+def test_warmup_records_the_measured_choice_and_a_replay_reproduces_it(tmp_path: Path) -> None:
+    model = _model(LlamaArgs.tiny_random("gqa"))
+    record = model.choose_kernels(decode_rows=4, prefill_rows=32)
+    fused = record["fused_decode"]
+    measured = {item["bucket"]: item for item in fused["measured_us"]}
+    assert sorted(measured) == [1, 2, 4]  # every decode bucket of at most 4 rows, timed
+    assert fused["buckets"] == [b for b, m in sorted(measured.items()) if m["fused"] < m["per_op"]]
+    assert model.kernel_plan is not None
+    stack = model.fused_decode
+    for rows in (1, 2, 3, 4, 5):
+        bucket = next(b for b in (1, 2, 4, 32) if rows <= b)
+        runs = stack is not None and stack.runs(rows)
+        assert runs == (bucket in fused["buckets"]), rows
+    # Replay a choice measurement would not make (fused exactly where it was not chosen).
+    flipped = [b for b in (1, 2, 4) if b not in fused["buckets"]]
+    recorded = attrs.evolve(model.kernel_plan, fused_decode=tuple(flipped))
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({"kernels": recorded.to_json()}), encoding="utf-8")
+    replayed = _model(LlamaArgs.tiny_random("gqa"))
+    replayed.replay_kernels(load_kernel_plan(path), where=f"--kernels {path}")
+    again = replayed.choose_kernels(decode_rows=4, prefill_rows=32)
+    assert again["fused_decode"]["buckets"] == flipped
+    assert replayed.kernel_plan is not None and replayed.kernel_plan.fused_decode == tuple(flipped)
+    assert (replayed.fused_decode is not None) == bool(flipped)
+    assert ("fused decode off" in again["summary"]) == (not flipped)
+
+
+def test_a_version_1_plan_replays_with_the_fused_stack_off() -> None:
+    model = _model(LlamaArgs.tiny_random("gqa"))
+    data = _plan(model, {}).to_json()
+    data["version"] = 1
+    del data["fused_decode"]
+    plan = parse_kernel_plan(data, where="--kernels old.json")
+    assert plan.fused_decode == () and plan.projections == _plan(model, {}).projections
+    model.replay_kernels(plan)
+    model.choose_kernels(decode_rows=4, prefill_rows=64)
+    assert model.fused_decode is None
+
+
+@pytest.mark.parametrize(
+    "entry", [{"buckets": [8]}, {"buckets": [3]}, {"buckets": "1"}, [1], {"buckets": [True]}]
+)
+def test_a_plan_with_bad_fused_buckets_is_refused_naming_it(entry: object) -> None:
+    data = _plan(_model(LlamaArgs.tiny_random("gqa")), {}).to_json()
+    data["fused_decode"] = entry
+    with pytest.raises(KernelPlanError, match=r"--kernels k\.json: fused_decode=.* is invalid"):
+        parse_kernel_plan(data, where="--kernels k.json")
+
+
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """No C compiler on PATH and no prebuilt library: the native kernels cannot load."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("LLM_RUNTIME_NATIVE_CACHE", str(tmp_path / "native"))
+    native_kernels._load.cache_clear()
+    yield
+    native_kernels._load.cache_clear()
+
+
+@pytest.mark.usefixtures("no_compiler")
+def test_without_a_compiler_warmup_keeps_the_per_op_path_and_says_why() -> None:
+    model = _model(LlamaArgs.tiny_random("gqa"))
+    record = model.choose_kernels(decode_rows=2, prefill_rows=32)
+    assert record["fused_decode"]["buckets"] == [] and model.fused_decode is None
+    assert any(
+        note.startswith("fused decode off: no C compiler found") for note in record["notes"]
+    ), record["notes"]
+
+
+@pytest.mark.usefixtures("no_compiler")
+def test_without_a_compiler_a_plan_choosing_the_fused_stack_is_refused() -> None:
+    model = _model(LlamaArgs.tiny_random("gqa"))
+    plan = attrs.evolve(_plan(model, {}), decode_attention="gather", fused_decode=(1,))
+    with pytest.raises(ValueError, match=r"--kernels k\.json: fused_decode buckets \[1\] cannot"):
+        model.replay_kernels(plan, where="--kernels k.json")
+    assert model.kernel_plan is None and model.fused_decode is None
+
+
+def test_bfloat16_and_graph_safe_models_refuse_the_fused_stack() -> None:
+    args = LlamaArgs.tiny_random("gqa")
+    bf16 = LlamaModel.from_state_dict(args, random_state_dict(args, seed=1), dtype=torch.bfloat16)
+    plan = attrs.evolve(
+        _plan(bf16, {}), decode_attention="gather", fused_decode=(1,), dtype="bfloat16"
+    )
+    with pytest.raises(ValueError, match="fused decode stack is float32 only"):
+        bf16.replay_kernels(plan, where="--kernels k.json")
+    graph_safe = _model(args)
+    graph_safe.graph_safe = True
+    record = graph_safe.choose_kernels(decode_rows=1, prefill_rows=16)
+    assert record["fused_decode"]["buckets"] == []
+    assert any("graph-safe" in note for note in record["notes"])
