@@ -73,9 +73,14 @@ def _cpu_identity() -> bytes:
 
 def _build(compiler: str) -> Path:
     source = b"".join(path.read_bytes() for path in _SOURCES)
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, check=False, text=True
-    ).stdout
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, check=False, text=True
+        ).stdout
+    except OSError as error:  # CC names a program that is not there (or cannot run)
+        raise NativeKernelsUnavailable(
+            f"the C compiler {compiler!r} cannot run: {error}"
+        ) from error
     digest = hashlib.sha256(
         source + " ".join(_FLAGS).encode() + version.encode() + _cpu_identity()
     ).hexdigest()[:16]

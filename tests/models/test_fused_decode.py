@@ -278,3 +278,16 @@ def test_bfloat16_and_graph_safe_models_refuse_the_fused_stack() -> None:
     record = graph_safe.choose_kernels(decode_rows=1, prefill_rows=16)
     assert record["fused_decode"]["buckets"] == []
     assert any("graph-safe" in note for note in record["notes"])
+
+
+def test_a_missing_cc_makes_the_kernels_unavailable_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LLM_RUNTIME_NATIVE_CACHE", str(tmp_path / "native"))
+    native_kernels._load.cache_clear()
+    try:
+        reason = native_kernels.unavailable_reason()
+    finally:
+        native_kernels._load.cache_clear()
+    assert reason is not None and "no-such-cc" in reason and "cannot run" in reason, reason
