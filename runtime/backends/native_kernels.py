@@ -3,11 +3,13 @@
 Why native: decode attention over a paged KV cache needs each row's keys, which live on
 scattered pages. torch has no paged attention on CPU, so the torch path gathers the pages
 into a workspace first, copying every key and value once more per step. The kernel in
-`native/paged_decode_attention.c` reads the pages in place. `native/small_rows_matmul.c` is
-one more candidate form for decode projections (a weight-streaming product for a few rows);
-warmup keeps it only where it measures fastest. `native/fused_decode_layers.c` runs a whole
-decoder stack of a few-row float32 decode step in one call (no per-op overhead); warmup keeps
-it only for the row counts where it beats the per-op path.
+`native/paged_decode_attention.c` reads the pages in place, once, with an online softmax in
+vector loops, over (row, KV head, key span) work items shared by the threads.
+`native/small_rows_matmul.c` is one more candidate form for decode projections (a
+weight-streaming product for a few rows); warmup keeps it only where it measures fastest.
+`native/fused_decode_layers.c` runs a whole decoder stack of a few-row float32 decode step in
+one call (no per-op overhead); warmup keeps it only for the row counts where it beats the
+per-op path.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into
 `$LLM_RUNTIME_NATIVE_CACHE` (default `~/.cache/llm-runtime/native`), under a file lock so
@@ -192,7 +194,7 @@ class PagedDecodeAttention:
             torch.get_num_threads(),
         )
         if failed:
-            raise MemoryError("paged decode attention could not allocate its score buffers")
+            raise MemoryError("paged decode attention could not allocate its scratch buffers")
         return out
 
 

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.llama import TINY_PRESETS, LlamaModel, allocate_kv_cache, greedy_generate
 from runtime.backends import native_kernels
@@ -39,6 +41,9 @@ def _reference(
         mapped = table >= 0
         keys = k[table.clamp(min=0), :, positions % block].transpose(0, 1).float()
         values = v[table.clamp(min=0), :, positions % block].transpose(0, 1).float()
+        if not bool(mapped.any()):
+            out.append(torch.zeros_like(q[row]))  # nothing to attend to: zeros
+            continue
         out.append(F.scaled_dot_product_attention(q[row], keys, values, attn_mask=mapped))
     return torch.stack(out)
 
@@ -55,6 +60,59 @@ def test_kernel_equals_gathered_sdpa_on_shuffled_and_unmapped_pages(dtype: torch
     q = torch.randn(4, kv, group, head_dim, generator=generator)
     got = native_kernels.paged_decode_attention()(q, k, v, pages, n_keys, head_dim**-0.5)
     torch.testing.assert_close(got, _reference(q, k, v, pages, n_keys), atol=2e-6, rtol=1e-5)
+
+
+@st.composite
+def _paged_problem(draw: st.DrawFn) -> tuple[torch.Tensor, ...]:
+    """A random decode attention: GQA geometry, rows whose contexts cross pages, shuffled
+    pages with some unmapped, float32 or bfloat16 caches."""
+    kv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    head_dim = draw(st.sampled_from([8, 16, 24, 64, 72]))
+    block = draw(st.sampled_from([1, 4, 16, 32]))
+    batch = draw(st.integers(1, 9))
+    width = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**16))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    generator = torch.Generator().manual_seed(seed)
+    blocks = batch * width + 2
+    k = torch.randn(blocks, kv, block, head_dim, generator=generator).to(dtype)
+    v = torch.randn(blocks, kv, block, head_dim, generator=generator).to(dtype)
+    pages = torch.randperm(blocks, generator=generator)[: batch * width].view(batch, width)
+    unmapped = torch.rand(batch, width, generator=generator) < 0.15
+    pages = pages.masked_fill(unmapped, -1)
+    n_keys = torch.randint(0, width * block + 1, (batch,), generator=generator)
+    q = 3 * torch.randn(batch, kv, group, head_dim, generator=generator)
+    return q, k, v, pages, n_keys
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=_paged_problem(), threads=st.sampled_from([1, 2, 3]))
+def test_kernel_equals_gathered_sdpa_for_any_geometry(
+    problem: tuple[torch.Tensor, ...], threads: int
+) -> None:
+    """Every batch size, context length (0 keys, one page, crossing pages), GQA group,
+    head size (vector and scalar loops) and thread count (rows split over keys or not)."""
+    q, k, v, pages, n_keys = problem
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native_kernels.paged_decode_attention()(q, k, v, pages, n_keys, q.shape[-1] ** -0.5)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, _reference(q, k, v, pages, n_keys), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_handles_heads_larger_than_its_stack_scratch() -> None:
+    """A [g, hd] state bigger than the kernel's on-stack scratch takes heap scratch."""
+    generator = torch.Generator().manual_seed(5)
+    k = torch.randn(6, 1, 32, 1024, generator=generator)
+    v = torch.randn(6, 1, 32, 1024, generator=generator)
+    q = torch.randn(2, 1, 9, 1024, generator=generator)
+    pages = torch.tensor([[3, 0, 5], [1, 4, -1]])
+    n_keys = torch.tensor([70, 64])
+    got = native_kernels.paged_decode_attention()(q, k, v, pages, n_keys, 1024**-0.5)
+    torch.testing.assert_close(got, _reference(q, k, v, pages, n_keys), atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_refuses_pages_outside_the_cache() -> None:
