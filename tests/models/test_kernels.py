@@ -21,6 +21,7 @@ from models.llama.kernels import (
     load_kernel_plan,
     measure_projection,
     parse_kernel_plan,
+    pick_storage,
     row_buckets,
 )
 from models.llama.layers import Projection
@@ -76,7 +77,7 @@ def test_measured_choice_is_consistent_and_exact() -> None:
     choice, scores = measure_projection(weights, (12, 12, 12), buckets)
     assert set(scores) == {("out_in", False), ("out_in", True), ("in_out", False), ("in_out", True)}
     assert min(scores.values()) >= len(buckets) - 1e-9  # 1.0 per bucket at best
-    assert scores[(choice.layout, choice.split)] == min(scores.values())
+    assert (choice.layout, choice.split) == pick_storage(scores, len(buckets))
     assert [b for b, _ in choice.forms][-1] == 16 and len(choice.microseconds) == len(buckets)
     for bucket, form in choice.forms:
         assert FORMS[form].layout == choice.layout and FORMS[form].fits(bucket)
@@ -85,6 +86,15 @@ def test_measured_choice_is_consistent_and_exact() -> None:
     for rows in (1, 2, 3, 4, 9, 16, 40):
         x = torch.randn(rows, 20, generator=generator)
         torch.testing.assert_close(projection(x), F.linear(x, weights[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_storage_changes_only_for_a_clear_win() -> None:
+    """The checkpoint's [out, in] fused storage stays unless another wins by the margin."""
+    near = {("out_in", False): 4.15, ("out_in", True): 4.3, ("in_out", False): 4.0}
+    assert pick_storage(near, 4) == ("out_in", False)  # 0.15 <= 0.05 x 4 buckets
+    clear = {**near, ("in_out", False): 3.9}
+    assert pick_storage(clear, 4) == ("in_out", False)  # 0.25 > 0.2
+    assert pick_storage({("in_out", True): 2.0, ("in_out", False): 2.5}, 2) == ("in_out", True)
 
 
 def _model(preset: str = "gqa") -> LlamaModel:
