@@ -308,9 +308,10 @@ class LLMRuntimeModelRunner:
         if self._issued is not None:
             raise RuntimeError("execute_model() again before sample_tokens() read the last step")
         last, self._last_step = self._last_step, None
-        if last is not None and not last.finished:
-            self.stats["steps_finished_by_next_step"] += 1
-            last.get_output()
+        if last is not None:  # waits if vLLM's output thread is finishing it right now
+            if last.finish():
+                self.stats["steps_finished_by_next_step"] += 1
+            last.get_output()  # re-raises the step's failure here too
 
     def _issue(self, out: SchedulerOutput) -> IssuedStep:
         """Run the prefill call and start the decode call of one step."""

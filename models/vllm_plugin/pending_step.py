@@ -46,34 +46,43 @@ class IssuedStep:
 
 
 class PendingStep:
-    """One issued step: `finish()` once, then `get_output()` returns its output."""
+    """One issued step: finished once, then `get_output()` returns its output."""
 
     def __init__(self, step_index: int, finish: Callable[[], Any]) -> None:
         self.step_index = step_index
-        self._finish: Callable[[], Any] | None = finish
+        self._finish = finish
         self._lock = threading.Lock()
+        self._done = False  # set only once the output (or the failure) is there
         self._output: Any = None
         self._error: BaseException | None = None
 
     @property
     def finished(self) -> bool:
-        return self._finish is None
+        return self._done
+
+    def finish(self) -> bool:
+        """Finish the step unless done; True when this call did it. Waits while another
+        thread is finishing it, so afterwards the step's tokens are recorded."""
+        with self._lock:
+            if self._done:
+                return False
+            try:
+                self._output = self._finish()
+            except Exception as error:
+                self._error = error
+            except BaseException as error:  # Ctrl-C: later callers still see a failure
+                self._error = error
+                raise
+            finally:
+                self._done = True
+            return True
 
     def get_output(self) -> Any:
         """The step's output, finishing it first if nobody has (waits for the device)."""
-        with self._lock:
-            finish, self._finish = self._finish, None
-            if finish is not None:
-                try:
-                    self._output = finish()
-                except Exception as error:
-                    self._error = error
-                except BaseException as error:  # Ctrl-C: later callers still see a failure
-                    self._error = error
-                    raise
-            if self._error is not None:
-                raise RuntimeError(
-                    f"llm-runtime scheduler step {self.step_index} failed while reading its "
-                    f"output: {self._error}"
-                ) from self._error
-            return self._output
+        self.finish()
+        if self._error is not None:
+            raise RuntimeError(
+                f"llm-runtime scheduler step {self.step_index} failed while reading its "
+                f"output: {self._error}"
+            ) from self._error
+        return self._output

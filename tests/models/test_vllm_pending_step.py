@@ -49,3 +49,28 @@ def test_an_interrupt_propagates_unchanged_and_later_reads_fail() -> None:
         step.get_output()
     with pytest.raises(RuntimeError, match="step 1 failed"):
         step.get_output()
+
+
+def test_a_second_caller_waits_while_another_thread_is_finishing() -> None:
+    """`finish()` returns only once the output is there, even when another thread runs it."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> object:
+        started.set()
+        release.wait(5)
+        return "tokens"
+
+    step = PendingStep(2, slow)
+    reader = threading.Thread(target=step.get_output)
+    reader.start()
+    assert started.wait(5)
+    assert not step.finished  # taken by the reader, not done yet
+    waiter_result: list[bool] = []
+    waiter = threading.Thread(target=lambda: waiter_result.append(step.finish()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # blocked until the reader's finish completes
+    release.set()
+    reader.join(5)
+    waiter.join(5)
+    assert waiter_result == [False] and step.finished and step.get_output() == "tokens"
