@@ -211,9 +211,17 @@ def run_runtime(prompts: list[list[int]], args: Any, config: Any) -> Any:
 
 def rates(result: Any, batch: int, new_tokens: int) -> dict[str, float]:
     first, full = min(result["seconds_1"]), min(result["seconds_n"])
+    # Load can make the 1-token run the slower one; then there is no decode rate to report.
+    decode = batch * (new_tokens - 1) / (full - first) if full > first else float("nan")
+    if full <= first:
+        print(
+            f"warning: T(1)={first:.2f} s >= T({new_tokens})={full:.2f} s at batch {batch}: "
+            "the machine was busy; the decode rate is n/a, rerun on a quiet machine",
+            file=sys.stderr,
+        )
     return {
         "end_to_end_tokens_per_second": batch * new_tokens / full,
-        "decode_tokens_per_second": batch * (new_tokens - 1) / max(full - first, 1e-9),
+        "decode_tokens_per_second": decode,
         "startup_seconds": result["startup_seconds"],
         "threads": result["threads"],
     }

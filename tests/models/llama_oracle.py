@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from models.llama import LlamaArgs, LlamaModel, allocate_kv_cache, random_state_dict
+from models.llama import (
+    LlamaArgs,
+    LlamaModel,
+    allocate_kv_cache,
+    greedy_generate,
+    random_state_dict,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -83,3 +89,16 @@ def full_prefill_logits(model: LlamaModel, prompt: Sequence[int], block_size: in
     )
     model.set_kv_cache(None)
     return logits[0]
+
+
+def assert_four_rows_greedy_match_transformers(model: LlamaModel, hf: Any, preset: str) -> None:
+    """Four prompts of 1-40 tokens decoded together, 24 greedy tokens each, against
+    transformers' own `generate` per prompt."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(3, model.vocab_size, (n,), generator=generator).tolist()
+        for n in (1, 9, 17, 40)
+    ]
+    ours = greedy_generate(model, prompts, 24, block_size=8)
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == hf_greedy(hf, prompt, 24, ()), (preset, len(prompt))

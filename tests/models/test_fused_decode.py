@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.llama import TINY_PRESETS, LlamaArgs, LlamaModel, greedy_generate, random_state_dict
+from models.llama import TINY_PRESETS, LlamaArgs, LlamaModel, random_state_dict
 from models.llama.fused_decode import FusedDecodeStack
 from models.llama.kernels import (
     FUSED_MAX_ROWS,
@@ -25,7 +25,7 @@ from models.llama.kernels import (
     parse_kernel_plan,
 )
 from runtime.backends import native_kernels
-from tests.models.llama_oracle import hf_greedy, tiny_pair
+from tests.models.llama_oracle import assert_four_rows_greedy_match_transformers, tiny_pair
 
 REASON = native_kernels.unavailable_reason()
 needs_native = pytest.mark.skipif(
@@ -175,14 +175,7 @@ def fused_tiny_models() -> Iterator[None]:
 def test_fused_decode_greedy_matches_transformers(preset: str) -> None:
     """Every preset's rope variant, GQA/MQA/MHA and tied head, four rows at once."""
     model, hf = tiny_pair(preset)
-    lengths = (1, 9, 17, 40)
-    generator = torch.Generator().manual_seed(11)
-    prompts = [
-        torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in lengths
-    ]
-    ours = greedy_generate(model, prompts, 24, block_size=8)
-    for prompt, got in zip(prompts, ours, strict=True):
-        assert got == hf_greedy(hf, prompt, 24, ()), (preset, len(prompt))
+    assert_four_rows_greedy_match_transformers(model, hf, preset)
 
 
 @needs_native

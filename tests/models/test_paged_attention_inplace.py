@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.llama import TINY_PRESETS, LlamaModel, allocate_kv_cache, greedy_generate
+from models.llama import TINY_PRESETS, LlamaModel, allocate_kv_cache
 from runtime.backends import native_kernels
-from tests.models.llama_oracle import hf_greedy, tiny_pair
+from tests.models.llama_oracle import assert_four_rows_greedy_match_transformers, tiny_pair
 
 REASON = native_kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(
@@ -161,11 +161,4 @@ def test_in_place_decode_equals_the_gather_path(preset: str) -> None:
 def test_in_place_decode_greedy_matches_transformers(preset: str) -> None:
     model, hf = tiny_pair(preset)
     model.decode_attention = "paged_inplace"
-    lengths = (1, 9, 17, 40)
-    generator = torch.Generator().manual_seed(11)
-    prompts = [
-        torch.randint(3, model.vocab_size, (n,), generator=generator).tolist() for n in lengths
-    ]
-    ours = greedy_generate(model, prompts, 24, block_size=8)
-    for prompt, got in zip(prompts, ours, strict=True):
-        assert got == hf_greedy(hf, prompt, 24, ()), (preset, len(prompt))
+    assert_four_rows_greedy_match_transformers(model, hf, preset)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from models.vllm_plugin.device_sampling import (
     DeviceSamplingPolicy,
+    FacadeSampling,
     HistoryRow,
     HostRow,
     facade_sampling,
@@ -25,6 +27,7 @@ from models.vllm_plugin.device_sampling import (
 from models.vllm_plugin.step_samples import StepSamples
 from runtime.sampling import (
     DeviceSampler,
+    PreparedSamplingParams,
     SamplerConfig,
     apply_penalties,
     prepare_sampling_params,
@@ -47,6 +50,21 @@ class VLLMParams:
 
 GREEDY = VLLMParams(temperature=0.0)
 POLICY = DeviceSamplingPolicy(vocab_size=VOCAB, max_top_k=64, penalties=True)
+
+
+def _prepared(
+    sampling: FacadeSampling, lane: Sequence[VLLMParams | None]
+) -> PreparedSamplingParams:
+    """The runtime's prepared parameters for a 4-slot lane (None: an empty slot)."""
+    return prepare_sampling_params(
+        sampling.sampling_params,
+        4,
+        max_device_top_k=64,
+        allow_force_argmax=True,
+        prompt_tokens=sampling.prompt_tokens,
+        output_tokens=sampling.output_tokens,
+        active_mask=[row is not None for row in lane],
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,15 +184,7 @@ def test_mapped_lane_samples_like_the_requests_on_the_runtime_sampler() -> None:
     sampling = facade_sampling(lane, history, vocab_size=VOCAB)
     sampler = DeviceSampler(SamplerConfig(max_batch_size=4, max_top_k=64, vocab_size=VOCAB))
     sampler.materialize("cpu")
-    prepared = prepare_sampling_params(
-        sampling.sampling_params,
-        4,
-        max_device_top_k=64,
-        allow_force_argmax=True,
-        prompt_tokens=sampling.prompt_tokens,
-        output_tokens=sampling.output_tokens,
-        active_mask=[row is not None for row in lane],
-    )
+    prepared = _prepared(sampling, lane)
     positions = torch.tensor([3, 0, 8, 6])
 
     def run() -> list[int]:
@@ -207,15 +217,7 @@ def test_host_rows_draw_what_the_lane_draws_at_any_slot() -> None:
     positions = torch.tensor([0, 9, 0, 21])
     sampler = host_runtime_sampler(POLICY, 4)
     sampling = facade_sampling(lane, histories, vocab_size=VOCAB)
-    prepared = prepare_sampling_params(
-        sampling.sampling_params,
-        4,
-        max_device_top_k=64,
-        allow_force_argmax=True,
-        prompt_tokens=sampling.prompt_tokens,
-        output_tokens=sampling.output_tokens,
-        active_mask=[row is not None for row in lane],
-    )
+    prepared = _prepared(sampling, lane)
     in_lane = sampler.sample(logits, prepared, positions=positions).tokens.tolist()
     alone = sample_rows_on_host(sampler, logits[3:4], [HostRow(seeded, HistoryRow([4], []), 21)])
     both = sample_rows_on_host(

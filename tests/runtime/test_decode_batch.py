@@ -9,7 +9,7 @@ import attrs
 import pytest
 import torch
 
-from runtime.decode import DecodeRuntime, DecodeRuntimeConfig, PreparedDecode
+from runtime.decode import DecodeRuntime, PreparedDecode
 from runtime.decode_batch import (
     LaneInputs,
     check_lane_inputs,
@@ -31,17 +31,7 @@ def setup() -> Iterator[TinySetup]:
 
 
 def runtime(setup: TinySetup) -> DecodeRuntime:
-    return DecodeRuntime(
-        DecodeRuntimeConfig.resolve(
-            model=setup.model,
-            device=setup.device,
-            output_reader=setup.reader,
-            lane_capacity=LANE,
-            page_table_layout=setup.layout,
-            device_sampling_enabled=False,
-            policy=setup.policy,
-        )
-    )
+    return DecodeRuntime(setup.decode_config(lane_capacity=LANE))
 
 
 def test_a_prepared_step_is_frozen(setup: TinySetup) -> None:

@@ -43,17 +43,7 @@ def setup() -> Iterator[TinySetup]:
 
 
 def resolve(setup: TinySetup, **overrides: Any) -> DecodeRuntimeConfig:
-    kwargs: dict[str, Any] = {
-        "model": setup.model,
-        "device": setup.device,
-        "output_reader": setup.reader,
-        "lane_capacity": LANE,
-        "page_table_layout": setup.layout,
-        "device_sampling_enabled": False,
-        "policy": setup.policy,
-    }
-    kwargs.update(overrides)
-    return DecodeRuntimeConfig.resolve(**kwargs)
+    return setup.decode_config(**{"lane_capacity": LANE, **overrides})
 
 
 def runtime(setup: TinySetup, *, sampling: bool = False, **overrides: Any) -> DecodeRuntime:

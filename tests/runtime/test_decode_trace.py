@@ -14,7 +14,6 @@ from runtime.decode import (
     DecodeInvocationResult,
     DecodePersistentInputs,
     DecodeRuntime,
-    DecodeRuntimeConfig,
     PreparedDecode,
 )
 from runtime.identity import ProgramKey
@@ -49,17 +48,7 @@ def setup() -> Iterator[TinySetup]:
 
 
 def make_runtime(setup: TinySetup) -> DecodeRuntime:
-    return DecodeRuntime(
-        DecodeRuntimeConfig.resolve(
-            model=setup.model,
-            device=setup.device,
-            output_reader=setup.reader,
-            lane_capacity=LANE,
-            page_table_layout=setup.layout,
-            device_sampling_enabled=True,
-            policy=setup.policy,
-        )
-    )
+    return DecodeRuntime(setup.decode_config(lane_capacity=LANE, device_sampling_enabled=True))
 
 
 def prefilled(setup: TinySetup) -> torch.Tensor:

@@ -10,6 +10,7 @@ prompts through the model's own `prefill`, and make a device sampler.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -19,6 +20,7 @@ from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import load_model
 from runtime.backends.torch_device import TorchDevice
 from runtime.config import PagedKVCacheConfig, PageTableLayout, RuntimePolicy
+from runtime.decode_config import DecodeRuntimeConfig
 from runtime.output_reader import OutputReader
 from runtime.paged_kv_cache import PagedKVCacheManager
 
@@ -65,6 +67,22 @@ class TinySetup:
         sampler = getattr(self.model, "sampling", None)
         buffers = len(sampler.buffers) if sampler is not None else 0
         return 2 * self.model.n_layers + buffers
+
+    def decode_config(
+        self, *, lane_capacity: int, device_sampling_enabled: bool = False, **overrides: Any
+    ) -> DecodeRuntimeConfig:
+        """The decode runtime's configuration over this setup's model, cache and reader."""
+        options: dict[str, Any] = {
+            "model": self.model,
+            "device": self.device,
+            "output_reader": self.reader,
+            "lane_capacity": lane_capacity,
+            "page_table_layout": self.layout,
+            "device_sampling_enabled": device_sampling_enabled,
+            "policy": self.policy,
+            **overrides,
+        }
+        return DecodeRuntimeConfig.resolve(**options)
 
     def close(self) -> None:
         """Release the sampler buffers and the KV cache (idempotent)."""
