@@ -58,6 +58,20 @@ DEFAULT_ENGINES = ENGINES[:3]
 VLLM_ENGINES = ("vllm-cpu", "vllm+llm-runtime", "vllm+llm-runtime-sync")
 
 
+def _reserved_cpus(text: str) -> int:
+    """`--vllm-reserved-cpus`: 0 up to one less than the cores this process may use."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < cores:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a core count from 0 to {cores - 1} (this machine has {cores})"
+        )
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,32")
@@ -72,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--vllm-reserved-cpus",
-        type=int,
+        type=_reserved_cpus,
         default=None,
         help="cores vLLM keeps for its scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU; "
         "default: vLLM's choice)",
