@@ -71,7 +71,7 @@ def _decode_both_ways(
     generator = torch.Generator().manual_seed(seed)
     rows = len(positions)
     width = max(positions) // block_size + 1
-    blocks = rows * width + 3
+    blocks = rows * width + 3 + rows  # the last `rows` pages: spares for write-slot clashes
     model.set_kv_cache(None)
     model.configure_paged_attention(block_size=block_size, max_num_blocks=blocks)
     shape = model.kv_cache_shape(blocks)
@@ -79,14 +79,21 @@ def _decode_both_ways(
         (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
         for _ in range(model.n_layers)
     ]
+    drawn = blocks - rows
     if shared_pages:  # rows drawing pages independently may share some
-        pages = torch.stack(
-            [torch.randperm(blocks, generator=generator)[:width] for _ in positions]
-        )
+        pages = torch.stack([torch.randperm(drawn, generator=generator)[:width] for _ in positions])
     else:
-        pages = torch.randperm(blocks, generator=generator)[: rows * width].view(rows, width)
+        pages = torch.randperm(drawn, generator=generator)[: rows * width].view(rows, width)
+    written: set[tuple[int, int]] = set()
     for row, position in enumerate(positions):
         pages[row, position // block_size + 1 :] = -1  # past the row's position: unmapped
+        # Shared pages are fine, but no engine lets two rows write one K/V slot in a step
+        # (which write lands would be a race): such a row writes into its own spare page.
+        slot = (int(pages[row, position // block_size]), position % block_size)
+        if slot in written:
+            pages[row, position // block_size] = drawn + row
+            slot = (drawn + row, position % block_size)
+        written.add(slot)
     tokens = torch.randint(0, model.vocab_size, (rows,), generator=generator)
     results = []
     for fused in (False, True):
