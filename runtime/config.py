@@ -7,7 +7,7 @@ multiple, supported prefill waves, lane capacity, page-table alignment) live in
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 import attrs
 import torch
@@ -18,8 +18,11 @@ SUPPORTED_PREFILL_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 MAX_BATCHED_PREFILL_TOKENS: int = 128 * 1024
 PAGE_TABLE_WIDTH_ALIGNMENT: int = 8
 
+_T = TypeVar("_T")
+"""A validated field's declared type (validators check the value at run time)."""
 
-def _check_buckets(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+
+def _check_buckets(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     if not isinstance(value, tuple) or not value:
         raise TypeError(f"{attribute.name} must be a non-empty tuple, got {value!r}")
     for item in value:
@@ -28,7 +31,7 @@ def _check_buckets(instance: object, attribute: attrs.Attribute[Any], value: Any
         raise ValueError(f"{attribute.name} must be strictly increasing, got {value!r}")
 
 
-def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_positive(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     positive_int(attribute.name, value)
 
 
@@ -107,7 +110,7 @@ def _round_up(value: int, multiple: int) -> int:
     return _ceil_div(value, multiple) * multiple
 
 
-def _check_trace_mode(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_trace_mode(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     if not isinstance(value, str) or value not in TRACE_MODES:
         allowed = ", ".join(repr(mode) for mode in TRACE_MODES)
         raise ValueError(f"Unsupported trace mode: {value!r}; allowed: {allowed}")
@@ -145,16 +148,16 @@ def _check_int_tuple(name: str, value: object) -> None:
         raise ValueError(f"{name} must contain unique values, got duplicates {duplicates}")
 
 
-def _check_seq_lens(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_seq_lens(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     if value is not None:
         _check_int_tuple(attribute.name, value)
 
 
-def _check_batch_sizes(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_batch_sizes(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     _check_int_tuple(attribute.name, value)
 
 
-def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_bool(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{attribute.name} must be a bool (True or False), got {value!r}")
 
@@ -173,18 +176,18 @@ class WarmupConfig:
     include_decode_top_k: bool = attrs.field(default=False, validator=_check_bool)
 
 
-def _check_positive_field(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_positive_field(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     require_positive_int(attribute.name, value)
 
 
-def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_dtype(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     if not isinstance(value, torch.dtype):
         raise TypeError(
             f"{attribute.name} must be a torch.dtype (e.g. torch.bfloat16), got {value!r}"
         )
 
 
-def _check_memory_config(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_memory_config(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(
             f"{attribute.name} must be a non-empty string tag (e.g. 'dram'), got {value!r}"
@@ -192,7 +195,7 @@ def _check_memory_config(instance: object, attribute: attrs.Attribute[Any], valu
 
 
 def _check_num_blocks(
-    instance: PagedKVCacheConfig, attribute: attrs.Attribute[Any], value: Any
+    instance: PagedKVCacheConfig, attribute: attrs.Attribute[_T], value: _T
 ) -> None:
     if value is None:
         return
@@ -237,7 +240,7 @@ class PagedKVCacheConfig:
         return attrs.evolve(self, num_blocks=num_blocks)
 
 
-def _check_layout_positive(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_layout_positive(instance: object, attribute: attrs.Attribute[_T], value: _T) -> None:
     require_positive_int(attribute.name, value)
 
 
