@@ -1,0 +1,198 @@
+"""Typed steps: one prefill or decode call's inputs as a frozen value, and the target API.
+
+A `LaneGroupExecutor` checks a call once at its boundary, builds one `PrefillStep` or
+`DecodeStep`, splits it per lane (`runtime.lane_routing`) and sends each lane its own step
+through the lane protocol (the process transport pickles it); the executing side hands the
+step's keywords to the lane executor. `ExecutionTarget` names what a lane group, an eager
+executor's host (`ModelExecutor`) and a traced one each offer a caller. `page_table` keeps
+that name from the boundary to the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from runtime.decode_batch import DecodeArguments, SlotRemap
+from runtime.prefill.batch import IntVector, PrefillArguments
+from runtime.sampling import SamplingParams
+
+__all__ = ["DecodeStep", "ExecutionTarget", "LaneStep", "PrefillStep"]
+
+
+@attrs.frozen(eq=False)
+class PrefillStep:
+    """One prefill call: the `PrefillArguments` plus where it runs (`kv_cache`, `execution`).
+
+    None means "not given" for every optional field, exactly as an omitted keyword.
+    """
+
+    tokens: torch.Tensor
+    page_table: torch.Tensor
+    prompt_lens: IntVector = None
+    start_pos: IntVector = None
+    empty_slots: IntVector = None
+    sampling_params: SamplingParams | None = None
+    prompt_tokens: torch.Tensor | None = None
+    output_tokens: torch.Tensor | None = None
+    slot_remap: IntVector = None
+    kv_cache: object = None
+    execution: str | None = None
+
+    @classmethod
+    def of(
+        cls, arguments: PrefillArguments, *, kv_cache: object = None, execution: str | None = None
+    ) -> PrefillStep:
+        """The step of checked keyword arguments (the boundary built and checked them)."""
+        return cls(
+            tokens=arguments["tokens"],
+            page_table=arguments["page_table"],
+            prompt_lens=arguments.get("prompt_lens"),
+            start_pos=arguments.get("start_pos"),
+            empty_slots=arguments.get("empty_slots"),
+            sampling_params=arguments.get("sampling_params"),
+            prompt_tokens=arguments.get("prompt_tokens"),
+            output_tokens=arguments.get("output_tokens"),
+            slot_remap=arguments.get("slot_remap"),
+            kv_cache=kv_cache,
+            execution=execution,
+        )
+
+    def arguments(self) -> PrefillArguments:
+        """The given `PrefillArguments` (None fields omitted, as the caller omitted them)."""
+        arguments = PrefillArguments(tokens=self.tokens, page_table=self.page_table)
+        if self.prompt_lens is not None:
+            arguments["prompt_lens"] = self.prompt_lens
+        if self.start_pos is not None:
+            arguments["start_pos"] = self.start_pos
+        if self.empty_slots is not None:
+            arguments["empty_slots"] = self.empty_slots
+        if self.sampling_params is not None:
+            arguments["sampling_params"] = self.sampling_params
+        if self.prompt_tokens is not None:
+            arguments["prompt_tokens"] = self.prompt_tokens
+        if self.output_tokens is not None:
+            arguments["output_tokens"] = self.output_tokens
+        if self.slot_remap is not None:
+            arguments["slot_remap"] = self.slot_remap
+        return arguments
+
+    def keywords(self) -> dict[str, object]:
+        """The executor call's keywords: the arguments plus `kv_cache`/`execution` if given."""
+        keywords: dict[str, object] = dict(self.arguments())
+        if self.kv_cache is not None:
+            keywords["kv_cache"] = self.kv_cache
+        if self.execution is not None:
+            keywords["execution"] = self.execution
+        return keywords
+
+
+@attrs.frozen(eq=False)
+class DecodeStep:
+    """One decode step over a lane (or the whole group): `DecodeArguments` plus placement."""
+
+    tokens: torch.Tensor
+    start_pos: torch.Tensor
+    page_table: torch.Tensor
+    sampling_params: SamplingParams | None = None
+    prompt_tokens: torch.Tensor | None = None
+    output_tokens: torch.Tensor | None = None
+    slot_remap: SlotRemap | None = None
+    reset_batch: bool = False
+    kv_cache: object = None
+    execution: str | None = None
+    read_from_device: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        arguments: DecodeArguments,
+        *,
+        kv_cache: object = None,
+        execution: str | None = None,
+        read_from_device: bool = True,
+    ) -> DecodeStep:
+        """The step of checked keyword arguments (the boundary built and checked them)."""
+        return cls(
+            tokens=arguments["tokens"],
+            start_pos=arguments["start_pos"],
+            page_table=arguments["page_table"],
+            sampling_params=arguments.get("sampling_params"),
+            prompt_tokens=arguments.get("prompt_tokens"),
+            output_tokens=arguments.get("output_tokens"),
+            slot_remap=arguments.get("slot_remap"),
+            reset_batch=arguments.get("reset_batch", False),
+            kv_cache=kv_cache,
+            execution=execution,
+            read_from_device=read_from_device,
+        )
+
+    def arguments(self) -> DecodeArguments:
+        """The given `DecodeArguments` (None fields and a False `reset_batch` omitted)."""
+        arguments = DecodeArguments(
+            tokens=self.tokens, start_pos=self.start_pos, page_table=self.page_table
+        )
+        if self.sampling_params is not None:
+            arguments["sampling_params"] = self.sampling_params
+        if self.prompt_tokens is not None:
+            arguments["prompt_tokens"] = self.prompt_tokens
+        if self.output_tokens is not None:
+            arguments["output_tokens"] = self.output_tokens
+        if self.slot_remap is not None:
+            arguments["slot_remap"] = self.slot_remap
+        if self.reset_batch:
+            arguments["reset_batch"] = True
+        return arguments
+
+    def keywords(self, *, with_read: bool = True) -> dict[str, object]:
+        """The executor call's keywords (`read_from_device` only for `decode_forward`)."""
+        keywords: dict[str, object] = dict(self.arguments())
+        if with_read:
+            keywords["read_from_device"] = self.read_from_device
+        if self.kv_cache is not None:
+            keywords["kv_cache"] = self.kv_cache
+        if self.execution is not None:
+            keywords["execution"] = self.execution
+        return keywords
+
+
+LaneStep = PrefillStep | DecodeStep
+"""What a lane call may carry as its one `step` argument."""
+
+
+@runtime_checkable
+class ExecutionTarget(Protocol):
+    """What a caller drives: a `ModelExecutor` (over an eager or a traced executor) and a
+    `LaneGroupExecutor` offer the same serving calls, keyed by the same keywords."""
+
+    @property
+    def max_batch_size(self) -> int:
+        """Rows one decode step carries (global slots for a group)."""
+        ...
+
+    def prefill_forward(
+        self, *, kv_cache: object = None, execution: str | None = None, **arguments: object
+    ) -> object:
+        """Prefill `PrefillArguments` rows into their slots; logits or sampled tokens."""
+        ...
+
+    def decode_forward(
+        self,
+        *,
+        kv_cache: object = None,
+        read_from_device: bool = True,
+        execution: str | None = None,
+        **arguments: object,
+    ) -> object:
+        """One decode step of `DecodeArguments` over the whole batch."""
+        ...
+
+    def read_decode_output(self, raw: object, *, async_read: bool = False) -> object:
+        """Start (or finish) reading a raw decode output."""
+        ...
+
+    def process_decode_output_host(self, host_value: object, *, is_tokens: bool = False) -> object:
+        """Complete a host read into logits or tokens."""
+        ...
