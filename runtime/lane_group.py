@@ -50,6 +50,7 @@ from runtime.lanes.boundary import (
     check_group_cache_shape,
     check_group_decode,
     check_group_prefill,
+    check_traced_executions,
 )
 from runtime.lanes.fanout import TERMINAL_TEXT, LaneFanOut, close_all
 from runtime.lanes.group_view import LaneGroupView
@@ -213,6 +214,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         lanes = len(self.lanes)
         caches = per_lane_argument("kv_cache", kv_cache, lanes)
         executions = lane_executions(execution, lanes)
+        check_traced_executions(executions, "prefill", self.facts)
         check_group_prefill(arguments, self._geometry())
         return split_prefill(
             PrefillStep.of(arguments),
@@ -229,6 +231,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         lanes = len(self.lanes)
         caches = per_lane_argument("kv_cache", kv_cache, lanes)
         executions = lane_executions(execution, lanes)
+        check_traced_executions(executions, "decode", self.facts)
         check_group_decode(arguments, self._geometry())
         return split_decode(
             DecodeStep.of(arguments, read_from_device=read),
@@ -236,6 +239,16 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
             lanes=lanes,
             kv_caches=caches,
             executions=executions,
+        )
+
+    def held_resources(self) -> tuple[str, ...]:
+        """What every lane still holds that a finished call should have released, each
+        named with its lane (asks every lane: refreshes the facts)."""
+        self._lanes.each("describe")
+        return tuple(
+            f"DP lane {index}: {held}"
+            for index, fact in enumerate(self.facts)
+            for held in fact.held_resources
         )
 
     def _lane_phases(self) -> list[str]:

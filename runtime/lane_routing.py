@@ -20,6 +20,8 @@ from runtime.steps import DecodeStep, PrefillStep
 from runtime.validation import is_int
 
 MISSING_LOGPROB = 1.0
+EXECUTIONS = ("eager", "traced")
+"""The per-lane `execution` names a lane executor takes (None: the lane's trace mode)."""
 
 
 @attrs.frozen
@@ -167,12 +169,9 @@ def lane_executions(value: object, lanes: int) -> list[str | None]:
     """`execution` per lane: None (each lane's own choice) or one name or None per lane."""
     entries: list[str | None] = []
     for entry in per_lane_argument("execution", value, lanes):
-        if entry is not None and not isinstance(entry, str):
-            raise TypeError(
-                f"execution entries must be names such as 'eager' or 'traced', or None; "
-                f"got {type(entry).__name__}"
-            )
-        entries.append(entry)
+        if entry is not None and entry not in EXECUTIONS:
+            raise ValueError(f"execution must be None, 'eager' or 'traced', got {entry!r}")
+        entries.append(entry if isinstance(entry, str) else None)
     return entries
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "check_group_cache_shape",
     "check_group_decode",
     "check_group_prefill",
+    "check_traced_executions",
 ]
 
 
@@ -224,6 +225,19 @@ def check_block_ids(page_table: object, num_blocks: int | None) -> None:
             f"are -1 (unmapped) and block ids in [0, {num_blocks}) (each DP lane's KV pool "
             f"holds num_blocks={num_blocks} blocks; block ids are lane-local)"
         )
+
+
+def check_traced_executions(
+    executions: Sequence[str | None], operation: str, facts: Sequence[LaneFacts]
+) -> None:
+    """`execution='traced'` only for an operation every lane traces (as a lane refuses it)."""
+    for lane, (execution, fact) in enumerate(zip(executions, facts, strict=True)):
+        traced = fact.prefill_traced if operation == "prefill" else fact.decode_traced
+        if execution == "traced" and not traced:
+            raise ValueError(
+                f"execution='traced' asked for {operation} on DP lane {lane}, which trace mode "
+                f"{fact.trace_mode!r} does not trace"
+            )
 
 
 # -- the KV cache spec ----------------------------------------------------------------------------

@@ -132,6 +132,8 @@ class LaneFacts:
     plan_limits: PlanLimits | None = None
     """The lane's prefill geometry (`PrefillRuntime.plan_limits`): the group's boundary checks."""
     max_device_top_k: int | None = None
+    held_resources: tuple[str, ...] = ()
+    """What the lane holds that a finished call should have released (its components')."""
     """Each layer's K (and V) shape once capacity is resolved (empty before, or unknown)."""
     fault_attempts: tuple[tuple[str, int], ...] = ()
     faults_injected: int = 0
@@ -148,6 +150,11 @@ def _readiness(target: object) -> str:
     if warmup.capture_pending:
         return PENDING
     return NOT_READY
+
+
+def _held_resources(target: object) -> tuple[str, ...]:
+    held = getattr(getattr(target, "components", None), "held_resources", None)
+    return tuple(str(item) for item in held()) if callable(held) else ()
 
 
 def describe(target: object, *, with_tokenizer: bool = False) -> LaneFacts:
@@ -192,6 +199,7 @@ def describe(target: object, *, with_tokenizer: bool = False) -> LaneFacts:
             "max_device_top_k",
             None,
         ),
+        held_resources=_held_resources(target),
         kv_cache_shapes=tuple(tuple(shape) for shape in getattr(kv_manager, "cache_shapes", ())),
         fault_attempts=tuple((getattr(device, "attempts", None) or {}).items()),
         faults_injected=int(getattr(device, "injected_total", 0)),
