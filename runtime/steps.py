@@ -10,7 +10,8 @@ that name from the boundary to the model.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Protocol, Unpack, runtime_checkable
 
 import attrs
 import torch
@@ -164,35 +165,21 @@ LaneStep = PrefillStep | DecodeStep
 
 @runtime_checkable
 class ExecutionTarget(Protocol):
-    """What a caller drives: a `ModelExecutor` (over an eager or a traced executor) and a
-    `LaneGroupExecutor` offer the same serving calls, keyed by the same keywords."""
+    """What every execution target offers its caller with the same keywords: a lane group
+    (`LaneGroupExecutor`), an eager executor and a traced executor (`runtime.execution`).
 
-    @property
-    def max_batch_size(self) -> int:
-        """Rows one decode step carries (global slots for a group)."""
+    Decode is not named here: an executor's `decode_forward` takes the `PreparedDecode` its
+    host's boundary built, a group's takes the `DecodeArguments` keywords.
+    """
+
+    def prefill_forward(self, **arguments: Unpack[PrefillArguments]) -> object:
+        """Prefill `PrefillArguments` rows into their slots: logits or sampled tokens."""
         ...
 
-    def prefill_forward(
-        self, *, kv_cache: object = None, execution: str | None = None, **arguments: object
-    ) -> object:
-        """Prefill `PrefillArguments` rows into their slots; logits or sampled tokens."""
+    def compile_prefill(self, **arguments: Unpack[PrefillArguments]) -> object:
+        """Compile (warm) the programs one such prefill runs."""
         ...
 
-    def decode_forward(
-        self,
-        *,
-        kv_cache: object = None,
-        read_from_device: bool = True,
-        execution: str | None = None,
-        **arguments: object,
-    ) -> object:
-        """One decode step of `DecodeArguments` over the whole batch."""
-        ...
-
-    def read_decode_output(self, raw: object, *, async_read: bool = False) -> object:
-        """Start (or finish) reading a raw decode output."""
-        ...
-
-    def process_decode_output_host(self, host_value: object, *, is_tokens: bool = False) -> object:
-        """Complete a host read into logits or tokens."""
+    def runtime_summary(self) -> Mapping[str, object]:
+        """The target's host bookkeeping (counts and per-step times)."""
         ...

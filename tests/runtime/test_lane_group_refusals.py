@@ -24,6 +24,7 @@ from runtime.lanes import InProcessLane, spawn_process_lanes
 from runtime.lanes.fanout import LaneFanOut
 from runtime.lanes.protocol import LaneFailure
 from runtime.sampling import SamplingParams
+from runtime.steps import DecodeStep, ExecutionTarget, PrefillStep
 from tests.integration.executor_setup import kv_snapshot, tiny_executor
 from tests.runtime.lane_fakes import fake_group
 from tests.runtime.test_lane_group_real import decode_request, prefill_request
@@ -281,3 +282,48 @@ def test_a_lane_cleanup_error_is_the_cause_of_its_lane_failure() -> None:
     assert fakes[0].closed == 1
     assert fanout.close() == []  # the failed lane is retried and now closes
     assert fakes[1].closed == 1
+
+
+# -- one typed step, one target API ----------------------------------------------------------
+
+
+def test_a_group_and_both_executors_are_execution_targets() -> None:
+    group = _build("inprocess", "all")
+    try:
+        lane = group.lanes[0]
+        assert isinstance(lane, InProcessLane)
+        executor: Any = lane.executor
+        targets: list[ExecutionTarget] = [group, executor.eager_executor, executor.traced_executor]
+        assert all(isinstance(target, ExecutionTarget) for target in targets)
+        assert not isinstance(lane, ExecutionTarget)  # a lane is driven by call name
+    finally:
+        group.close()
+
+
+def test_each_lane_receives_one_typed_step_keeping_page_table() -> None:
+    group, fakes = fake_group(2)
+    group.start()
+    seen: list[object] = []
+    original = group.lanes[1].submit
+
+    def spy(method: str, /, **kwargs: object) -> Any:
+        seen.append(kwargs.get("step"))
+        return original(method, **kwargs)
+
+    group.lanes[1].submit = spy  # type: ignore[method-assign]
+    table = torch.tensor([[5], [6]], dtype=torch.int32)
+    group.prefill_forward(
+        tokens=torch.zeros((2, 3), dtype=torch.long), page_table=table, empty_slots=[2, 3]
+    )
+    group.decode_forward(
+        tokens=torch.zeros(4, dtype=torch.long),
+        start_pos=torch.zeros(4, dtype=torch.long),
+        page_table=torch.arange(4, dtype=torch.int32).reshape(4, 1),
+    )
+    prefill, decode = seen
+    assert isinstance(prefill, PrefillStep) and isinstance(decode, DecodeStep)
+    assert prefill.page_table.tolist() == [[5], [6]] and prefill.empty_slots == [0, 1]
+    assert decode.page_table.tolist() == [[2], [3]]
+    received = [kwargs for name, kwargs in fakes[1].calls if name == "decode_forward"]
+    assert received[-1]["page_table"].tolist() == [[2], [3]]  # the same name at the executor
+    group.close()
