@@ -45,11 +45,9 @@ from runtime.lanes.barrier import (
     check_same_readiness,
 )
 from runtime.lanes.boundary import (
-    GroupGeometry,
+    GroupBoundary,
     check_cache_spec_given,
     check_group_cache_shape,
-    check_group_decode,
-    check_group_prefill,
     check_traced_executions,
 )
 from runtime.lanes.fanout import TERMINAL_TEXT, LaneFanOut, close_all
@@ -143,6 +141,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self.max_batch_size = self.tt_data_parallel * self.per_lane_max_batch_size
         self._explicit_mesh = mesh_device
         self._lanes = LaneFanOut(lanes, self.journal, call_timeout_s)
+        self._boundary = GroupBoundary(owner_name, self.per_lane_max_batch_size)
         self._reset_owed = [False] * len(lanes)
         self._kv_handles: list[object] | None = None
         self._kernels_shared = False
@@ -199,10 +198,6 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     def _refresh(self) -> None:
         self._lanes.each("describe")
 
-    def _geometry(self) -> GroupGeometry:
-        """What the group's calls are checked against (lane 0's facts, the global slots)."""
-        return GroupGeometry.of(self.owner_name, self.facts, self.per_lane_max_batch_size)
-
     def _prefill_step(
         self, arguments: PrefillArguments, kv_cache: object, execution: object
     ) -> tuple[dict[int, PrefillStep], dict[int, LaneRows]]:
@@ -215,7 +210,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         caches = per_lane_argument("kv_cache", kv_cache, lanes)
         executions = lane_executions(execution, lanes)
         check_traced_executions(executions, "prefill", self.facts)
-        check_group_prefill(arguments, self._geometry())
+        self._boundary.check_prefill(arguments, self.facts)
         return split_prefill(
             PrefillStep.of(arguments),
             per_lane=self.per_lane_max_batch_size,
@@ -232,7 +227,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         caches = per_lane_argument("kv_cache", kv_cache, lanes)
         executions = lane_executions(execution, lanes)
         check_traced_executions(executions, "decode", self.facts)
-        check_group_decode(arguments, self._geometry())
+        self._boundary.check_decode(arguments, self.facts)
         return split_decode(
             DecodeStep.of(arguments, read_from_device=read),
             per_lane=self.per_lane_max_batch_size,

@@ -31,7 +31,9 @@ from runtime.sampling import SamplingParams, prepare_sampling_params
 from runtime.validation import require_bool
 
 __all__ = [
+    "GroupBoundary",
     "GroupGeometry",
+    "SamplingMemo",
     "check_cache_spec_given",
     "check_group_cache_shape",
     "check_group_decode",
@@ -89,6 +91,49 @@ class GroupGeometry:
 # -- prefill --------------------------------------------------------------------------------------
 
 
+@attrs.define
+class SamplingMemo:
+    """The last sampling request that passed the sampler's row rules, with its active rows:
+    a caller that sends the same `SamplingParams` object every step is checked once."""
+
+    params: SamplingParams | None = None
+    active: tuple[bool, ...] = ()
+
+    def passed(self, params: SamplingParams, active: tuple[bool, ...]) -> bool:
+        return params is self.params and active == self.active
+
+    def remember(self, params: SamplingParams, active: tuple[bool, ...]) -> None:
+        self.params, self.active = params, active
+
+
+class GroupBoundary:
+    """The group's boundary with what stays put between calls kept: the geometry (rebuilt
+    only when a lane's facts change) and the last sampling request that passed."""
+
+    def __init__(self, owner: str, per_lane: int) -> None:
+        self.owner = owner
+        self.per_lane = per_lane
+        self._facts: tuple[LaneFacts, ...] = ()
+        self._geometry: GroupGeometry | None = None
+        self._sampling = SamplingMemo()
+
+    def geometry(self, facts: Sequence[LaneFacts]) -> GroupGeometry:
+        """The geometry of the lanes' current facts (the same object while they hold)."""
+        same = len(facts) == len(self._facts) and all(
+            a is b for a, b in zip(facts, self._facts, strict=True)
+        )
+        if self._geometry is None or not same:
+            self._facts = tuple(facts)
+            self._geometry = GroupGeometry.of(self.owner, facts, self.per_lane)
+        return self._geometry
+
+    def check_prefill(self, arguments: PrefillArguments, facts: Sequence[LaneFacts]) -> None:
+        check_group_prefill(arguments, self.geometry(facts))
+
+    def check_decode(self, arguments: DecodeArguments, facts: Sequence[LaneFacts]) -> None:
+        check_group_decode(arguments, self.geometry(facts), sampling=self._sampling)
+
+
 def check_group_prefill(arguments: PrefillArguments, geometry: GroupGeometry) -> None:
     """Refuse a prefill call a lane would refuse (keywords, rows, slots, sampling, block ids)."""
     operation = f"{geometry.operation_owner}.prefill_forward"
@@ -120,7 +165,9 @@ def check_group_prefill(arguments: PrefillArguments, geometry: GroupGeometry) ->
 # -- decode ---------------------------------------------------------------------------------------
 
 
-def check_group_decode(arguments: DecodeArguments, geometry: GroupGeometry) -> None:
+def check_group_decode(
+    arguments: DecodeArguments, geometry: GroupGeometry, *, sampling: SamplingMemo | None = None
+) -> None:
     """Refuse a decode step a lane would refuse (batch, dtypes, ids, positions, sampling)."""
     operation = f"{geometry.operation_owner}.decode_forward"
     options = {
@@ -153,9 +200,14 @@ def check_group_decode(arguments: DecodeArguments, geometry: GroupGeometry) -> N
             layout=geometry.page_table_layout,
             device_feedback=False,
         )
-    active = [bool(flag) for flag in lane.active.tolist()]
-    _check_sampling(geometry, params, active=active, kind="decode")
     check_block_ids(lane.page_table, geometry.num_blocks)
+    if params is None:
+        return
+    active = tuple(bool(flag) for flag in lane.active.tolist())
+    if sampling is None or not sampling.passed(params, active):
+        _check_sampling(geometry, params, active=list(active), kind="decode")
+        if sampling is not None:
+            sampling.remember(params, active)
 
 
 def _check_global_batch(arguments: DecodeArguments, geometry: GroupGeometry) -> None:
