@@ -27,7 +27,7 @@ from runtime.decode_batch import (
 from runtime.lane_routing import route_prefill_rows
 from runtime.lanes.protocol import LaneFacts
 from runtime.prefill.batch import PlanLimits, PrefillArguments, check_batch, check_prefill_keywords
-from runtime.sampling import SamplingParams, prepare_sampling_params
+from runtime.sampling import SamplingParams, prepare_sampling_params, slice_sampling_params
 from runtime.validation import require_bool
 
 __all__ = [
@@ -255,8 +255,9 @@ def _check_sampling(
         )
     if geometry.max_device_top_k is None:
         return
+    # The rows the lanes will see (as the router slices them), then the sampler's rules.
     prepare_sampling_params(
-        params,
+        slice_sampling_params(params, range(len(active))),
         len(active),
         max_device_top_k=geometry.max_device_top_k,
         allow_force_argmax=False,

@@ -327,3 +327,25 @@ def test_each_lane_receives_one_typed_step_keeping_page_table() -> None:
     received = [kwargs for name, kwargs in fakes[1].calls if name == "decode_forward"]
     assert received[-1]["page_table"].tolist() == [[2], [3]]  # the same name at the executor
     group.close()
+
+
+def test_sampling_values_beyond_the_batch_are_sliced_as_the_lanes_see_them() -> None:
+    """A sampling sequence longer than the rows is accepted (each lane takes its rows), one
+    that does not reach a row is refused, and the group serves on."""
+    group = _build("inprocess", "none")
+    try:
+        group.start()
+        layout = group.page_table_layout
+        assert layout is not None
+        prefill = prefill_request(layout.prefill_width)
+        greedy = SamplingParams(temperature=[0.0] * 6, top_k=[1] * 6)
+        tokens, logprobs = group.prefill_forward(**prefill, sampling_params=greedy)
+        assert tokens.shape == (4,) and logprobs is None
+        short = SamplingParams(temperature=[1.0, 1.0], top_k=[2, 2])
+        with pytest.raises(ValueError, match="does not cover row"):
+            group.prefill_forward(**prefill, sampling_params=short)
+        assert group.phase is Phase.SERVING
+        again, _ = group.prefill_forward(**prefill, sampling_params=greedy)
+        assert torch.equal(again, tokens)
+    finally:
+        group.close()
