@@ -10,8 +10,6 @@ to the primary error. See docs/lanes.md.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +18,7 @@ from typing import TypeVar, Unpack
 import attrs
 import torch
 
-from lifecycle import LifecycleHost, MachineTable, Phase, PhaseError, guarded, host_table
+from lifecycle import LifecycleHost, Phase, PhaseError, guarded
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
 from runtime.decode_batch import DecodeArguments
@@ -32,12 +30,10 @@ from runtime.lane_routing import (
     lane_executions,
     one_per_lane,
     per_lane_argument,
-    route_prefill_rows,
     scatter_prefill,
-    select_rows,
-    select_vector,
     split_decode,
     split_prefill,
+    trace_probes,
 )
 from runtime.lanes.barrier import (
     agreed_phase_after_warmup,
@@ -50,7 +46,14 @@ from runtime.lanes.boundary import (
     check_group_cache_shape,
     check_traced_executions,
 )
-from runtime.lanes.fanout import TERMINAL_TEXT, LaneFanOut, close_all
+from runtime.lanes.fanout import LaneFanOut, close_all
+from runtime.lanes.group_table import (
+    BEFORE_ALLOCATED,
+    GROUP_TABLE,
+    SETUP,
+    clone_config,
+    warmup_call,
+)
 from runtime.lanes.group_view import LaneGroupView
 from runtime.lanes.protocol import Lane, LaneFailure
 from runtime.prefill.batch import IntVector, PrefillArguments
@@ -61,49 +64,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 P = Phase
-_SETUP = (P.ALLOCATED, P.COMPILED)
-
-
-def _group_table() -> MachineTable:
-    table = host_table(
-        name="lane-group",
-        next_calls={
-            P.CONSTRUCTED: ("configure_paged_kv_cache", "allocate_kv_cache"),
-            P.CAPACITY_RESOLVED: ("allocate_kv_cache",),
-            P.SEALED: ("allocate_kv_cache",),
-            P.ALLOCATED: ("warmup_prefill", "warmup_decode"),
-            P.COMPILED: ("capture", "serve"),
-            P.CAPTURED: ("serve",),
-            P.SERVING: ("prefill_forward", "decode_forward", "close"),
-        },
-    )
-    states = tuple(
-        attrs.evolve(spec, refusal=TERMINAL_TEXT) if spec.state is P.TERMINAL else spec
-        for spec in table.states
-    )
-    return attrs.evolve(table, states=states)
-
-
-GROUP_TABLE = _group_table()
-
-
-def _warmup_call(operation: str, doc: str) -> Callable[..., None]:
-    """The group's `warmup_prefill` / `warmup_decode`: one fan-out, named per operation."""
-
-    def warm(
-        self: LaneGroupExecutor,
-        *,
-        kv_cache: object = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        hints = {"can_sample_on_device": can_sample_on_device, "enable_trace": enable_trace}
-        self._warm(operation, kv_cache, hints)
-
-    warm.__name__ = operation
-    warm.__qualname__ = f"LaneGroupExecutor.{operation}"
-    warm.__doc__ = doc
-    return guarded(*_SETUP, operation=operation)(warm)
 
 
 class LaneGroupExecutor(LaneGroupView, LifecycleHost):
@@ -257,7 +217,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         if isinstance(config, Sequence) and not isinstance(config, str | bytes):
             configs = per_lane_argument("config", config, len(self.lanes))
         else:
-            configs = [_clone(config) for _ in self.lanes]
+            configs = [clone_config(config) for _ in self.lanes]
 
         def work() -> str:
             self._lanes.each("configure_paged_kv_cache", lambda i: {"config": configs[i]})
@@ -266,7 +226,9 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
         self._guard(
             "configure_paged_kv_cache",
-            lambda: self._lifecycle.transact("resolve_capacity", work, detail=_same),
+            lambda: self._lifecycle.transact(
+                "resolve_capacity", work, detail=lambda detail: detail
+            ),
         )
 
     def check_kv_memory(self, num_blocks: int) -> None:
@@ -314,18 +276,16 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         """SEALED -> ALLOCATED on every lane."""
         self._guard("allocate", lambda: super(LaneGroupExecutor, self).allocate())
 
-    @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED)
+    @guarded(*BEFORE_ALLOCATED)
     def allocate_kv_cache(
         self,
         kv_cache_shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         num_layers: int | None = None,
     ) -> list[object]:
-        """Resolve, seal and allocate every lane.
-
-        A server's spec (all three arguments or none) is forwarded to every lane in
-        CONSTRUCTED; once capacity is resolved it must match every lane's model-derived
-        shapes, checked here before any lane allocates (a mismatch changes nothing).
+        """Resolve, seal and allocate every lane. A server's spec (all three or none) goes to
+        every lane in CONSTRUCTED; once capacity is resolved it must match every lane's
+        model-derived shapes, checked before any lane allocates (a mismatch changes nothing).
         """
         check_cache_spec_given(kv_cache_shape, dtype, num_layers)
         if self.phase is not P.CONSTRUCTED and kv_cache_shape is not None:
@@ -359,7 +319,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
     # -- compile, warm, capture -----------------------------------------------------------------
 
-    @guarded(*_SETUP)
+    @guarded(*SETUP)
     def compile_prefill(
         self, *, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
     ) -> None:
@@ -372,7 +332,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
             ),
         )
 
-    @guarded(*_SETUP)
+    @guarded(*SETUP)
     def compile_decode(
         self, *, kv_cache: object = None, **arguments: Unpack[DecodeArguments]
     ) -> None:
@@ -413,25 +373,16 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
         self._guard(operation, work)
 
-    warmup_prefill = _warmup_call(
+    warmup_prefill = warmup_call(
         "warmup_prefill",
         "Warm prefill on every lane with its own cache; all COMPILED -> group COMPILED.",
     )
-    warmup_decode = _warmup_call(
+    warmup_decode = warmup_call(
         "warmup_decode", "Warm decode on every lane (at the lane capacity) with its own cache."
     )
 
-    def warmup_model_prefill(
-        self,
-        *,
-        kv_cache: object = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        """The seed's name for `warmup_prefill`."""
-        self.warmup_prefill(
-            kv_cache=kv_cache, can_sample_on_device=can_sample_on_device, enable_trace=enable_trace
-        )
+    warmup_model_prefill = warmup_prefill
+    """The seed's name for `warmup_prefill`."""
 
     def warmup_model_decode(
         self,
@@ -531,20 +482,14 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         empty_slots: IntVector = None,
     ) -> bool:
         """True only if every participating lane can replay a trace for its rows."""
-        routes = route_prefill_rows(
-            int(tokens.shape[0]),
+        probes = trace_probes(
+            tokens,
+            prompt_lens,
+            start_pos,
             empty_slots,
             per_lane=self.per_lane_max_batch_size,
             lanes=len(self.lanes),
         )
-        probes: dict[int, dict[str, object]] = {
-            lane_rows.lane: {
-                "tokens": select_rows(tokens, lane_rows.rows),
-                "prompt_lens": select_vector(prompt_lens, lane_rows.rows),
-                "start_pos": select_vector(start_pos, lane_rows.rows),
-            }
-            for lane_rows in routes
-        }
         answers = self._guard(
             "can_trace_prefill",
             lambda: self._lanes.methods(
@@ -652,15 +597,3 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         if not failures:
             self._kv_handles = None
         return failures
-
-
-def _clone(config: object) -> object:
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.replace(config)
-    if attrs.has(type(config)):
-        return attrs.evolve(config)  # type: ignore[misc]
-    return copy.copy(config)
-
-
-def _same(detail: str) -> str:
-    return detail

@@ -249,6 +249,28 @@ def _lane_history(value: torch.Tensor | None, rows: range, capacity: int) -> tor
     return value
 
 
+def trace_probes(
+    tokens: torch.Tensor,
+    prompt_lens: IntVector,
+    start_pos: IntVector,
+    empty_slots: IntVector,
+    *,
+    per_lane: int,
+    lanes: int,
+) -> dict[int, dict[str, object]]:
+    """Each participating lane's `can_trace_prefill` keywords: its rows of the three vectors
+    that decide a trace (no page table: a probe reads none)."""
+    routes = route_prefill_rows(int(tokens.shape[0]), empty_slots, per_lane=per_lane, lanes=lanes)
+    return {
+        lane_rows.lane: {
+            "tokens": select_rows(tokens, lane_rows.rows),
+            "prompt_lens": select_vector(prompt_lens, lane_rows.rows),
+            "start_pos": select_vector(start_pos, lane_rows.rows),
+        }
+        for lane_rows in routes
+    }
+
+
 def one_per_lane(name: str, values: object, lanes: int) -> list[object]:
     """A list or tuple with exactly one value per lane (e.g. each lane's raw output)."""
     if not isinstance(values, list | tuple) or len(values) != lanes:

@@ -61,33 +61,21 @@ class PrefillStep:
             execution=execution,
         )
 
-    def arguments(self) -> PrefillArguments:
-        """The given `PrefillArguments` (None fields omitted, as the caller omitted them)."""
-        arguments = PrefillArguments(tokens=self.tokens, page_table=self.page_table)
-        if self.prompt_lens is not None:
-            arguments["prompt_lens"] = self.prompt_lens
-        if self.start_pos is not None:
-            arguments["start_pos"] = self.start_pos
-        if self.empty_slots is not None:
-            arguments["empty_slots"] = self.empty_slots
-        if self.sampling_params is not None:
-            arguments["sampling_params"] = self.sampling_params
-        if self.prompt_tokens is not None:
-            arguments["prompt_tokens"] = self.prompt_tokens
-        if self.output_tokens is not None:
-            arguments["output_tokens"] = self.output_tokens
-        if self.slot_remap is not None:
-            arguments["slot_remap"] = self.slot_remap
-        return arguments
-
     def keywords(self) -> dict[str, object]:
-        """The executor call's keywords: the arguments plus `kv_cache`/`execution` if given."""
-        keywords: dict[str, object] = dict(self.arguments())
-        if self.kv_cache is not None:
-            keywords["kv_cache"] = self.kv_cache
-        if self.execution is not None:
-            keywords["execution"] = self.execution
-        return keywords
+        """The executor call's keywords: the given arguments plus `kv_cache`/`execution`."""
+        return _given(
+            tokens=self.tokens,
+            page_table=self.page_table,
+            prompt_lens=self.prompt_lens,
+            start_pos=self.start_pos,
+            empty_slots=self.empty_slots,
+            sampling_params=self.sampling_params,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            slot_remap=self.slot_remap,
+            kv_cache=self.kv_cache,
+            execution=self.execution,
+        )
 
 
 @attrs.frozen(eq=False)
@@ -130,33 +118,29 @@ class DecodeStep:
             read_from_device=read_from_device,
         )
 
-    def arguments(self) -> DecodeArguments:
-        """The given `DecodeArguments` (None fields and a False `reset_batch` omitted)."""
-        arguments = DecodeArguments(
-            tokens=self.tokens, start_pos=self.start_pos, page_table=self.page_table
-        )
-        if self.sampling_params is not None:
-            arguments["sampling_params"] = self.sampling_params
-        if self.prompt_tokens is not None:
-            arguments["prompt_tokens"] = self.prompt_tokens
-        if self.output_tokens is not None:
-            arguments["output_tokens"] = self.output_tokens
-        if self.slot_remap is not None:
-            arguments["slot_remap"] = self.slot_remap
-        if self.reset_batch:
-            arguments["reset_batch"] = True
-        return arguments
-
     def keywords(self, *, with_read: bool = True) -> dict[str, object]:
-        """The executor call's keywords (`read_from_device` only for `decode_forward`)."""
-        keywords: dict[str, object] = dict(self.arguments())
+        """The executor call's keywords (`read_from_device` only for `decode_forward`; a
+        False `reset_batch` is omitted, as the caller omitted it)."""
+        given = _given(
+            tokens=self.tokens,
+            start_pos=self.start_pos,
+            page_table=self.page_table,
+            sampling_params=self.sampling_params,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            slot_remap=self.slot_remap,
+            reset_batch=True if self.reset_batch else None,
+            kv_cache=self.kv_cache,
+            execution=self.execution,
+        )
         if with_read:
-            keywords["read_from_device"] = self.read_from_device
-        if self.kv_cache is not None:
-            keywords["kv_cache"] = self.kv_cache
-        if self.execution is not None:
-            keywords["execution"] = self.execution
-        return keywords
+            given["read_from_device"] = self.read_from_device
+        return given
+
+
+def _given(**values: object) -> dict[str, object]:
+    """The keywords whose value was given (None means omitted, as for every step field)."""
+    return {name: value for name, value in values.items() if value is not None}
 
 
 LaneStep = PrefillStep | DecodeStep

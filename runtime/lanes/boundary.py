@@ -201,9 +201,18 @@ def check_group_decode(
             device_feedback=False,
         )
     check_block_ids(lane.page_table, geometry.num_blocks)
-    if params is None:
-        return
-    active = tuple(bool(flag) for flag in lane.active.tolist())
+    if params is not None:
+        _check_decode_sampling(geometry, params, lane.active, sampling)
+
+
+def _check_decode_sampling(
+    geometry: GroupGeometry,
+    params: SamplingParams,
+    active_mask: torch.Tensor,
+    sampling: SamplingMemo | None,
+) -> None:
+    """The sampler's row rules over the global slots (once per repeated request)."""
+    active = tuple(bool(flag) for flag in active_mask.tolist())
     if sampling is None or not sampling.passed(params, active):
         _check_sampling(geometry, params, active=list(active), kind="decode")
         if sampling is not None:

@@ -158,7 +158,21 @@ def _held_resources(target: object) -> tuple[str, ...]:
 
 
 def describe(target: object, *, with_tokenizer: bool = False) -> LaneFacts:
-    """The facts of a lane executor (duck-typed, so fake lanes may be small)."""
+    """The facts of a lane executor (duck-typed, so fake lanes may be small), with what the
+    group's boundary checks a call against and what the lane still holds."""
+    facts = _served_facts(target, with_tokenizer=with_tokenizer)
+    kv_manager = getattr(target, "kv_cache_manager", None)
+    decode_config = getattr(getattr(target, "decode_runtime", None), "config", None)
+    return attrs.evolve(
+        facts,
+        plan_limits=getattr(getattr(target, "prefill_runtime", None), "plan_limits", None),
+        max_device_top_k=getattr(decode_config, "max_device_top_k", None),
+        held_resources=_held_resources(target),
+        kv_cache_shapes=tuple(tuple(shape) for shape in getattr(kv_manager, "cache_shapes", ())),
+    )
+
+
+def _served_facts(target: object, *, with_tokenizer: bool) -> LaneFacts:
     config = getattr(target, "config", None)
     trace = getattr(config, "trace", None)
     model = getattr(target, "model", None)
@@ -193,14 +207,6 @@ def describe(target: object, *, with_tokenizer: bool = False) -> LaneFacts:
         coverage_manifest=getattr(target, "coverage_manifest", None),
         torch_threads=torch.get_num_threads(),
         kv_bytes_per_block=getattr(kv_manager, "bytes_per_block", None),
-        plan_limits=getattr(getattr(target, "prefill_runtime", None), "plan_limits", None),
-        max_device_top_k=getattr(
-            getattr(getattr(target, "decode_runtime", None), "config", None),
-            "max_device_top_k",
-            None,
-        ),
-        held_resources=_held_resources(target),
-        kv_cache_shapes=tuple(tuple(shape) for shape in getattr(kv_manager, "cache_shapes", ())),
         fault_attempts=tuple((getattr(device, "attempts", None) or {}).items()),
         faults_injected=int(getattr(device, "injected_total", 0)),
     )
