@@ -523,9 +523,7 @@ def measure_kernel_plan(
     key = (shapes, model.dtype, tuple(buckets), torch.get_num_threads(), attention, tuple(notes))
     plan = _MEASURED.get(key)
     if plan is None:
-        plan = _measure(
-            model, buckets=buckets, attention=attention, notes=notes, progress=progress
-        )
+        plan = _measure(model, buckets=buckets, attention=attention, notes=notes, progress=progress)
         _MEASURED[key] = plan
     return plan
 
