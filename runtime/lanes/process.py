@@ -389,8 +389,12 @@ def spawn_process_lanes(
     envs: Sequence[dict[str, str]] | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ready: Callable[[int], None] | None = None,
 ) -> list[ProcessLane]:
-    """Start every worker first, then wait for all (startup overlaps); all or nothing."""
+    """Start every worker first, then wait for all (startup overlaps); all or nothing.
+
+    `ready(index)` is called as each lane reports ready, in lane order (progress).
+    """
     lanes: list[ProcessLane] = []
     try:
         for index, factory in enumerate(factories):
@@ -400,6 +404,8 @@ def spawn_process_lanes(
             )
         for lane in lanes:
             lane.wait_ready(startup_timeout_s)
+            if ready is not None:
+                ready(lane.index)
     except BaseException as error:
         for lane in lanes:
             try:
