@@ -291,7 +291,7 @@ def derive_prefill_cases(
     return _kept(deriver.best.values(), coverage)
 
 
-def widest_wave(prefill: Any, lane_batch_size: int) -> int:
+def widest_wave(prefill: PrefillRuntime, lane_batch_size: int) -> int:
     """The most equal rows the planner can batch into one wave in this lane.
 
     A bucket of more rows than the policy's largest supported prefill batch runs row by row
