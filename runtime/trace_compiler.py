@@ -197,6 +197,7 @@ class TraceCompiler:
         self._last_replayed: TraceKey | None = None
         self._captures = 0
         self._capture_failed = False
+        self._release_attempted = False
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -244,7 +245,13 @@ class TraceCompiler:
 
     @property
     def rollback_orphan_count(self) -> int:
-        """Resources a failed capture or cleanup could not release yet."""
+        """Resources a failed capture or cleanup could not release yet.
+
+        A live trace is not an orphan: it counts only once a release (rollback or cleanup)
+        was attempted and left it, so a refused call on a serving lane never faults it.
+        """
+        if not self._release_attempted:
+            return len(self._orphans)
         unreleased = sum(1 for r in self._records.values() if r.artifact is not None)
         return len(self._orphans) + unreleased
 
@@ -425,6 +432,7 @@ class TraceCompiler:
 
     def _release_everything(self) -> list[BaseException]:
         """Release every trace, then its inputs; a trace that fails to release keeps them."""
+        self._release_attempted = True
         failures: list[BaseException] = []
         for record in self._records.values():
             if record.shares is not None:

@@ -272,7 +272,7 @@ def derive_prefill_cases(
     """One case per distinct prefill program signature the lane's requests can produce.
 
     Probes every prompt length `1..max_prompt_length` as a single row (uncached, and behind a
-    one-block cached prefix), then every wave of 2..`lane_batch_size` equal rows at each padded
+    one-block cached prefix), then every wave of 2..`widest_wave` equal rows at each padded
     length the single rows produced.
     """
     block = prefill.config.page_table_layout.block_size
@@ -286,9 +286,21 @@ def derive_prefill_cases(
             if not request.uses_chunked_prefill:
                 wave_lengths.setdefault(request.padded_sequence_length, request.prompt_lengths[0])
     for prompt in wave_lengths.values():
-        for rows in range(2, lane_batch_size + 1):
+        for rows in range(2, widest_wave(prefill, lane_batch_size) + 1):
             deriver.wave(prompt, rows)
     return _kept(deriver.best.values(), coverage)
+
+
+def widest_wave(prefill: PrefillRuntime, lane_batch_size: int) -> int:
+    """The most equal rows the planner can batch into one wave in this lane.
+
+    A bucket of more rows than the policy's largest supported prefill batch runs row by row
+    (`runtime.prefill.plan._WaveRule`), and those single rows are what the single-row probes
+    already planned (at a better rank), so waves past this bound add no signature. Without
+    the bound a lane of N slots planned O(N^2) requests (minutes at N = 512).
+    """
+    supported: tuple[int, ...] = prefill.config.policy.supported_prefill_batch_sizes
+    return min(lane_batch_size, max(supported))
 
 
 def _kept(candidates: Iterable[_Candidate], coverage: CoverageFilter) -> tuple[WarmupCase, ...]:
