@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from lifecycle.errors import attach_cleanup_failures
+from models.progress import as_progress
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
 
@@ -79,15 +80,18 @@ def load_lane_group(
     per_lane = max_batch_size // lanes
     if lane_transport == "inprocess":
         built: list[InProcessLane] = []
+        sink = as_progress(kwargs.get("progress"))
         try:
-            for index in range(lanes):
-                executor = load_executor(
-                    model,
-                    max_batch_size=per_lane,
-                    device=_lane_device(device, index),
-                    **kwargs,
-                )
-                built.append(InProcessLane(executor, index=index))
+            with sink.step(f"load {lanes} in-process lanes", total=lanes, each=True) as step:
+                for index in range(lanes):
+                    executor = load_executor(
+                        model,
+                        max_batch_size=per_lane,
+                        device=_lane_device(device, index),
+                        **kwargs,
+                    )
+                    built.append(InProcessLane(executor, index=index))
+                    step.advance(1, f"lane {index} loaded")
         except BaseException as error:
             failures: list[BaseException] = []
             for lane in built:
@@ -98,7 +102,8 @@ def load_lane_group(
             attach_cleanup_failures(error, failures, note="closing the lanes already built")
             raise
         return LaneGroupExecutor(built, call_timeout_s=call_timeout_s)
-    kwargs.pop("progress", None)  # a callback of this process cannot run in a worker
+    # A callback of this process cannot run in a worker: it shows the lanes starting instead.
+    sink = as_progress(kwargs.pop("progress", None))
     cuda = device.startswith("cuda")
     factory = functools.partial(
         load_executor,
@@ -108,10 +113,13 @@ def load_lane_group(
         **kwargs,
     )
     envs = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(lanes)] if cuda else None
-    process_lanes = spawn_process_lanes(
-        [factory] * lanes,
-        threads=threads_per_lane or 1,
-        envs=envs,
-        call_timeout_s=call_timeout_s or 600.0,
-    )
+    started = sink.step(f"start {lanes} lane processes", total=lanes, each=True, estimate=False)
+    with started as step:
+        process_lanes = spawn_process_lanes(
+            [factory] * lanes,
+            threads=threads_per_lane or 1,
+            envs=envs,
+            call_timeout_s=call_timeout_s or 600.0,
+            ready=lambda index: step.advance(1, f"lane {index} loaded"),
+        )
     return LaneGroupExecutor(process_lanes, call_timeout_s=call_timeout_s)

@@ -24,14 +24,27 @@ class ProgressSink(Protocol):
     def __call__(self, label: str, index: int, total: int) -> None:
         """Warmup case `index` of `total` (1-based) starts; `label` describes it."""
 
-    def step(self, name: str, *, total: int | None = None) -> Any:
-        """A context manager around one slow step; its value has `advance(n, detail)`."""
+    def step(
+        self, name: str, *, total: int | None = None, each: bool = False, estimate: bool = True
+    ) -> Any:
+        """A context manager around one slow step; its value has `advance(n, detail)`.
+
+        `each`: the advances are worth lines of their own (kernel measurements, lane
+        start-up), so a pipe sees `i/n` and an estimate while the step runs, not only its end
+        (`ConsoleProgress` prints at most one such line a second). `estimate=False`: the
+        items run in parallel, so the mean time so far does not predict the rest.
+        """
 
     def announce(self, message: str) -> None:
         """A one-line notice (e.g. what a benchmark phase will measure and for how long)."""
 
     def cases_done(self) -> None:
         """The warmup cases reported through `__call__` are finished."""
+
+
+EACH_LINE_INTERVAL_S = 1.0
+"""On a pipe, a step with `each=True` prints at most one `i/n` line per this many seconds
+(a fast step prints only its finishing line; a slow one says where it is every second)."""
 
 
 class _NullStep:
@@ -46,7 +59,9 @@ class NullProgress:
         pass
 
     @contextmanager
-    def step(self, name: str, *, total: int | None = None) -> Iterator[_NullStep]:
+    def step(
+        self, name: str, *, total: int | None = None, each: bool = False, estimate: bool = True
+    ) -> Iterator[_NullStep]:
         yield _NullStep()
 
     def announce(self, message: str) -> None:
@@ -59,13 +74,23 @@ class NullProgress:
 class _Step:
     """One running step: a rich task on a terminal, a finishing line elsewhere."""
 
-    def __init__(self, owner: ConsoleProgress, name: str, total: int | None) -> None:
+    def __init__(
+        self,
+        owner: ConsoleProgress,
+        name: str,
+        total: int | None,
+        *,
+        each: bool = False,
+        estimate: bool = True,
+    ) -> None:
         self.owner = owner
         self.name = name
         self.total = total
+        self.each = each
+        self.estimate = estimate
         self.done = 0
         self.detail = ""
-        self.started = time.perf_counter()
+        self.started = self.last_line = time.perf_counter()
         self.task: Any = None
         if owner._bars is not None:
             self.task = owner._bars.add_task(name, total=total)
@@ -77,13 +102,28 @@ class _Step:
         if self.task is not None:
             label = f"{self.name} ({detail})" if detail else self.name
             self.owner._bars.update(self.task, advance=count, description=label)
+        elif self.each and count and self.done != self.total:
+            now = time.perf_counter()
+            if now - self.last_line >= EACH_LINE_INTERVAL_S:
+                self.last_line = now
+                total = self.total or "?"
+                self.owner._line(f"{self.name} {self.done}/{total}: {detail}{self.eta()}")
+
+    def eta(self, finished: int | None = None) -> str:
+        """`; about N s left` from the mean time per finished item so far ('' when unknown
+        or under a second)."""
+        finished = self.done if finished is None else finished
+        if not self.estimate or not self.total or finished <= 0 or finished >= self.total:
+            return ""
+        left = (time.perf_counter() - self.started) / finished * (self.total - finished)
+        return f"; about {_seconds(left)} left" if left >= 1.0 else ""
 
     def finish(self) -> None:
         seconds = time.perf_counter() - self.started
         if self.task is not None:
             self.owner._bars.remove_task(self.task)
         count = f" {self.done}/{self.total}" if self.total else ""
-        detail = f"; {self.detail}" if self.detail else ""
+        detail = f"; {self.detail}" if self.detail and not self.each else ""
         self.owner._line(f"{self.name}{count}: done in {seconds:.1f} s{detail}")
 
 
@@ -141,13 +181,19 @@ class ConsoleProgress:
             print(text, file=self._stream, flush=True)
 
     @contextmanager
-    def step(self, name: str, *, total: int | None = None) -> Iterator[_Step]:
-        """Show `name` while the block runs; a finishing line says how long it took."""
+    def step(
+        self, name: str, *, total: int | None = None, each: bool = False, estimate: bool = True
+    ) -> Iterator[_Step]:
+        """Show `name` while the block runs; a finishing line says how long it took.
+
+        With `each`, a pipe also gets `name i/n: detail; about N s left` lines while it
+        runs (at most one per `EACH_LINE_INTERVAL_S`); a terminal shows the same in the bar.
+        """
         self._finish_warmup()
         if self.enabled:
             self._start_bars()
         self._depth += 1
-        step = _Step(self, name, total)
+        step = _Step(self, name, total, each=each, estimate=estimate)
         try:
             yield step
         finally:
@@ -156,7 +202,11 @@ class ConsoleProgress:
             self._stop_bars()
 
     def __call__(self, label: str, index: int, total: int) -> None:
-        """The warmup coordinator's callback: case `index` of `total` starts."""
+        """The warmup coordinator's callback: case `index` of `total` starts.
+
+        A terminal shows it in the warmup bar; a pipe gets one line per case, `warmup
+        OPERATION i/n: label`, with an estimate of the time left from the mean case so far.
+        """
         if not self.enabled:
             return
         if self._warmup is None or index == 1:
@@ -164,12 +214,17 @@ class ConsoleProgress:
             self._start_bars()
             operation = label.split()[0] if label.split() else "cases"
             self._warmup = _Step(self, f"warmup {operation} shapes", total)
+        warmup = self._warmup
+        eta = warmup.eta(index - 1)
         if index > 1:
-            self._warmup.advance(1, label)
-        elif self._warmup.task is not None:
-            self._bars.update(self._warmup.task, description=f"{self._warmup.name} ({label})")
+            warmup.advance(1, label)
+        if warmup.task is not None:
+            self._bars.update(warmup.task, description=f"{warmup.name} ({label}{eta})")
+        else:
+            operation = warmup.name.removeprefix("warmup ").removesuffix(" shapes")
+            self._line(f"warmup {operation} {index}/{total}: {label}{eta}")
         if index == total:
-            self._warmup.advance(0, label)
+            warmup.advance(0, label)
 
     def _finish_warmup(self) -> None:
         if self._warmup is not None:
@@ -193,6 +248,12 @@ class ConsoleProgress:
         self._finish_warmup()
         self._depth = 0
         self._stop_bars()
+
+
+def _seconds(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    return f"{seconds / 60:.0f} min"
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -169,7 +169,7 @@ class DecodeRuntime:
         lane = check_lane_inputs(config.lane_capacity, tokens, start_pos, page_table)
         require_bool("reset_batch", reset_batch)
         params = check_sampling_arguments(
-            config,
+            config.device_sampling_enabled,
             sampling_params,
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,

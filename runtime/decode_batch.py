@@ -204,7 +204,7 @@ def check_token_ids(lane: LaneInputs, vocab_size: int) -> None:
 
 
 def check_sampling_arguments(
-    config: DecodeRuntimeConfig,
+    device_sampling_enabled: bool,
     sampling_params: object,
     *,
     prompt_tokens: object,
@@ -224,7 +224,7 @@ def check_sampling_arguments(
                     "pass sampling_params or leave it None"
                 )
         return None
-    if not config.device_sampling_enabled:
+    if not device_sampling_enabled:
         raise ValueError(
             "sampling_params were supplied but device sampling is disabled; resolve "
             "DecodeRuntimeConfig with device_sampling_enabled=True"

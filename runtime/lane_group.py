@@ -10,86 +10,60 @@ to the primary error. See docs/lanes.md.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Unpack
+from collections.abc import Callable, Sequence
+from typing import TypeVar, Unpack
 
 import attrs
+import torch
 
-from lifecycle import LifecycleHost, Phase, PhaseError, guarded, host_table
+from lifecycle import LifecycleHost, Phase, PhaseError, guarded
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
 from runtime.decode_batch import DecodeArguments
 from runtime.lane_routing import (
+    LaneOutput,
     LaneRows,
     concat_decode,
     join_async_reads,
+    lane_executions,
     one_per_lane,
     per_lane_argument,
     scatter_prefill,
     split_decode,
     split_prefill,
+    trace_probes,
 )
 from runtime.lanes.barrier import (
     agreed_phase_after_warmup,
     check_capture_barrier,
     check_same_readiness,
 )
-from runtime.lanes.fanout import TERMINAL_TEXT, LaneFanOut, close_all
+from runtime.lanes.boundary import (
+    GroupBoundary,
+    check_cache_spec_given,
+    check_group_cache_shape,
+    check_traced_executions,
+)
+from runtime.lanes.fanout import LaneFanOut, close_all
+from runtime.lanes.group_table import (
+    BEFORE_ALLOCATED,
+    GROUP_TABLE,
+    SETUP,
+    clone_config,
+    warmup_call,
+)
 from runtime.lanes.group_view import LaneGroupView
 from runtime.lanes.protocol import Lane, LaneFailure
-from runtime.prefill.batch import PrefillArguments
-from runtime.validation import positive_int
+from runtime.prefill.batch import IntVector, PrefillArguments
+from runtime.steps import DecodeStep, PrefillStep
+from runtime.validation import positive_int, require_bool
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 P = Phase
-_SETUP = (P.ALLOCATED, P.COMPILED)
-
-
-def _group_table() -> Any:
-    table = host_table(
-        name="lane-group",
-        next_calls={
-            P.CONSTRUCTED: ("configure_paged_kv_cache", "allocate_kv_cache"),
-            P.CAPACITY_RESOLVED: ("allocate_kv_cache",),
-            P.SEALED: ("allocate_kv_cache",),
-            P.ALLOCATED: ("warmup_prefill", "warmup_decode"),
-            P.COMPILED: ("capture", "serve"),
-            P.CAPTURED: ("serve",),
-            P.SERVING: ("prefill_forward", "decode_forward", "close"),
-        },
-    )
-    states = tuple(
-        attrs.evolve(spec, refusal=TERMINAL_TEXT) if spec.state is P.TERMINAL else spec
-        for spec in table.states
-    )
-    return attrs.evolve(table, states=states)
-
-
-GROUP_TABLE = _group_table()
-
-
-def _warmup_call(operation: str, doc: str) -> Callable[..., None]:
-    """The group's `warmup_prefill` / `warmup_decode`: one fan-out, named per operation."""
-
-    def warm(
-        self: LaneGroupExecutor,
-        *,
-        kv_cache: Any = None,
-        can_sample_on_device: bool | None = None,
-        enable_trace: bool | None = None,
-    ) -> None:
-        hints = {"can_sample_on_device": can_sample_on_device, "enable_trace": enable_trace}
-        self._warm(operation, kv_cache, hints)
-
-    warm.__name__ = operation
-    warm.__qualname__ = f"LaneGroupExecutor.{operation}"
-    warm.__doc__ = doc
-    return guarded(*_SETUP, operation=operation)(warm)
 
 
 class LaneGroupExecutor(LaneGroupView, LifecycleHost):
@@ -101,7 +75,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self,
         lanes: Sequence[Lane],
         *,
-        mesh_device: Any = None,
+        mesh_device: object = None,
         owner_name: str = "LaneGroupExecutor",
         journal: Journal | None = None,
         call_timeout_s: float | None = None,
@@ -127,8 +101,9 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self.max_batch_size = self.tt_data_parallel * self.per_lane_max_batch_size
         self._explicit_mesh = mesh_device
         self._lanes = LaneFanOut(lanes, self.journal, call_timeout_s)
+        self._boundary = GroupBoundary(owner_name, self.per_lane_max_batch_size)
         self._reset_owed = [False] * len(lanes)
-        self._kv_handles: list[Any] | None = None
+        self._kv_handles: list[object] | None = None
         self._kernels_shared = False
         self.requires_prefill_trace_warmup = True
         self.step_host_seconds = 0.0
@@ -148,7 +123,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
     # -- the guard ------------------------------------------------------------------------------
 
-    def _guard(self, operation: str, work: Callable[[], Any]) -> Any:
+    def _guard(self, operation: str, work: Callable[[], T]) -> T:
         """Run `work`; on any failure clean up every lane, end terminal, re-raise."""
         try:
             return work()
@@ -183,19 +158,52 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     def _refresh(self) -> None:
         self._lanes.each("describe")
 
-    def _split_prefill(
-        self, request: dict[str, Any]
-    ) -> tuple[dict[int, dict[str, Any]], dict[int, LaneRows]]:
-        """Validate and split one global prefill into per-lane requests (no lane work)."""
-        return split_prefill(request, per_lane=self.per_lane_max_batch_size, lanes=len(self.lanes))
+    def _prefill_step(
+        self, arguments: PrefillArguments, kv_cache: object, execution: object
+    ) -> tuple[dict[int, PrefillStep], dict[int, LaneRows]]:
+        """The boundary: check one global prefill, then split it into per-lane steps.
 
-    def _split_decode(self, request: dict[str, Any], compile_only: bool = False) -> list[Any]:
-        """Validate one global decode and split it into contiguous lane batches."""
-        return split_decode(
-            request,
+        Every caller error raises here, before any lane is called, so a refusal leaves the
+        group and every lane as they were.
+        """
+        lanes = len(self.lanes)
+        caches = per_lane_argument("kv_cache", kv_cache, lanes)
+        executions = lane_executions(execution, lanes)
+        check_traced_executions(executions, "prefill", self.facts)
+        self._boundary.check_prefill(arguments, self.facts)
+        return split_prefill(
+            PrefillStep.of(arguments),
             per_lane=self.per_lane_max_batch_size,
-            lanes=len(self.lanes),
-            compile_only=compile_only,
+            lanes=lanes,
+            kv_caches=caches,
+            executions=executions,
+        )
+
+    def _decode_steps(
+        self, arguments: DecodeArguments, kv_cache: object, execution: object, read: bool
+    ) -> list[DecodeStep]:
+        """The boundary: check one global decode step, then split it into lane steps."""
+        lanes = len(self.lanes)
+        caches = per_lane_argument("kv_cache", kv_cache, lanes)
+        executions = lane_executions(execution, lanes)
+        check_traced_executions(executions, "decode", self.facts)
+        self._boundary.check_decode(arguments, self.facts)
+        return split_decode(
+            DecodeStep.of(arguments, read_from_device=read),
+            per_lane=self.per_lane_max_batch_size,
+            lanes=lanes,
+            kv_caches=caches,
+            executions=executions,
+        )
+
+    def held_resources(self) -> tuple[str, ...]:
+        """What every lane still holds that a finished call should have released, each
+        named with its lane (asks every lane: refreshes the facts)."""
+        self._lanes.each("describe")
+        return tuple(
+            f"DP lane {index}: {held}"
+            for index, fact in enumerate(self.facts)
+            for held in fact.held_resources
         )
 
     def _lane_phases(self) -> list[str]:
@@ -204,12 +212,12 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     # -- capacity, seal, allocate ---------------------------------------------------------------
 
     @guarded(P.CONSTRUCTED)
-    def configure_paged_kv_cache(self, config: Any) -> None:
+    def configure_paged_kv_cache(self, config: object) -> None:
         """Late KV capacity for every lane: one config (cloned per lane) or one per lane."""
         if isinstance(config, Sequence) and not isinstance(config, str | bytes):
             configs = per_lane_argument("config", config, len(self.lanes))
         else:
-            configs = [_clone(config) for _ in self.lanes]
+            configs = [clone_config(config) for _ in self.lanes]
 
         def work() -> str:
             self._lanes.each("configure_paged_kv_cache", lambda i: {"config": configs[i]})
@@ -218,7 +226,9 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
         self._guard(
             "configure_paged_kv_cache",
-            lambda: self._lifecycle.transact("resolve_capacity", work, detail=_same),
+            lambda: self._lifecycle.transact(
+                "resolve_capacity", work, detail=lambda detail: detail
+            ),
         )
 
     def check_kv_memory(self, num_blocks: int) -> None:
@@ -266,13 +276,22 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         """SEALED -> ALLOCATED on every lane."""
         self._guard("allocate", lambda: super(LaneGroupExecutor, self).allocate())
 
-    @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED)
+    @guarded(*BEFORE_ALLOCATED)
     def allocate_kv_cache(
-        self, kv_cache_shape: Any = None, dtype: Any = None, num_layers: int | None = None
-    ) -> list[Any]:
-        """Resolve, seal and allocate every lane (arguments forwarded unchanged)."""
+        self,
+        kv_cache_shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        num_layers: int | None = None,
+    ) -> list[object]:
+        """Resolve, seal and allocate every lane. A server's spec (all three or none) goes to
+        every lane in CONSTRUCTED; once capacity is resolved it must match every lane's
+        model-derived shapes, checked before any lane allocates (a mismatch changes nothing).
+        """
+        check_cache_spec_given(kv_cache_shape, dtype, num_layers)
+        if self.phase is not P.CONSTRUCTED and kv_cache_shape is not None:
+            check_group_cache_shape(self.facts, kv_cache_shape, num_layers)
 
-        def work() -> list[Any]:
+        def work() -> list[object]:
             if self.phase is P.CONSTRUCTED and kv_cache_shape is not None:
                 # The server's physical spec: every lane resolves it in its own call.
                 handles = self._lanes.each(
@@ -296,34 +315,32 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
             assert self._kv_handles is not None
             return self._kv_handles
 
-        return self._guard("allocate_kv_cache", work)  # type: ignore[no-any-return]
+        return self._guard("allocate_kv_cache", work)
 
     # -- compile, warm, capture -----------------------------------------------------------------
 
-    @guarded(*_SETUP)
+    @guarded(*SETUP)
     def compile_prefill(
         self, *, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
     ) -> None:
         """Compile one slot-routed prefill on the lanes it reaches (returns None)."""
-        routed, _ = self._split_prefill(_with_lane_values(arguments, kv_cache=kv_cache))
+        routed, _ = self._prefill_step(arguments, kv_cache, None)
         self._guard(
             "compile_prefill",
             lambda: self._lanes.each(
-                "compile_prefill",
-                lambda i: routed[i],
-                lanes=sorted(routed),
+                "compile_prefill", lambda i: {"step": routed[i]}, lanes=sorted(routed)
             ),
         )
 
-    @guarded(*_SETUP)
+    @guarded(*SETUP)
     def compile_decode(
         self, *, kv_cache: object = None, **arguments: Unpack[DecodeArguments]
     ) -> None:
         """Compile one decode call on every fixed-capacity lane (returns None)."""
-        request = _with_lane_values(arguments, kv_cache=kv_cache)
-        split = self._split_decode(request, compile_only=True)
+        split = self._decode_steps(arguments, kv_cache, None, True)
         self._guard(
-            "compile_decode", lambda: self._lanes.each("compile_decode", lambda i: split[i])
+            "compile_decode",
+            lambda: self._lanes.each("compile_decode", lambda i: {"step": split[i]}),
         )
 
     def _after_warmup(self, operation: str, enable_trace: bool | None) -> None:
@@ -346,7 +363,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
             self._lanes.each("adopt_kernels", lambda index: {"plan": plan}, lanes=others)
         self._kernels_shared = True
 
-    def _warm(self, operation: str, kv_cache: Any, hints: dict[str, bool | None]) -> None:
+    def _warm(self, operation: str, kv_cache: object, hints: dict[str, bool | None]) -> None:
         caches = per_lane_argument("kv_cache", kv_cache, len(self.lanes))
 
         def work() -> None:
@@ -356,23 +373,31 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
         self._guard(operation, work)
 
-    warmup_prefill = _warmup_call(
+    warmup_prefill = warmup_call(
         "warmup_prefill",
         "Warm prefill on every lane with its own cache; all COMPILED -> group COMPILED.",
     )
-    warmup_decode = _warmup_call(
+    warmup_decode = warmup_call(
         "warmup_decode", "Warm decode on every lane (at the lane capacity) with its own cache."
     )
 
-    def warmup_model_prefill(self, **kwargs: Any) -> None:
-        """The seed's name for `warmup_prefill`."""
-        self.warmup_prefill(**kwargs)
+    warmup_model_prefill = warmup_prefill
+    """The seed's name for `warmup_prefill`."""
 
-    def warmup_model_decode(self, **kwargs: Any) -> None:
-        """The seed's name; decode always warms `per_lane_max_batch_size` rows per lane."""
-        kwargs.pop("max_batch_size", None)
-        kwargs.pop("num_blocks", None)
-        self.warmup_decode(**kwargs)
+    def warmup_model_decode(
+        self,
+        *,
+        kv_cache: object = None,
+        can_sample_on_device: bool | None = None,
+        enable_trace: bool | None = None,
+        max_batch_size: object = None,
+        num_blocks: object = None,
+    ) -> None:
+        """The seed's name; decode always warms `per_lane_max_batch_size` rows per lane
+        (`max_batch_size` and `num_blocks` are accepted and ignored)."""
+        self.warmup_decode(
+            kv_cache=kv_cache, can_sample_on_device=can_sample_on_device, enable_trace=enable_trace
+        )
 
     def _do_compile(self) -> str:
         self._share_kernels()
@@ -424,19 +449,20 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         kv_cache: object = None,
         execution: object = None,
         **arguments: Unpack[PrefillArguments],
-    ) -> Any:
-        """Prefill global rows: route by slot, preflight traced lanes, run, restore order.
+    ) -> LaneOutput:
+        """Prefill global rows: check, route by slot, preflight traced lanes, run, restore order.
 
         `kv_cache` and `execution`: one value, or one per lane (None: each lane's own)."""
-        request = _with_lane_values(arguments, kv_cache=kv_cache, execution=execution)
-        routed, routes = self._split_prefill(request)
+        routed, routes = self._prefill_step(arguments, kv_cache, execution)
         batch = int(arguments["tokens"].shape[0])
 
-        def work() -> Any:
+        def work() -> LaneOutput:
             tickets = self._lanes.preflight_traced(routed)
 
-            def lane_call(index: int) -> dict[str, Any]:
-                return {"preflighted": tickets[index]} if index in tickets else routed[index]
+            def lane_call(index: int) -> dict[str, object]:
+                if index in tickets:
+                    return {"preflighted": tickets[index]}
+                return {"step": routed[index]}
 
             method_of = {
                 i: "execute_preflighted_prefill" if i in tickets else "prefill_forward"
@@ -450,24 +476,20 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     def can_trace_prefill(
         self,
         *,
-        tokens: Any,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        empty_slots: Any = None,
+        tokens: torch.Tensor,
+        prompt_lens: IntVector = None,
+        start_pos: IntVector = None,
+        empty_slots: IntVector = None,
     ) -> bool:
         """True only if every participating lane can replay a trace for its rows."""
-        routed, _ = self._split_prefill(
-            {
-                "tokens": tokens,
-                "prompt_lens": prompt_lens,
-                "start_pos": start_pos,
-                "empty_slots": empty_slots,
-            }
+        probes = trace_probes(
+            tokens,
+            prompt_lens,
+            start_pos,
+            empty_slots,
+            per_lane=self.per_lane_max_batch_size,
+            lanes=len(self.lanes),
         )
-        probes = {
-            lane: {k: v for k, v in request.items() if k != "empty_slots"}
-            for lane, request in routed.items()
-        }
         answers = self._guard(
             "can_trace_prefill",
             lambda: self._lanes.methods(
@@ -486,26 +508,25 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         execution: object = None,
         read_from_device: bool = True,
         **arguments: Unpack[DecodeArguments],
-    ) -> Any:
+    ) -> LaneOutput | list[object]:
         """One decode step over the global batch; every lane is issued before any is waited.
 
         `kv_cache` and `execution`: one value, or one per lane (None: each lane's own)."""
         clock = time.perf_counter()
-        request = _with_lane_values(arguments, kv_cache=kv_cache, execution=execution)
-        split = self._split_decode(request)
-        read = bool(read_from_device)
+        read = require_bool("read_from_device", read_from_device)
+        split = self._decode_steps(arguments, kv_cache, execution, read)
         active = self._active_lanes(split)
 
-        def kwargs_for(index: int) -> dict[str, Any]:
-            lane_request = {**split[index], "read_from_device": read}
+        def step_for(index: int) -> dict[str, object]:
+            step = split[index]
             if self._reset_owed[index]:
-                lane_request["reset_batch"] = True
+                step = attrs.evolve(step, reset_batch=True)
                 self._reset_owed[index] = False
-            return lane_request
+            return {"step": step}
 
-        def work() -> Any:
+        def work() -> LaneOutput | list[object]:
             lane_clock = time.perf_counter()
-            ran = self._lanes.methods(dict.fromkeys(active, "decode_forward"), kwargs_for)
+            ran = self._lanes.methods(dict.fromkeys(active, "decode_forward"), step_for)
             lane_seconds = time.perf_counter() - lane_clock
             slowest = max(self.lanes[i].last_call_seconds for i in active)
             outputs = [ran.get(i) for i in range(len(self.lanes))]
@@ -519,29 +540,30 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
         return self._guard("decode_forward", work)
 
-    def _active_lanes(self, split: Sequence[dict[str, Any]]) -> list[int]:
+    def _active_lanes(self, split: Sequence[DecodeStep]) -> list[int]:
         """Lanes with an active row; a sampled lane with none is skipped (its rows read 0).
 
         A lane's sampler refuses a batch without an active row, and nothing of an inactive
         row is read, so the group skips it; a `reset_batch` it missed is owed to its next call.
+        The boundary refused a sampled step without any active row.
         """
         lanes = list(range(len(self.lanes)))
-        if split[0].get("sampling_params") is None:
+        if split[0].sampling_params is None:
             return lanes
-        active = [i for i in lanes if bool((split[i]["start_pos"] >= 0).any())]
-        if not active:
-            return lanes  # let the lanes explain the empty batch
+        active = [i for i in lanes if bool((split[i].start_pos >= 0).any())]
         for index in set(lanes) - set(active):
-            if split[index].get("reset_batch"):
+            if split[index].reset_batch:
                 self._reset_owed[index] = True
         return active
 
     @guarded(P.SERVING)
-    def read_decode_output(self, tt_out: Any, *, async_read: bool = False) -> Any:
+    def read_decode_output(
+        self, tt_out: object, *, async_read: bool = False
+    ) -> list[object] | tuple[list[object], list[object]]:
         """Read every lane's raw output concurrently (async: hosts and flattened events)."""
         raws = one_per_lane("tt_out", tt_out, len(self.lanes))
 
-        def work() -> Any:
+        def work() -> list[object] | tuple[list[object], list[object]]:
             outputs = self._lanes.concurrently(
                 "read_decode_output",
                 lambda i: {"raw": raws[i], "async_read": async_read},
@@ -553,11 +575,11 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         return self._guard("read_decode_output", work)
 
     @guarded(P.SERVING)
-    def process_decode_output_host(self, tt_out: Any, *, is_tokens: bool = False) -> Any:
+    def process_decode_output_host(self, tt_out: object, *, is_tokens: bool = False) -> LaneOutput:
         """Complete every lane's read concurrently and concatenate (int64 when tokens)."""
         hosts = one_per_lane("tt_out", tt_out, len(self.lanes))
 
-        def work() -> Any:
+        def work() -> LaneOutput:
             outputs = self._lanes.concurrently(
                 "process_decode_output_host",
                 lambda i: {"host_value": hosts[i], "is_tokens": is_tokens},
@@ -575,22 +597,3 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         if not failures:
             self._kv_handles = None
         return failures
-
-
-def _clone(config: Any) -> Any:
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.replace(config)
-    if attrs.has(type(config)):
-        return attrs.evolve(config)
-    return copy.copy(config)
-
-
-def _same(detail: str) -> str:
-    return detail
-
-
-def _with_lane_values(arguments: Mapping[str, object], **per_lane: object) -> dict[str, Any]:
-    """One request dict for the router: the call's arguments plus the per-lane values given."""
-    request: dict[str, Any] = dict(arguments)
-    request.update({name: value for name, value in per_lane.items() if value is not None})
-    return request

@@ -10,15 +10,18 @@ length-1 values broadcast. Outputs come back in source-row order (prefill) or la
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import torch
 
+from runtime.prefill.batch import IntVector
 from runtime.sampling import SamplingParams, slice_sampling_params
+from runtime.steps import DecodeStep, PrefillStep
 from runtime.validation import is_int
 
 MISSING_LOGPROB = 1.0
+EXECUTIONS = ("eager", "traced")
+"""The per-lane `execution` names a lane executor takes (None: the lane's trace mode)."""
 
 
 @attrs.frozen
@@ -30,7 +33,7 @@ class LaneRows:
     local_slots: tuple[int, ...]
 
 
-def _int_list(name: str, value: Any) -> list[int]:
+def _int_list(name: str, value: object) -> list[int]:
     if isinstance(value, torch.Tensor):
         return [int(v) for v in value.reshape(-1).tolist()]
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
@@ -44,7 +47,7 @@ def _int_list(name: str, value: Any) -> list[int]:
 
 
 def route_prefill_rows(
-    batch: int, empty_slots: Any, *, per_lane: int, lanes: int
+    batch: int, empty_slots: IntVector, *, per_lane: int, lanes: int
 ) -> tuple[LaneRows, ...]:
     """Assign each source row to the lane of its global slot (only lanes with rows)."""
     slots = list(range(batch)) if empty_slots is None else _int_list("empty_slots", empty_slots)
@@ -65,20 +68,27 @@ def route_prefill_rows(
     )
 
 
-def select_rows(value: Any, rows: Sequence[int]) -> Any:
-    """Rows of a row-scoped tensor or sequence; None and scalars pass through."""
+def select_rows(value: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Rows of a row-scoped tensor (a 0-d tensor passes through)."""
+    if value.dim() == 0:
+        return value
+    return value.index_select(0, torch.tensor(list(rows), dtype=torch.long))
+
+
+def select_vector(value: IntVector, rows: Sequence[int]) -> IntVector:
+    """Rows of a per-row vector (a tensor, list or tuple, kept as that kind); None stays."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return value
-        return value.index_select(0, torch.tensor(list(rows), dtype=torch.long))
-    if isinstance(value, list | tuple):
-        return type(value)(value[r] for r in rows)
-    return value
+        return select_rows(value, rows)
+    if isinstance(value, list):
+        return [value[r] for r in rows]
+    return tuple(value[r] for r in rows)
 
 
-def slice_sampling(sampling_params: Any, rows: Sequence[int]) -> Any:
+def slice_sampling(
+    sampling_params: SamplingParams | None, rows: Sequence[int]
+) -> SamplingParams | None:
     """Row-scoped sampling fields follow their rows; length-1 fields broadcast."""
     if sampling_params is None:
         return None
@@ -90,8 +100,13 @@ def slice_sampling(sampling_params: Any, rows: Sequence[int]) -> Any:
 
 
 def history_for_lane(
-    name: str, value: Any, lane_rows: LaneRows, *, per_lane: int, capacity: int
-) -> Any:
+    name: str,
+    value: torch.Tensor | None,
+    lane_rows: LaneRows,
+    *,
+    per_lane: int,
+    capacity: int,
+) -> torch.Tensor | None:
     """Prompt/output token history placed at the lane's local slots (other slots -1)."""
     if value is None:
         return None
@@ -111,7 +126,9 @@ def history_for_lane(
     return out
 
 
-def remap_for_lane(slot_remap: Any, lane: int, *, per_lane: int, lanes: int) -> Any:
+def remap_for_lane(
+    slot_remap: IntVector, lane: int, *, per_lane: int, lanes: int
+) -> torch.Tensor | None:
     """A slot remap as lane-local indices (a global remap must stay inside each lane)."""
     if slot_remap is None:
         return None
@@ -132,7 +149,7 @@ def remap_for_lane(slot_remap: Any, lane: int, *, per_lane: int, lanes: int) -> 
     )
 
 
-def per_lane_argument(name: str, value: Any, lanes: int) -> list[Any]:
+def per_lane_argument(name: str, value: object, lanes: int) -> list[object]:
     """A per-lane sequence argument (`kv_cache`, `execution`); None means the default."""
     if value is None:
         return [None] * lanes
@@ -145,103 +162,116 @@ def per_lane_argument(name: str, value: Any, lanes: int) -> list[Any]:
     return list(value)
 
 
-# -- one request, split ---------------------------------------------------------------------------
+# -- one step, split ------------------------------------------------------------------------------
 
-_HISTORY = ("prompt_tokens", "output_tokens")
+
+def lane_executions(value: object, lanes: int) -> list[str | None]:
+    """`execution` per lane: None (each lane's own choice) or one name or None per lane."""
+    entries: list[str | None] = []
+    for entry in per_lane_argument("execution", value, lanes):
+        if entry is not None and entry not in EXECUTIONS:
+            raise ValueError(f"execution must be None, 'eager' or 'traced', got {entry!r}")
+        entries.append(entry if isinstance(entry, str) else None)
+    return entries
 
 
 def split_prefill(
-    request: dict[str, Any], *, per_lane: int, lanes: int
-) -> tuple[dict[int, dict[str, Any]], dict[int, LaneRows]]:
-    """One global prefill as per-lane requests (only lanes with rows), and each lane's rows."""
-    request = dict(request)
-    tokens = request.pop("tokens")
+    step: PrefillStep,
+    *,
+    per_lane: int,
+    lanes: int,
+    kv_caches: Sequence[object],
+    executions: Sequence[str | None],
+) -> tuple[dict[int, PrefillStep], dict[int, LaneRows]]:
+    """One global prefill as per-lane steps (only lanes with rows), and each lane's rows."""
     routes = route_prefill_rows(
-        int(tokens.shape[0]), request.pop("empty_slots", None), per_lane=per_lane, lanes=lanes
+        int(step.tokens.shape[0]), step.empty_slots, per_lane=per_lane, lanes=lanes
     )
-    caches = per_lane_argument("kv_cache", request.pop("kv_cache", None), lanes)
-    executions = per_lane_argument("execution", request.pop("execution", None), lanes)
-    per_lane_requests: dict[int, dict[str, Any]] = {}
+    capacity = per_lane * lanes
+    steps: dict[int, PrefillStep] = {}
     for lane_rows in routes:
-        out = {"tokens": select_rows(tokens, lane_rows.rows)}
-        for name, value in request.items():
-            out[name] = _prefill_field(name, value, lane_rows, per_lane=per_lane, lanes=lanes)
-        out["empty_slots"] = list(lane_rows.local_slots)
-        _add_lane_defaults(out, caches[lane_rows.lane], executions[lane_rows.lane])
-        per_lane_requests[lane_rows.lane] = out
-    return per_lane_requests, {r.lane: r for r in routes}
-
-
-def _prefill_field(name: str, value: Any, lane_rows: LaneRows, *, per_lane: int, lanes: int) -> Any:
-    rows = lane_rows.rows
-    if name in ("page_table", "prompt_lens", "start_pos"):
-        return select_rows(value, rows)
-    if name == "sampling_params":
-        return slice_sampling(value, rows)
-    if name in _HISTORY:
-        return history_for_lane(
-            name, value, lane_rows, per_lane=per_lane, capacity=per_lane * lanes
+        rows = lane_rows.rows
+        steps[lane_rows.lane] = PrefillStep(
+            tokens=select_rows(step.tokens, rows),
+            page_table=select_rows(step.page_table, rows),
+            prompt_lens=select_vector(step.prompt_lens, rows),
+            start_pos=select_vector(step.start_pos, rows),
+            empty_slots=list(lane_rows.local_slots),
+            sampling_params=slice_sampling(step.sampling_params, rows),
+            prompt_tokens=history_for_lane(
+                "prompt_tokens", step.prompt_tokens, lane_rows, per_lane=per_lane, capacity=capacity
+            ),
+            output_tokens=history_for_lane(
+                "output_tokens", step.output_tokens, lane_rows, per_lane=per_lane, capacity=capacity
+            ),
+            slot_remap=remap_for_lane(
+                step.slot_remap, lane_rows.lane, per_lane=per_lane, lanes=lanes
+            ),
+            kv_cache=kv_caches[lane_rows.lane],
+            execution=executions[lane_rows.lane],
         )
-    if name == "slot_remap":
-        return remap_for_lane(value, lane_rows.lane, per_lane=per_lane, lanes=lanes)
-    return value
-
-
-def _add_lane_defaults(out: dict[str, Any], kv_cache: Any, execution: Any) -> None:
-    """A lane's own KV cache and execution choice, only where the caller gave one."""
-    if kv_cache is not None:
-        out["kv_cache"] = kv_cache
-    if execution is not None:
-        out["execution"] = execution
+    return steps, {r.lane: r for r in routes}
 
 
 def split_decode(
-    request: dict[str, Any], *, per_lane: int, lanes: int, compile_only: bool = False
-) -> list[dict[str, Any]]:
-    """Validate one global decode (fixed global batch) and split it into contiguous lane batches."""
-    request = dict(request)
-    global_batch = per_lane * lanes
-    for name in ("tokens", "start_pos", "page_table"):
-        value = request.get(name)
-        if value is None:
-            if compile_only:
-                continue
-            raise TypeError(f"decode_forward() needs {name}")
-        if int(value.shape[0]) != global_batch:
-            raise ValueError(
-                f"DP decode expects fixed global batch {global_batch}; {name} has "
-                f"{int(value.shape[0])} rows ({lanes} lanes x {per_lane})"
-            )
-    caches = per_lane_argument("kv_cache", request.pop("kv_cache", None), lanes)
-    executions = per_lane_argument("execution", request.pop("execution", None), lanes)
-    split: list[dict[str, Any]] = []
+    step: DecodeStep,
+    *,
+    per_lane: int,
+    lanes: int,
+    kv_caches: Sequence[object],
+    executions: Sequence[str | None],
+) -> list[DecodeStep]:
+    """One checked global decode (fixed global batch) as contiguous lane steps."""
+    split: list[DecodeStep] = []
     for lane in range(lanes):
         rows = range(lane * per_lane, (lane + 1) * per_lane)
-        out = {
-            name: _decode_field(name, value, lane, rows, per_lane=per_lane, lanes=lanes)
-            for name, value in request.items()
-        }
-        _add_lane_defaults(out, caches[lane], executions[lane])
-        split.append(out)
+        split.append(
+            attrs.evolve(
+                step,
+                tokens=step.tokens[rows.start : rows.stop],
+                start_pos=step.start_pos[rows.start : rows.stop],
+                page_table=step.page_table[rows.start : rows.stop],
+                sampling_params=slice_sampling(step.sampling_params, rows),
+                prompt_tokens=_lane_history(step.prompt_tokens, rows, per_lane * lanes),
+                output_tokens=_lane_history(step.output_tokens, rows, per_lane * lanes),
+                slot_remap=remap_for_lane(step.slot_remap, lane, per_lane=per_lane, lanes=lanes),
+                kv_cache=kv_caches[lane],
+                execution=executions[lane],
+            )
+        )
     return split
 
 
-def _decode_field(
-    name: str, value: Any, lane: int, rows: range, *, per_lane: int, lanes: int
-) -> Any:
-    if name in ("tokens", "start_pos", "page_table"):
+def _lane_history(value: torch.Tensor | None, rows: range, capacity: int) -> torch.Tensor | None:
+    """A global-slot history's lane rows; a broadcast (or lane-wide) history as it is."""
+    if value is not None and int(value.shape[0]) == capacity:
         return value[rows.start : rows.stop]
-    if name == "sampling_params":
-        return slice_sampling(value, rows)
-    if name in _HISTORY:
-        whole = value is not None and int(value.shape[0]) == per_lane * lanes
-        return value[rows.start : rows.stop] if whole else value
-    if name == "slot_remap":
-        return remap_for_lane(value, lane, per_lane=per_lane, lanes=lanes)
     return value
 
 
-def one_per_lane(name: str, values: Any, lanes: int) -> list[Any]:
+def trace_probes(
+    tokens: torch.Tensor,
+    prompt_lens: IntVector,
+    start_pos: IntVector,
+    empty_slots: IntVector,
+    *,
+    per_lane: int,
+    lanes: int,
+) -> dict[int, dict[str, object]]:
+    """Each participating lane's `can_trace_prefill` keywords: its rows of the three vectors
+    that decide a trace (no page table: a probe reads none)."""
+    routes = route_prefill_rows(int(tokens.shape[0]), empty_slots, per_lane=per_lane, lanes=lanes)
+    return {
+        lane_rows.lane: {
+            "tokens": select_rows(tokens, lane_rows.rows),
+            "prompt_lens": select_vector(prompt_lens, lane_rows.rows),
+            "start_pos": select_vector(start_pos, lane_rows.rows),
+        }
+        for lane_rows in routes
+    }
+
+
+def one_per_lane(name: str, values: object, lanes: int) -> list[object]:
     """A list or tuple with exactly one value per lane (e.g. each lane's raw output)."""
     if not isinstance(values, list | tuple) or len(values) != lanes:
         raise ValueError(
@@ -255,10 +285,10 @@ def one_per_lane(name: str, values: Any, lanes: int) -> list[Any]:
 # -- the way back -------------------------------------------------------------------------------
 
 
-def join_async_reads(outputs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+def join_async_reads(outputs: Sequence[object]) -> tuple[list[object], list[object]]:
     """Each lane's `(host_value, events)` as one list of hosts and one flat list of events."""
-    hosts: list[Any] = []
-    events: list[Any] = []
+    hosts: list[object] = []
+    events: list[object] = []
     for index, output in enumerate(outputs):
         if not isinstance(output, tuple) or len(output) != 2:
             raise TypeError(
@@ -270,20 +300,32 @@ def join_async_reads(outputs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return hosts, events
 
 
-def _split_logprobs(output: Any) -> tuple[Any, Any, bool]:
+LaneOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
+"""What one lane's prefill or decode returns: values, or values with their log-probs."""
+
+
+def _split_logprobs(output: object) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(values, log-probs or None, whether the lane returned a pair)."""
+    paired = isinstance(output, tuple)
     if isinstance(output, tuple):
         if len(output) != 2:
             raise TypeError(f"a lane returned a {len(output)}-tuple; expected (values, log_probs)")
-        return output[0], output[1], True
-    return output, None, False
+        values, logprobs = output
+    else:
+        values, logprobs = output, None
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"a lane returned {type(values).__name__}; expected a tensor")
+    if logprobs is not None and not isinstance(logprobs, torch.Tensor):
+        raise TypeError(
+            f"a lane returned log-probs as {type(logprobs).__name__}; expected a tensor"
+        )
+    return values, logprobs, paired
 
 
-def scatter_prefill(outputs: Sequence[tuple[LaneRows, Any]], batch: int) -> Any:
+def scatter_prefill(outputs: Sequence[tuple[LaneRows, object]], batch: int) -> LaneOutput:
     """Lane outputs back into one `[B, ...]` value in source-row order."""
     parts = [(rows, *_split_logprobs(out)) for rows, out in outputs]
     first = parts[0][1]
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"a lane returned {type(first).__name__}; expected a tensor")
     integer = not first.is_floating_point()
     dtype = torch.int64 if integer else first.dtype
     result = torch.zeros((batch, *first.shape[1:]), dtype=dtype)
@@ -299,17 +341,16 @@ def scatter_prefill(outputs: Sequence[tuple[LaneRows, Any]], batch: int) -> Any:
     return result
 
 
-def concat_decode(outputs: Sequence[Any], *, force_int64: bool = False) -> Any:
+def concat_decode(outputs: Sequence[object], *, force_int64: bool = False) -> LaneOutput:
     """Lane outputs of one decode step, concatenated in lane order (None: a skipped lane)."""
     present = [out for out in outputs if out is not None]
     if not present:
         raise ValueError("no DP lane produced a decode output")
     template, _, _ = _split_logprobs(present[0])
-    outputs = [out if out is not None else torch.zeros_like(template) for out in outputs]
-    parts = [_split_logprobs(out) for out in outputs]
+    parts = [
+        _split_logprobs(out if out is not None else torch.zeros_like(template)) for out in outputs
+    ]
     values = [v for v, _, _ in parts]
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        raise TypeError("every lane must return a tensor from decode")
     if force_int64 or not values[0].is_floating_point():
         values = [v.to(torch.int64) for v in values]
     joined = torch.cat(values, dim=0)

@@ -42,6 +42,19 @@ logger = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 
 
+def progress_step(progress: object, name: str) -> contextlib.AbstractContextManager[object]:
+    """`progress.step(name)` where the sink has steps (`models.progress`), else nothing.
+
+    A bare `(label, index, total)` callback sees warmup cases only; a sink with steps also
+    sees the slow phases before them (coverage derivation), so a large lane is never silent.
+    """
+    step = getattr(progress, "step", None)
+    if callable(step):
+        context: contextlib.AbstractContextManager[object] = step(name)
+        return context
+    return contextlib.nullcontext()
+
+
 @attrs.frozen
 class WarmupPlan:
     """Every case warmup covers, prefill then decode."""
@@ -265,7 +278,7 @@ class WarmupCoordinator:
     def choose_kernels(self) -> Any:
         """The model's kernel choice for this lane (made once, before anything compiles)."""
         if self.kernel_choice is None:
-            self.kernel_choice = choose_model_kernels(self.config)
+            self.kernel_choice = choose_model_kernels(self.config, self._progress)
         return self.kernel_choice
 
     # -- state ----------------------------------------------------------------------------------
@@ -321,11 +334,12 @@ class WarmupCoordinator:
         plan = self._plans.get(key)
         if plan is None:
             started = time.perf_counter()
-            plan = self.config.plan(
-                can_sample_on_device=can_sample_on_device,
-                prefill=self._eager.prefill,
-                decode=self._eager.decode,
-            )
+            with progress_step(self._progress, "derive warmup coverage"):
+                plan = self.config.plan(
+                    can_sample_on_device=can_sample_on_device,
+                    prefill=self._eager.prefill,
+                    decode=self._eager.decode,
+                )
             self._plans[key] = plan
             self.derivation_seconds += time.perf_counter() - started
             logger.info(
@@ -542,16 +556,21 @@ class WarmupCoordinator:
         self._capture(self.coverage_manifest)
 
 
-def choose_model_kernels(config: WarmupCoordinatorConfig) -> Any:
+def choose_model_kernels(config: WarmupCoordinatorConfig, progress: object = None) -> Any:
     """Let the model pick its kernels for this lane's row counts before anything compiles.
 
-    A model may offer `choose_kernels(decode_rows=, prefill_rows=)` returning a JSON-ready
-    record with a "summary" line (the Llama family times its projection forms); models
-    without it get None.
+    A model may offer `choose_kernels(decode_rows=, prefill_rows=, progress=)` returning a
+    JSON-ready record with a "summary" line (the Llama family times its projection forms and
+    reports each measurement to `progress`, a sink with steps, when given); models without
+    it get None.
     """
     choose = getattr(config.model, "choose_kernels", None)
     if not callable(choose):
         return None
-    return choose(
-        decode_rows=config.lane_batch_size, prefill_rows=max(config.prefill_sequence_lengths)
-    )
+    rows = {
+        "decode_rows": config.lane_batch_size,
+        "prefill_rows": max(config.prefill_sequence_lengths),
+    }
+    if callable(getattr(progress, "step", None)):
+        return choose(**rows, progress=progress)
+    return choose(**rows)

@@ -18,14 +18,20 @@ never identity, so a longer prefix maps to a signature a one-block prefix alread
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 import torch
 
 from runtime.identity import key_material_of, key_pairs_of
-from runtime.sampling import SamplingParams
+from runtime.sampling import PreparedSamplingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.decode import DecodeRuntime
+    from runtime.prefill.batch import PrefillArguments
+    from runtime.prefill.request import PrefillRequest
+    from runtime.prefill.runtime import PrefillRuntime
 
 Operation = Literal["prefill", "decode"]
 Recipe = Literal["none", "greedy", "sampled"]
@@ -95,12 +101,12 @@ class WarmupCase:
         parts.append(self.sampling_path)
         return " ".join(parts)
 
-    def prefill_request(self, *, block_size: int, max_top_k: int) -> dict[str, Any]:
+    def prefill_request(self, *, block_size: int, max_top_k: int) -> PrefillArguments:
         """The keyword arguments of `compile_prefill` for this case (zero tokens, block 0)."""
         if self.operation != "prefill" or self.prompt_length is None:
             raise ValueError(f"{self.describe()} is not a prefill case with a prompt length")
         rows, prompt = self.rows, self.prompt_length
-        request: dict[str, Any] = {
+        request: PrefillArguments = {
             "tokens": torch.zeros(rows, prompt, dtype=torch.long),
             "page_table": torch.zeros(rows, math.ceil(prompt / block_size), dtype=torch.int32),
             "prompt_lens": torch.full((rows,), prompt, dtype=torch.long),
@@ -151,14 +157,18 @@ class _PrefillDeriver:
     BLOCK_ROWS = 256
     """Single-row probes planned per planner call (the planner validates per call)."""
 
-    def __init__(self, prefill: Any, recipes: tuple[Recipe, ...], max_top_k: int) -> None:
+    def __init__(
+        self, prefill: PrefillRuntime, recipes: tuple[Recipe, ...], max_top_k: int
+    ) -> None:
         self._prefill = prefill
         self._recipes = recipes
         self._max_top_k = max_top_k
-        self._sampling: dict[tuple[Any, ...], Any] = {}
-        self.best: dict[Any, _Candidate] = {}
+        self._sampling: dict[tuple[object, ...], PreparedSamplingParams | None] = {}
+        self.best: dict[object, _Candidate] = {}
 
-    def _sampling_for(self, recipe: Recipe, request: Any) -> Any:
+    def _sampling_for(
+        self, recipe: Recipe, request: PrefillRequest
+    ) -> PreparedSamplingParams | None:
         # The prepared sampling of a recipe depends on the request's rows, not its length.
         key = (recipe, request.kind, request.padded_batch_size, request.active_batch_size)
         if key not in self._sampling:
@@ -172,11 +182,12 @@ class _PrefillDeriver:
             self._sampling[key] = prepared
         return self._sampling[key]
 
-    def single_rows(self, prompts: list[int], cached: int) -> list[Any]:
+    def single_rows(self, prompts: list[int], cached: int) -> list[PrefillRequest]:
         """Plan one row per prompt length; refused rows (inadmissible) are left out."""
-        planned: list[Any] = []
+        planned: list[PrefillRequest] = []
         for start in range(0, len(prompts), self.BLOCK_ROWS):
             block = prompts[start : start + self.BLOCK_ROWS]
+            requests: Sequence[PrefillRequest]
             try:
                 requests = self._prefill.plan_single_rows(block, [cached] * len(block))
             except ValueError:
@@ -186,8 +197,8 @@ class _PrefillDeriver:
             planned.extend(requests)
         return planned
 
-    def _one_by_one(self, prompts: list[int], cached: int) -> list[Any]:
-        admitted: list[Any] = []
+    def _one_by_one(self, prompts: list[int], cached: int) -> list[PrefillRequest]:
+        admitted: list[PrefillRequest] = []
         for prompt in prompts:
             try:
                 admitted.extend(self._prefill.plan_single_rows([prompt], [cached]))
@@ -218,7 +229,7 @@ class _PrefillDeriver:
         block: int = self._prefill.config.page_table_layout.block_size
         return block
 
-    def record(self, request: Any, *, rows: int, sampled: bool | None = None) -> None:
+    def record(self, request: PrefillRequest, *, rows: int, sampled: bool | None = None) -> None:
         """Identify `request` under each recipe; keep the best probe per program signature."""
         prompt = max(request.prompt_lengths)
         tokens = sum(request.prompt_lengths) - sum(request.cached_tokens)
@@ -250,7 +261,7 @@ class _PrefillDeriver:
 
 
 def derive_prefill_cases(
-    prefill: Any,
+    prefill: PrefillRuntime,
     *,
     max_prompt_length: int,
     lane_batch_size: int,
@@ -261,7 +272,7 @@ def derive_prefill_cases(
     """One case per distinct prefill program signature the lane's requests can produce.
 
     Probes every prompt length `1..max_prompt_length` as a single row (uncached, and behind a
-    one-block cached prefix), then every wave of 2..`lane_batch_size` equal rows at each padded
+    one-block cached prefix), then every wave of 2..`widest_wave` equal rows at each padded
     length the single rows produced.
     """
     block = prefill.config.page_table_layout.block_size
@@ -275,9 +286,21 @@ def derive_prefill_cases(
             if not request.uses_chunked_prefill:
                 wave_lengths.setdefault(request.padded_sequence_length, request.prompt_lengths[0])
     for prompt in wave_lengths.values():
-        for rows in range(2, lane_batch_size + 1):
+        for rows in range(2, widest_wave(prefill, lane_batch_size) + 1):
             deriver.wave(prompt, rows)
     return _kept(deriver.best.values(), coverage)
+
+
+def widest_wave(prefill: PrefillRuntime, lane_batch_size: int) -> int:
+    """The most equal rows the planner can batch into one wave in this lane.
+
+    A bucket of more rows than the policy's largest supported prefill batch runs row by row
+    (`runtime.prefill.plan._WaveRule`), and those single rows are what the single-row probes
+    already planned (at a better rank), so waves past this bound add no signature. Without
+    the bound a lane of N slots planned O(N^2) requests (minutes at N = 512).
+    """
+    supported: tuple[int, ...] = prefill.config.policy.supported_prefill_batch_sizes
+    return min(lane_batch_size, max(supported))
 
 
 def _kept(candidates: Iterable[_Candidate], coverage: CoverageFilter) -> tuple[WarmupCase, ...]:
@@ -291,7 +314,7 @@ def _kept(candidates: Iterable[_Candidate], coverage: CoverageFilter) -> tuple[W
 
 
 def derive_decode_cases(
-    decode: Any,
+    decode: DecodeRuntime,
     *,
     lane_batch_size: int,
     page_table_width: int,
@@ -299,7 +322,7 @@ def derive_decode_cases(
     max_top_k: int,
 ) -> tuple[WarmupCase, ...]:
     """One case per distinct decode program signature (the recipes' sampling paths)."""
-    seen: dict[Any, WarmupCase] = {}
+    seen: dict[object, WarmupCase] = {}
     for recipe in recipes:
         prepared = decode.prepare(
             torch.zeros(lane_batch_size, dtype=torch.long),
@@ -322,7 +345,7 @@ def derive_decode_cases(
     return tuple(seen.values())
 
 
-def identity_field_counts(signatures: Iterable[Any]) -> dict[str, dict[str, int]]:
+def identity_field_counts(signatures: Iterable[object]) -> dict[str, dict[str, int]]:
     """How many signatures carry each value of each identity field (manifest summary)."""
     counts: dict[str, dict[str, int]] = {}
     for signature in signatures:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import attrs
 
 from runtime.decode_signatures import DecodeSignature
 from runtime.identity import ProgramKey, TraceKey, key_material_of
+from runtime.json_types import JSONObject, JSONValue
 from runtime.program_compiler import CompiledProgram, ProgramCompiler
 from runtime.trace_compiler import TraceCompiler
 from runtime.warmup_coverage import identity_field_counts
@@ -26,10 +26,10 @@ class CoverageAlias:
     """A compiled program, the trace it replays through, and the fingerprints that keep
     alias capture independent of request order (capture schema, post-processing workspace)."""
 
-    program_signature: Any
-    trace_signature: Any
-    schema_fingerprint: Any = None
-    workspace_fingerprint: Any = None
+    program_signature: object
+    trace_signature: object
+    schema_fingerprint: object = None
+    workspace_fingerprint: object = None
 
 
 @attrs.frozen
@@ -37,15 +37,15 @@ class CoverageManifest:
     """What warmup made available: eager programs, traced programs, traces, aliases, and
     the kernels the model chose for them (its `choose_kernels` JSON, or None)."""
 
-    eager_program_signatures: tuple[Any, ...]
-    traced_source_program_signatures: tuple[Any, ...]
-    trace_signatures: tuple[Any, ...]
+    eager_program_signatures: tuple[object, ...]
+    traced_source_program_signatures: tuple[object, ...]
+    trace_signatures: tuple[object, ...]
     aliases: tuple[CoverageAlias, ...]
-    kernels: Any = None
+    kernels: JSONValue = None
 
     def identity_fields(self) -> dict[str, dict[str, dict[str, int]]]:
         """Which identity fields (and values) produced how many programs and traces."""
-        groups: dict[str, list[Any]] = {
+        groups: dict[str, list[object]] = {
             "prefill_programs": [],
             "decode_programs": [],
             "prefill_traces": [],
@@ -59,10 +59,10 @@ class CoverageManifest:
             groups[f"{operation}_traces"].append(signature)
         return {name: identity_field_counts(items) for name, items in groups.items()}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """A JSON-ready description (signatures as their key material)."""
 
-        def material(signature: Any) -> Any:
+        def material(signature: object) -> JSONValue:
             return _jsonable(key_material_of(signature))
 
         return {
@@ -90,7 +90,7 @@ class CoverageManifest:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
-def eager_manifest(required: Sequence[CompiledProgram], *, kernels: Any) -> CoverageManifest:
+def eager_manifest(required: Sequence[CompiledProgram], *, kernels: JSONValue) -> CoverageManifest:
     """The manifest of an untraced warmup (no traces, no aliases)."""
     eager = _dedupe(p.signature for p in required)
     return CoverageManifest(_sorted_signatures(eager), (), (), (), kernels=kernels)
@@ -102,7 +102,7 @@ def traced_manifest(
     required_traced: Sequence[CompiledProgram],
     program_compiler: ProgramCompiler,
     trace_compiler: TraceCompiler | None,
-    kernels: Any,
+    kernels: JSONValue,
 ) -> CoverageManifest:
     """The manifest once every traced case registered: each traced program must be compiled
     and aliased to a trace, else RuntimeError names the missing program digests."""
@@ -111,7 +111,7 @@ def traced_manifest(
     traced = _dedupe(p.signature for p in required_traced)
     aliases: list[CoverageAlias] = []
     missing: list[str] = []
-    traces: list[Any] = []
+    traces: list[object] = []
     for program in _dedupe_programs(required_traced):
         if program.key not in {p.key for p in compiler.compiled_programs}:
             missing.append(program.key.digest)
@@ -152,12 +152,12 @@ def traced_manifest(
     )
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> JSONValue:
     """JSON text for key material and fingerprints (signatures become their key material)."""
     if isinstance(value, tuple | list):
         return [_jsonable(item) for item in value]
     if isinstance(value, enum.Enum):
-        return value.value
+        return _jsonable(value.value)
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if hasattr(value, "key_material"):
@@ -165,9 +165,9 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _dedupe(signatures: Iterator[Any] | Any) -> tuple[Any, ...]:
-    seen: list[Any] = []
-    keys: set[Any] = set()
+def _dedupe(signatures: Iterable[object]) -> tuple[object, ...]:
+    seen: list[object] = []
+    keys: set[object] = set()
     for signature in signatures:
         material = key_material_of(signature)
         if material not in keys:
@@ -176,13 +176,13 @@ def _dedupe(signatures: Iterator[Any] | Any) -> tuple[Any, ...]:
     return tuple(seen)
 
 
-def _sorted_signatures(signatures: Sequence[Any]) -> tuple[Any, ...]:
+def _sorted_signatures(signatures: Sequence[object]) -> tuple[object, ...]:
     """Signatures in digest order, so the manifest does not depend on warmup order."""
     return tuple(sorted(signatures, key=lambda s: ProgramKey.from_signature(s).digest))
 
 
 def _dedupe_programs(programs: Sequence[CompiledProgram]) -> list[CompiledProgram]:
-    seen: dict[Any, CompiledProgram] = {}
+    seen: dict[ProgramKey, CompiledProgram] = {}
     for program in programs:
         seen.setdefault(program.key, program)
     return list(seen.values())

@@ -55,7 +55,53 @@ def check_lane_arguments(args: argparse.Namespace) -> Any:
             f"--max-seq-len {limit} is invalid: the model {args.model} has a context of "
             f"{model.max_seq_len} tokens; allowed is 1..{model.max_seq_len}"
         )
+    if hasattr(args, "max_batch"):
+        check_slot_capacity(args, model)
     return model
+
+
+KV_ITEM_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per K/V element by `--dtype` (the KV cache has the weights' dtype)."""
+
+
+def check_slot_capacity(args: argparse.Namespace, model: Any) -> None:
+    """--max-batch no larger than the KV pool can give one block to every slot.
+
+    A slot holds a request only while it owns at least one KV block (the block its next
+    token is written to), so slots beyond the pool's blocks can never hold a request; they
+    only widen every decode step and warmup. Two facts bound them, before anything loads:
+    `--num-blocks` (per lane) when given, and the host memory left for one block per slot.
+    """
+    lanes = getattr(args, "lanes", 1)
+    per_lane = args.max_batch // lanes
+    blocks = getattr(args, "num_blocks", None)
+    if blocks is not None and per_lane > blocks:
+        lane_text = f" ({per_lane} per lane over --lanes {lanes})" if lanes > 1 else ""
+        raise UsageError(
+            f"--num-blocks {blocks} is too small for --max-batch {args.max_batch}{lane_text}: "
+            f"every slot needs a KV block of its own to hold even one token, so a lane of "
+            f"{per_lane} slots needs at least {per_lane} blocks; allowed is --num-blocks >= "
+            f"{per_lane}, or --max-batch <= {blocks * lanes}"
+        )
+    if args.device != "cpu":
+        return  # a CUDA device's free memory is read when the cache is sized (after load)
+    from runtime.backends.memory import available_memory_bytes, format_bytes
+
+    available = available_memory_bytes("cpu")
+    per_block = (
+        2 * model.n_layers * model.n_kv_heads * model.head_dim * args.block_size
+    ) * KV_ITEM_BYTES.get(args.dtype, 4)
+    if available is None or args.max_batch * per_block <= available:
+        return
+    most = available // per_block // lanes * lanes
+    raise UsageError(
+        f"--max-batch {args.max_batch} is invalid: every slot needs at least one KV block of "
+        f"its own ({format_bytes(per_block)} for {args.model} at --block-size "
+        f"{args.block_size}, {args.dtype}), so {args.max_batch} slots need "
+        f"{format_bytes(args.max_batch * per_block)} and this host has "
+        f"{format_bytes(available)} available; allowed is 1..{most}"
+        + (f" (a multiple of --lanes {lanes})" if lanes > 1 else "")
+    )
 
 
 def load(model: str, **kwargs: Any) -> Any:

@@ -68,7 +68,13 @@ OPTIONS: dict[str, dict[str, Any]] = {
         "generate sizes the cache to its prompts, bringup to --max-batch requests of "
         "--max-seq-len tokens)",
     ),
-    "--max-batch": dict(type=positive_int, default=8, help="lane slots: requests decoded together"),
+    "--max-batch": dict(
+        type=positive_int,
+        default=8,
+        help="lane slots: requests decoded together (every decode step and warmup runs them "
+        "all); each slot needs a KV block of its own, so at most --num-blocks per lane when "
+        "given, and at most what host memory holds at one block per slot",
+    ),
     "--max-seq-len": dict(
         type=positive_int,
         default=None,
@@ -108,8 +114,10 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "--progress": dict(
         choices=("auto", "always", "never"),
         default="auto",
-        help="progress on stderr for load, KV allocation, warmup, capture and generation: auto "
-        "shows it only on a terminal, always also on a pipe (one line per step), never hides it",
+        help="progress on stderr for load, lane start-up, KV allocation, kernel measurement, "
+        "warmup, capture and generation: auto shows it only on a terminal, always also on a "
+        "pipe (one line per step and per warmup case with i/n and an estimate; kernel "
+        "measurements and lanes at most once a second), never hides it",
     ),
     "--debug": dict(
         action="store_true", help="on an error, print the full traceback and debug logging"

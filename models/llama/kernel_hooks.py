@@ -26,6 +26,7 @@ from models.llama.kernels import (
     row_buckets,
 )
 from models.llama.layers import Projection
+from models.progress import ProgressSink
 from runtime.backends import native_kernels
 
 if TYPE_CHECKING:
@@ -88,16 +89,19 @@ class KernelPlanHooks:
         """Replay another lane's kernel plan (its JSON), checked against this model now."""
         self.replay_kernels(parse_kernel_plan(data, where="lane 0's kernel plan"))
 
-    def choose_kernels(self, *, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
+    def choose_kernels(
+        self, *, decode_rows: int, prefill_rows: int, progress: ProgressSink | None = None
+    ) -> dict[str, Any]:
         """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.
 
         Measures each projection at the row buckets of a lane of `decode_rows` slots and
-        prefill chunks of `prefill_rows` tokens (`kernels.measure_kernel_plan`). Once a plan
-        is applied, later calls return it unchanged.
+        prefill chunks of `prefill_rows` tokens (`kernels.measure_kernel_plan`), reporting
+        each measurement to `progress`. Once a plan is applied, later calls return it
+        unchanged.
         """
         if self.kernel_plan is None:
             buckets = row_buckets(decode_rows, prefill_rows)
-            plan = self._resolve_kernel_plan(buckets)
+            plan = self._resolve_kernel_plan(buckets, progress)
             self.apply_kernel_plan(plan)
             if self._replay_plan is None and self.device.type == "cpu":
                 # The fused decode stack is timed against the per-op path as just applied.
@@ -105,7 +109,9 @@ class KernelPlanHooks:
         assert self.kernel_plan is not None
         return self.kernel_plan.to_json()
 
-    def _resolve_kernel_plan(self, buckets: Sequence[int]) -> KernelPlan:
+    def _resolve_kernel_plan(
+        self, buckets: Sequence[int], progress: ProgressSink | None
+    ) -> KernelPlan:
         if self._replay_plan is not None:
             return self._replay_plan
         attention, notes = self._attention_choice()
@@ -114,7 +120,9 @@ class KernelPlanHooks:
             return fixed_plan(
                 self, buckets=buckets, attention=attention, source=source, notes=notes
             )
-        return measure_kernel_plan(self, buckets=buckets, attention=attention, notes=notes)
+        return measure_kernel_plan(
+            self, buckets=buckets, attention=attention, notes=notes, progress=progress
+        )
 
     def _inplace_unavailable(self) -> str | None:
         """Why the in-place paged decode attention cannot run for this model, or None."""

@@ -25,6 +25,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from models.progress import ProgressSink, as_progress
 from runtime.backends import native_kernels
 
 if TYPE_CHECKING:
@@ -416,13 +417,17 @@ def _run(
 
 
 def measure_projection(
-    hf_weights: Sequence[torch.Tensor], parts: Sequence[int], buckets: Sequence[int]
+    hf_weights: Sequence[torch.Tensor],
+    parts: Sequence[int],
+    buckets: Sequence[int],
+    measured: Callable[[int], None] | None = None,
 ) -> tuple[ProjectionChoice, dict[tuple[Layout, bool], float]]:
     """Time every candidate on these `[out, in]` weights (one per layer) at every bucket.
 
     Returns the choice and each `(layout, split)`'s score (the sum over buckets of its best
     time divided by the best of all candidates; 1.0 per bucket is perfect). One layout and
-    split serve all buckets, because the weights are stored once.
+    split serve all buckets, because the weights are stored once. `measured(rows)` is
+    called after each bucket (progress).
     """
     layouts: dict[Layout, list[torch.Tensor]] = {
         "out_in": list(hf_weights),
@@ -448,6 +453,8 @@ def measure_projection(
                 key = (rows, candidate.layout, candidate.split, candidate.form.name)
                 scale = len(hf_weights) / len(weights)
                 best[key] = min(best.get(key, float("inf")), seconds * scale)
+        if measured is not None:
+            measured(rows)
     del layouts
     scores: dict[tuple[Layout, bool], float] = {}
     chosen: dict[tuple[Layout, bool], list[tuple[int, str, float]]] = {}
@@ -502,31 +509,49 @@ _MEASURED: dict[tuple[Any, ...], KernelPlan] = {}
 
 
 def measure_kernel_plan(
-    model: KernelPlanHooks, *, buckets: Sequence[int], attention: str, notes: Sequence[str] = ()
+    model: KernelPlanHooks,
+    *,
+    buckets: Sequence[int],
+    attention: str,
+    notes: Sequence[str] = (),
+    progress: ProgressSink | None = None,
 ) -> KernelPlan:
     """Measure every projection of `model` at `buckets` (see `measure_projection`), once per
-    process for a given geometry, dtype, thread count and attention."""
+    process for a given geometry, dtype, thread count and attention. `progress` gets one
+    advance per projection and bucket (`measure kernels i/n: q_proj rows=64`)."""
     shapes = tuple(sorted(model.projection_shapes().items()))
     key = (shapes, model.dtype, tuple(buckets), torch.get_num_threads(), attention, tuple(notes))
     plan = _MEASURED.get(key)
     if plan is None:
-        plan = _measure(model, buckets=buckets, attention=attention, notes=notes)
+        plan = _measure(model, buckets=buckets, attention=attention, notes=notes, progress=progress)
         _MEASURED[key] = plan
     return plan
 
 
 def _measure(
-    model: KernelPlanHooks, *, buckets: Sequence[int], attention: str, notes: Sequence[str]
+    model: KernelPlanHooks,
+    *,
+    buckets: Sequence[int],
+    attention: str,
+    notes: Sequence[str],
+    progress: ProgressSink | None,
 ) -> KernelPlan:
     from runtime.backends.cpu_features import CpuFeatures
 
     projections: list[tuple[str, ProjectionChoice]] = []
     started = time.perf_counter()
-    with torch.inference_mode():
-        for name, modules in model.projection_groups().items():
+    groups = model.projection_groups()
+    sink = as_progress(progress)
+    total = len(groups) * len(buckets)
+    with torch.inference_mode(), sink.step("measure kernels", total=total, each=True) as step:
+        for name, modules in groups.items():
             weights = [module.hf_weight() for module in modules]
             weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
-            choice, scores = measure_projection(weights, modules[0].parts, buckets)
+
+            def measured(rows: int, name: str = name) -> None:
+                step.advance(1, f"{name} rows={rows}")
+
+            choice, scores = measure_projection(weights, modules[0].parts, buckets, measured)
             logger.debug("kernel scores for %s: %s", name, scores)
             projections.append((name, choice))
     logger.info("measured projection kernels in %.2f s", time.perf_counter() - started)

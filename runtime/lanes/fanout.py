@@ -11,20 +11,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+
+import attrs
 
 from lifecycle.journal import Journal, Outcome
 from runtime.lanes.protocol import Lane, LaneCall, LaneFailure
+from runtime.steps import PrefillStep
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_THREAD_PREFIX = "llm-runtime-dp-output"
 TERMINAL_TEXT = "LaneGroupExecutor is terminal; construct a new group"
 
-KwargsFor = Callable[[int], dict[str, Any]]
+KwargsFor = Callable[[int], dict[str, object]]
+"""A lane call's keyword arguments, per lane index (a `step`, or a lifecycle call's)."""
 
 
-def _no_kwargs(index: int) -> dict[str, Any]:
+def _no_kwargs(index: int) -> dict[str, object]:
     return {}
 
 
@@ -38,10 +41,10 @@ class LaneFanOut:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=len(lanes), thread_name_prefix=OUTPUT_THREAD_PREFIX
         )
-        self._in_flight: list[Future[Any]] = []
+        self._in_flight: list[Future[object]] = []
         self._cleaned = [False] * len(lanes)
 
-    def wait(self, index: int, call: LaneCall, method: str) -> Any:
+    def wait(self, index: int, call: LaneCall, method: str) -> object:
         """The call's value within the bound; any other error becomes a `LaneFailure`."""
         try:
             return call.wait(self.call_timeout_s)
@@ -58,13 +61,13 @@ class LaneFanOut:
         kwargs_for: KwargsFor | None = None,
         *,
         lanes: Sequence[int] | None = None,
-    ) -> list[Any]:
+    ) -> list[object]:
         """Issue `method` to every chosen lane (default: all), then wait on each."""
         chosen = list(range(len(self.lanes))) if lanes is None else list(lanes)
         results = self.methods(dict.fromkeys(chosen, method), kwargs_for or _no_kwargs)
         return [results[index] for index in chosen]
 
-    def methods(self, method_of: dict[int, str], kwargs_for: KwargsFor) -> dict[int, Any]:
+    def methods(self, method_of: dict[int, str], kwargs_for: KwargsFor) -> dict[int, object]:
         """Issue each lane its own method, then wait on each; first failure wins."""
         calls: list[tuple[int, LaneCall]] = []
         failures: list[BaseException] = []
@@ -77,9 +80,9 @@ class LaneFanOut:
                 failures.append(
                     error
                     if isinstance(error, LaneFailure)
-                    else LaneFailure(index, f"{method_of[index]}(): {error}")
+                    else lane_failure(index, f"{method_of[index]}(): {error}", error)
                 )
-        results: dict[int, Any] = {}
+        results: dict[int, object] = {}
         for index, call in calls:
             try:
                 results[index] = self.wait(index, call, method_of[index])
@@ -91,14 +94,19 @@ class LaneFanOut:
         return results
 
     def concurrently(
-        self, method: str, kwargs_for: KwargsFor, *, skip: Sequence[int] = (), skipped: Any = None
-    ) -> list[Any]:
+        self,
+        method: str,
+        kwargs_for: KwargsFor,
+        *,
+        skip: Sequence[int] = (),
+        skipped: object = None,
+    ) -> list[object]:
         """Run one call per lane on the output pool (reads overlap across lanes)."""
         pool = self._pool
         if pool is None:
             raise RuntimeError(TERMINAL_TEXT)
 
-        def one(index: int) -> Any:
+        def one(index: int) -> object:
             call = self.lanes[index].submit(method, **kwargs_for(index))
             return self.wait(index, call, method)
 
@@ -106,7 +114,7 @@ class LaneFanOut:
             None if index in skip else pool.submit(one, index) for index in range(len(self.lanes))
         ]
         self._in_flight = [f for f in futures if f is not None]
-        results: list[Any] = []
+        results: list[object] = []
         failures: list[BaseException] = []
         for index, future in enumerate(futures):
             if future is None:
@@ -117,27 +125,27 @@ class LaneFanOut:
             except LaneFailure as failure:
                 failures.append(failure)
             except BaseException as error:
-                failures.append(LaneFailure(index, f"{method}() failed: {error}"))
+                failures.append(lane_failure(index, f"{method}() failed: {error}", error))
         self._in_flight = []
         self.drain_journals()
         if failures:
             raise_with_lane_failures(failures)
         return results
 
-    def _traced(self, lane: int, execution: Any) -> bool:
+    def _traced(self, lane: int, execution: str | None) -> bool:
         if execution == "eager":
             return False
         return execution == "traced" or self.lanes[lane].facts.prefill_traced
 
-    def preflight_traced(self, routed: dict[int, dict[str, Any]]) -> dict[int, Any]:
+    def preflight_traced(self, routed: dict[int, PrefillStep]) -> dict[int, object]:
         """Preflight every traced participating lane before any lane runs (its tickets)."""
-        tickets: dict[int, Any] = {}
-        for lane, request in routed.items():
-            if not self._traced(lane, request.get("execution")):
+        tickets: dict[int, object] = {}
+        for lane, step in routed.items():
+            if not self._traced(lane, step.execution):
                 continue
             try:
                 call = self.lanes[lane].submit(
-                    "preflight_prefill", **{k: v for k, v in request.items() if k != "execution"}
+                    "preflight_prefill", step=attrs.evolve(step, execution=None)
                 )
                 tickets[lane] = call.wait(self.call_timeout_s)
             except BaseException as error:
@@ -155,8 +163,8 @@ class LaneFanOut:
         """Forward every lane's new journal entries into the group's journal."""
         for index, lane in enumerate(self.lanes):
             for row in lane.drain_journal():
-                detail = row.get("detail") or ""
-                if row.get("error"):
+                detail = row["detail"] or ""
+                if row["error"]:
                     detail = f"{detail} {row['error']}".strip()
                 self.journal.record(
                     machine=f"lane{index}.{row['machine']}",
@@ -184,11 +192,11 @@ class LaneFanOut:
             try:
                 lane.close()
                 self._cleaned[index] = True
+            except LaneFailure as failure:
+                failures.append(failure)
             except BaseException as error:
                 failures.append(
-                    error
-                    if isinstance(error, LaneFailure)
-                    else LaneFailure(index, f"cleanup failed: {type(error).__name__}: {error}")
+                    lane_failure(index, f"cleanup failed: {type(error).__name__}: {error}", error)
                 )
         self.drain_journals()
         if self._pool is not None:
@@ -198,6 +206,14 @@ class LaneFanOut:
             except BaseException as error:
                 failures.append(error)
         return failures
+
+
+def lane_failure(index: int, message: str, cause: BaseException) -> LaneFailure:
+    """A `LaneFailure` naming lane `index` whose `__cause__` is the lane's own error (as
+    `raise ... from cause` would set it), so its type and traceback stay readable."""
+    failure = LaneFailure(index, message)
+    failure.__cause__ = cause
+    return failure
 
 
 def close_all(lanes: Sequence[Lane]) -> list[BaseException]:

@@ -8,11 +8,12 @@ answered for the whole group, plus the per-step host bookkeeping of its decode c
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 
+from runtime.config import PagedKVCacheConfig, PageTableLayout
 from runtime.lanes.protocol import Lane, LaneFacts
+from runtime.warmup_manifest import CoverageManifest
 
 
 @attrs.frozen
@@ -59,8 +60,8 @@ class LaneGroupView:
     lanes: tuple[Lane, ...]
     per_lane_max_batch_size: int
     max_batch_size: int
-    _explicit_mesh: Any
-    _kv_handles: list[Any] | None
+    _explicit_mesh: object
+    _kv_handles: list[object] | None
     decode_steps: int
     step_host_seconds: float
     step_lane_seconds: float
@@ -71,12 +72,12 @@ class LaneGroupView:
         return tuple(lane.facts for lane in self.lanes)
 
     @property
-    def executors(self) -> tuple[Any, ...]:
+    def executors(self) -> tuple[object, ...]:
         """Each lane's executor where it lives in this process, else the lane itself."""
         return tuple(getattr(lane, "executor", lane) for lane in self.lanes)
 
     @property
-    def lane_models(self) -> tuple[Any, ...]:
+    def lane_models(self) -> tuple[object, ...]:
         """Each in-process lane's model (None for a process lane)."""
         return tuple(getattr(getattr(lane, "executor", None), "model", None) for lane in self.lanes)
 
@@ -104,7 +105,7 @@ class LaneGroupView:
         )
 
     @property
-    def coverage_manifest(self) -> Any:
+    def coverage_manifest(self) -> CoverageManifest | None:
         """Lane 0's coverage manifest (every lane warms the same declared coverage)."""
         return self.lanes[0].facts.coverage_manifest
 
@@ -113,7 +114,7 @@ class LaneGroupView:
         return tuple(lane.facts.device_name for lane in self.lanes)
 
     @property
-    def mesh_device(self) -> Any:
+    def mesh_device(self) -> object:
         """The explicit mesh given at construction (by identity), else the lanes' devices."""
         return self._explicit_mesh if self._explicit_mesh is not None else self.mesh_devices
 
@@ -151,11 +152,11 @@ class LaneGroupView:
         return all(f.prefill_warmed for f in self.facts)
 
     @property
-    def paged_kv_cache_config(self) -> tuple[Any, ...]:
+    def paged_kv_cache_config(self) -> tuple[PagedKVCacheConfig | None, ...]:
         return tuple(f.paged_kv_cache_config for f in self.facts)
 
     @property
-    def cache_path(self) -> Any:
+    def cache_path(self) -> object:
         return getattr(self.executors[0], "cache_path", None)
 
     @property
@@ -172,11 +173,11 @@ class LaneGroupView:
         return self.lanes[0].facts.num_blocks
 
     @property
-    def page_table_layout(self) -> Any:
+    def page_table_layout(self) -> PageTableLayout | None:
         return self.lanes[0].facts.page_table_layout
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> object:
         return self.lanes[0].facts.tokenizer
 
     @property
@@ -184,7 +185,7 @@ class LaneGroupView:
         return self.lanes[0].facts.eos_token_ids
 
     @property
-    def kv_cache(self) -> list[Any] | None:
+    def kv_cache(self) -> list[object] | None:
         return self._kv_handles
 
     @property
@@ -204,7 +205,7 @@ class LaneGroupView:
         """The lane a global slot belongs to."""
         return slot // self.per_lane_max_batch_size
 
-    def runtime_summary(self) -> dict[str, Any]:
+    def runtime_summary(self) -> dict[str, int | float]:
         """The group's host bookkeeping per decode step."""
         steps = max(self.decode_steps, 1)
         return {

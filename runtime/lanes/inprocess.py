@@ -1,7 +1,7 @@
 """In-process lanes: one lane executor per device in this process.
 
 `submit` runs the call at once: on CUDA the launches and replays it makes are asynchronous,
-so the group issuing a call to every lane before waiting on any overlaps the lanes' device
+so the group issuing a call to every lane before waiting on any overlaps the lane's device
 work. A blocking decode is split into launch, asynchronous read and completion, so only
 `wait` synchronizes with the lane's device (its events).
 """
@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
 
-from runtime.lanes.protocol import CompletedCall, LaneBase, LaneFacts, LaneTarget, keep_tokenizer
+import attrs
+
+from runtime.lanes.protocol import (
+    CompletedCall,
+    JournalRow,
+    LaneBase,
+    LaneFacts,
+    LaneTarget,
+    keep_tokenizer,
+)
+from runtime.steps import DecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +30,12 @@ logger = logging.getLogger(__name__)
 class InProcessLane(LaneBase):
     """A lane executor living in this process (it owns its device, KV cache and traces)."""
 
-    def __init__(self, executor: Any, *, index: int) -> None:
+    def __init__(self, executor: object, *, index: int) -> None:
         super().__init__(index)
         self.executor = executor
         self._target = LaneTarget(executor)
         self._last: CompletedCall | None = None
-        self._facts: LaneFacts = self._target.run("describe", {"with_tokenizer": True})
+        self._facts = self._describe({"with_tokenizer": True}, None)
 
     def __repr__(self) -> str:
         return f"InProcessLane({self.index}, {self._facts.device_name})"
@@ -42,37 +52,51 @@ class InProcessLane(LaneBase):
     def last_call_seconds(self) -> float:
         return self._last.seconds if self._last is not None else 0.0
 
-    def submit(self, method: str, /, **kwargs: Any) -> CompletedCall:
+    def _describe(self, kwargs: dict[str, object], previous: LaneFacts | None) -> LaneFacts:
+        facts = self._target.run("describe", kwargs)
+        assert isinstance(facts, LaneFacts)
+        return keep_tokenizer(facts, previous)
+
+    def submit(self, method: str, /, **kwargs: object) -> CompletedCall:
         clock = time.perf_counter()
         try:
-            if method == "decode_forward" and kwargs.get("read_from_device", True):
-                call = self._launch_decode(kwargs)
+            step = kwargs.get("step")
+            if (
+                method == "decode_forward"
+                and isinstance(step, DecodeStep)
+                and step.read_from_device
+            ):
+                call = self._launch_decode(step)
+            elif method == "describe":
+                self._facts = self._describe(kwargs, self._facts)
+                call = CompletedCall(self._facts)
             else:
-                value = self._target.run(method, kwargs)
-                if method == "describe":
-                    value = keep_tokenizer(value, self._facts)
-                    self._facts = value
-                call = CompletedCall(value)
+                call = CompletedCall(self._target.run(method, kwargs))
         except BaseException as error:
             call = CompletedCall(error=error)
         call.seconds = time.perf_counter() - clock
         self._last = call
         return call
 
-    def _launch_decode(self, kwargs: dict[str, Any]) -> CompletedCall:
+    def _launch_decode(self, step: DecodeStep) -> CompletedCall:
         """Launch and start the read now; `wait` completes it (on the lane's events)."""
         target = self.executor
-        if not callable(getattr(target, "read_decode_output", None)):
-            return CompletedCall(self._target.run("decode_forward", kwargs))
-        raw = target.decode_forward(**{**kwargs, "read_from_device": False})
-        host, _events = target.read_decode_output(raw, async_read=True)
-        # A traced output has no lease to remember its kind: sampling params mean tokens.
-        tokens = kwargs.get("sampling_params") is not None and self._facts.device_sampling_enabled
-        return CompletedCall(
-            finish=lambda: target.process_decode_output_host(host, is_tokens=tokens)
+        read: Callable[..., object] | None = getattr(target, "read_decode_output", None)
+        if not callable(read):
+            return CompletedCall(self._target.run("decode_forward", {"step": step}))
+        raw = self._target.run(
+            "decode_forward", {"step": attrs.evolve(step, read_from_device=False)}
         )
+        started = read(raw, async_read=True)
+        assert isinstance(started, tuple)
+        host = started[0]
+        # A traced output has no lease to remember its kind: sampling params mean tokens.
+        tokens = step.sampling_params is not None and self._facts.device_sampling_enabled
+        complete: Callable[..., object] | None = getattr(target, "process_decode_output_host", None)
+        assert callable(complete)
+        return CompletedCall(finish=lambda: complete(host, is_tokens=tokens))
 
-    def drain_journal(self) -> list[dict[str, Any]]:
+    def drain_journal(self) -> list[JournalRow]:
         return self._target.new_journal_rows()
 
     def close(self) -> None:

@@ -17,13 +17,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
 
 import attrs
 import torch
 import torch.multiprocessing as torch_mp
 
 from runtime.lanes.protocol import (
+    JournalRow,
     LaneBase,
     LaneFacts,
     LaneFailure,
@@ -31,6 +31,7 @@ from runtime.lanes.protocol import (
     RemoteLaneError,
     keep_tokenizer,
 )
+from runtime.steps import DecodeStep, PrefillStep
 from runtime.validation import positive_int
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class RemoteKVCache:
     lane: int
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: object) -> bool:
     if value is None or isinstance(value, bool | int | float | str):
         return True
     if isinstance(value, torch.Tensor):
@@ -70,7 +71,7 @@ def _plain(value: Any) -> bool:
     return isinstance(value, LaneFacts) or attrs.has(type(value))
 
 
-def _export(value: Any) -> Any:
+def _export(value: object) -> object:
     """Clone tensors so the parent never shares a buffer the lane keeps writing."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
@@ -85,16 +86,16 @@ class _WorkerState:
     def __init__(self, index: int, target: LaneTarget) -> None:
         self.index = index
         self.target = target
-        self.store: dict[int, Any] = {}
+        self.store: dict[int, object] = {}
         self.next_key = 1
 
-    def keep(self, value: Any) -> RemoteRef:
+    def keep(self, value: object) -> RemoteRef:
         key = self.next_key
         self.next_key += 1
         self.store[key] = value
         return RemoteRef(self.index, key)
 
-    def resolve(self, value: Any) -> Any:
+    def resolve(self, value: object) -> object:
         if isinstance(value, RemoteRef):
             if value.lane != self.index or value.key not in self.store:
                 raise ValueError(f"{value} does not belong to lane {self.index} (or was consumed)")
@@ -103,17 +104,20 @@ class _WorkerState:
             if value.lane != self.index:
                 raise ValueError(f"KV handle of lane {value.lane} given to lane {self.index}")
             return None
+        if isinstance(value, PrefillStep | DecodeStep):
+            return attrs.evolve(value, kv_cache=self.resolve(value.kv_cache))
         if isinstance(value, list):
             return [self.resolve(v) for v in value]
         return value
 
-    def run(self, method: str, kwargs: dict[str, Any]) -> Any:
+    def run(self, method: str, kwargs: dict[str, object]) -> object:
         kwargs = {name: self.resolve(value) for name, value in kwargs.items()}
         value = self.target.run(method, kwargs)
         if method == "allocate_kv_cache":
             return RemoteKVCache(self.index)
         if method == "read_decode_output" and kwargs.get("async_read"):
-            host, _events = value
+            assert isinstance(value, tuple)
+            host = value[0]
             return (self.keep(host), [])
         if _plain(value):
             return _export(value)
@@ -122,7 +126,7 @@ class _WorkerState:
 
 def _worker_main(
     index: int,
-    factory: Callable[[], Any],
+    factory: Callable[[], object],
     threads: int,
     env: dict[str, str],
     conn: Connection,
@@ -170,12 +174,34 @@ def _remote(index: int, error: BaseException) -> RemoteLaneError:
     )
 
 
+@attrs.frozen
+class _Reply:
+    """One message from a worker: its kind, payload, journal rows and the call's seconds."""
+
+    kind: str
+    payload: object
+    rows: list[JournalRow]
+    seconds: float = 0.0
+
+    @classmethod
+    def of(cls, message: object) -> _Reply:
+        assert isinstance(message, tuple) and len(message) in (3, 4)
+        kind, payload, rows, *timing = message
+        return cls(str(kind), payload, list(rows), float(timing[0]) if timing else 0.0)
+
+    def error(self) -> BaseException | None:
+        """The worker's exception when the call failed (else None)."""
+        if self.kind == "error" and isinstance(self.payload, BaseException):
+            return self.payload
+        return None
+
+
 @attrs.define
 class _ProcessCall:
     lane: ProcessLane
     method: str
 
-    def wait(self, timeout_s: float | None = None) -> Any:
+    def wait(self, timeout_s: float | None = None) -> object:
         return self.lane._finish(self.method, timeout_s)
 
 
@@ -185,7 +211,7 @@ class ProcessLane(LaneBase):
     def __init__(
         self,
         index: int,
-        factory: Callable[[], Any],
+        factory: Callable[[], object],
         *,
         threads: int = 1,
         env: dict[str, str] | None = None,
@@ -209,7 +235,7 @@ class ProcessLane(LaneBase):
         self._facts: LaneFacts | None = None
         self._outstanding: str | None = None
         self._broken: str | None = None
-        self._journal: list[dict[str, Any]] = []
+        self._journal: list[JournalRow] = []
         self.final_live_allocations: int | None = None
         self.last_call_seconds = 0.0
 
@@ -221,12 +247,12 @@ class ProcessLane(LaneBase):
     def wait_ready(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> LaneFacts:
         """Wait for the worker to build its lane (bounded)."""
         if self._facts is None:
-            kind, payload, rows = self._receive("startup", timeout_s)
-            self._journal.extend(rows)
-            if kind != "ready":
-                self._broken = f"its lane could not be built: {payload}"
-                raise LaneFailure(self.index, self._broken) from payload
-            self._facts = payload
+            reply = self._receive("startup", timeout_s)
+            self._journal.extend(reply.rows)
+            if reply.kind != "ready" or not isinstance(reply.payload, LaneFacts):
+                self._broken = f"its lane could not be built: {reply.payload}"
+                raise LaneFailure(self.index, self._broken) from reply.error()
+            self._facts = reply.payload
         return self._facts
 
     @property
@@ -243,7 +269,7 @@ class ProcessLane(LaneBase):
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def submit(self, method: str, /, **kwargs: Any) -> _ProcessCall:
+    def submit(self, method: str, /, **kwargs: object) -> _ProcessCall:
         self._check_usable(method)
         if self._outstanding is not None:
             raise RuntimeError(
@@ -266,28 +292,31 @@ class ProcessLane(LaneBase):
         if self._broken is not None:
             raise LaneFailure(self.index, self._broken)
 
-    def _finish(self, method: str, timeout_s: float | None) -> Any:
+    def _finish(self, method: str, timeout_s: float | None) -> object:
         if self._outstanding != method:
             raise RuntimeError(f"DP lane {self.index}: no {method}() call is outstanding")
         try:
-            kind, payload, rows, *timing = self._receive(method, timeout_s or self.call_timeout_s)
+            reply = self._receive(method, timeout_s or self.call_timeout_s)
         finally:
             self._outstanding = None
-        self.last_call_seconds = float(timing[0]) if timing else 0.0
-        self._journal.extend(rows)
-        if kind == "error":
-            raise payload
+        self.last_call_seconds = reply.seconds
+        self._journal.extend(reply.rows)
+        error = reply.error()
+        if error is not None:
+            raise error
+        payload = reply.payload
         if method == "describe":
+            assert isinstance(payload, LaneFacts)
             payload = keep_tokenizer(payload, self._facts)
             self._facts = payload
         return payload
 
-    def _receive(self, what: str, timeout_s: float) -> Any:
+    def _receive(self, what: str, timeout_s: float) -> _Reply:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if self._conn.poll(_POLL_S):
-                    return self._conn.recv()
+                    return _Reply.of(self._conn.recv())
             except (EOFError, OSError) as error:
                 self.process.join(1.0)  # a killed worker closes its pipe before it is reaped
                 self._broken = self._death_text(what) or f"its pipe broke during {what}()"
@@ -310,7 +339,7 @@ class ProcessLane(LaneBase):
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return f"worker pid {self.process.pid} died ({how}) during {what}()"
 
-    def drain_journal(self) -> list[dict[str, Any]]:
+    def drain_journal(self) -> list[JournalRow]:
         rows, self._journal = self._journal, []
         return rows
 
@@ -325,11 +354,13 @@ class ProcessLane(LaneBase):
         if self._broken is None and self.process.is_alive() and self._outstanding is None:
             try:
                 self._conn.send((_CLOSE, {}))
-                kind, payload, rows = self._receive("close", self.close_timeout_s)
-                self._journal.extend(rows)
-                if kind == "error":
-                    raise payload  # the worker stays up, so close() again retries
-                self.final_live_allocations = int(payload)
+                reply = self._receive("close", self.close_timeout_s)
+                self._journal.extend(reply.rows)
+                error = reply.error()
+                if error is not None:
+                    raise error  # the worker stays up, so close() again retries
+                assert isinstance(reply.payload, int)
+                self.final_live_allocations = reply.payload
                 answered = True
             except LaneFailure as error:
                 failure = error
@@ -352,14 +383,18 @@ class ProcessLane(LaneBase):
 
 
 def spawn_process_lanes(
-    factories: Sequence[Callable[[], Any]],
+    factories: Sequence[Callable[[], object]],
     *,
     threads: int = 1,
     envs: Sequence[dict[str, str]] | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ready: Callable[[int], None] | None = None,
 ) -> list[ProcessLane]:
-    """Start every worker first, then wait for all (startup overlaps); all or nothing."""
+    """Start every worker first, then wait for all (startup overlaps); all or nothing.
+
+    `ready(index)` is called as each lane reports ready, in lane order (progress).
+    """
     lanes: list[ProcessLane] = []
     try:
         for index, factory in enumerate(factories):
@@ -369,6 +404,8 @@ def spawn_process_lanes(
             )
         for lane in lanes:
             lane.wait_ready(startup_timeout_s)
+            if ready is not None:
+                ready(lane.index)
     except BaseException as error:
         for lane in lanes:
             try:

@@ -11,10 +11,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypedDict, runtime_checkable
 
 import attrs
 import torch
+
+from lifecycle.journal import Journal
+from runtime.config import PagedKVCacheConfig, PageTableLayout
+from runtime.prefill.batch import PlanLimits
+from runtime.steps import DecodeStep, LaneStep, PrefillStep
+from runtime.warmup_manifest import CoverageManifest
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,20 @@ _OPTIONAL_CALLS = frozenset({"choose_kernels", "adopt_kernels", "check_kv_memory
 """Lane calls an executor may lack (then they do nothing)."""
 
 
+class JournalRow(TypedDict):
+    """One lane journal entry as plain values (picklable; forwarded into the group's journal)."""
+
+    machine: str
+    trigger: str
+    source: str
+    dest: str
+    wall_time: float
+    duration_s: float
+    outcome: str
+    error: str | None
+    detail: str
+
+
 class LaneFailure(RuntimeError):
     """A lane's call failed, its worker died, or it did not answer within its bound."""
 
@@ -74,7 +94,7 @@ class RemoteLaneError(RuntimeError):
         self.remote_message = message
         self.remote_traceback = remote_traceback
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[RemoteLaneError], tuple[int, str, str, str]]:
         return (
             RemoteLaneError,
             (self.lane, self.type_name, self.remote_message, self.remote_traceback),
@@ -94,25 +114,32 @@ class LaneFacts:
     prefill_traced: bool = False
     decode_traced: bool = False
     device_sampling_enabled: bool = False
-    page_table_layout: Any = None
-    paged_kv_cache_config: Any = None
+    page_table_layout: PageTableLayout | None = None
+    paged_kv_cache_config: PagedKVCacheConfig | None = None
     live_allocations: int = 0
     vocab_size: int | None = None
     max_seq_len: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_top_k: int | None = None
     device_name: str = "?"
-    tokenizer: Any = None
+    tokenizer: object = None
     prefill_warmed: bool = False
     max_prefill_chunk_size: int | None = None
-    coverage_manifest: Any = None
+    coverage_manifest: CoverageManifest | None = None
     torch_threads: int = 0
     kv_bytes_per_block: int | None = None
+    kv_cache_shapes: tuple[tuple[int, ...], ...] = ()
+    plan_limits: PlanLimits | None = None
+    """The lane's prefill geometry (`PrefillRuntime.plan_limits`): the group's boundary checks."""
+    max_device_top_k: int | None = None
+    held_resources: tuple[str, ...] = ()
+    """What the lane holds that a finished call should have released (its components')."""
+    """Each layer's K (and V) shape once capacity is resolved (empty before, or unknown)."""
     fault_attempts: tuple[tuple[str, int], ...] = ()
     faults_injected: int = 0
 
 
-def _readiness(target: Any) -> str:
+def _readiness(target: object) -> str:
     warmup = getattr(target, "warmup", None)
     if warmup is None or not all(
         hasattr(warmup, name) for name in ("defer_capture", "capture_pending", "trace_activated")
@@ -125,8 +152,27 @@ def _readiness(target: Any) -> str:
     return NOT_READY
 
 
-def describe(target: Any, *, with_tokenizer: bool = False) -> LaneFacts:
-    """The facts of a lane executor (duck-typed, so fake lanes may be small)."""
+def _held_resources(target: object) -> tuple[str, ...]:
+    held = getattr(getattr(target, "components", None), "held_resources", None)
+    return tuple(str(item) for item in held()) if callable(held) else ()
+
+
+def describe(target: object, *, with_tokenizer: bool = False) -> LaneFacts:
+    """The facts of a lane executor (duck-typed, so fake lanes may be small), with what the
+    group's boundary checks a call against and what the lane still holds."""
+    facts = _served_facts(target, with_tokenizer=with_tokenizer)
+    kv_manager = getattr(target, "kv_cache_manager", None)
+    decode_config = getattr(getattr(target, "decode_runtime", None), "config", None)
+    return attrs.evolve(
+        facts,
+        plan_limits=getattr(getattr(target, "prefill_runtime", None), "plan_limits", None),
+        max_device_top_k=getattr(decode_config, "max_device_top_k", None),
+        held_resources=_held_resources(target),
+        kv_cache_shapes=tuple(tuple(shape) for shape in getattr(kv_manager, "cache_shapes", ())),
+    )
+
+
+def _served_facts(target: object, *, with_tokenizer: bool) -> LaneFacts:
     config = getattr(target, "config", None)
     trace = getattr(config, "trace", None)
     model = getattr(target, "model", None)
@@ -173,22 +219,45 @@ def keep_tokenizer(fresh: LaneFacts, previous: LaneFacts | None) -> LaneFacts:
     return fresh
 
 
-def invoke(target: Any, method: str, kwargs: Mapping[str, Any]) -> Any:
-    """Run one lane call on the executing side (the same for every transport)."""
+_STEP_EXECUTION = frozenset({"prefill_forward", "decode_forward"})
+"""Lane calls that take the step's `execution` (the others run where the lane decides)."""
+
+
+def step_keywords(method: str, step: LaneStep) -> dict[str, object]:
+    """The executor keywords of `step` for lane call `method`."""
+    if isinstance(step, DecodeStep):
+        keywords = step.keywords(with_read=method == "decode_forward")
+    else:
+        keywords = step.keywords()
+    if method not in _STEP_EXECUTION:
+        keywords.pop("execution", None)
+    return keywords
+
+
+def invoke(target: object, method: str, kwargs: Mapping[str, object]) -> object:
+    """Run one lane call on the executing side (the same for every transport).
+
+    A prefill or decode call carries one typed `step` (a `PrefillStep` / `DecodeStep`); its
+    keywords go to the lane executor unchanged, `page_table` included.
+    """
     if method not in LANE_CALLS:
         raise ValueError(f"{method!r} is not a lane call; lane calls are {sorted(LANE_CALLS)}")
     if method == "describe":
-        return describe(target, **kwargs)
+        return describe(target, with_tokenizer=bool(kwargs.get("with_tokenizer", False)))
     if method in _OPTIONAL_CALLS and not hasattr(target, method):
         return None  # e.g. an executor without kernel choices shares nothing
-    function: Callable[..., Any] = getattr(target, method)
+    function: Callable[..., object] = getattr(target, method)
+    step = kwargs.get("step")
+    if isinstance(step, PrefillStep | DecodeStep):
+        rest = {name: value for name, value in kwargs.items() if name != "step"}
+        return function(**step_keywords(method, step), **rest)
     return function(**kwargs)
 
 
 class LaneCall(Protocol):
     """One submitted call: `wait` returns its value or raises, within `timeout_s`."""
 
-    def wait(self, timeout_s: float | None = None) -> Any: ...
+    def wait(self, timeout_s: float | None = None) -> object: ...
 
 
 @runtime_checkable
@@ -207,11 +276,11 @@ class Lane(Protocol):
         """Whether `close()` succeeded (then it is a no-op)."""
         ...
 
-    def submit(self, method: str, /, **kwargs: Any) -> LaneCall:
+    def submit(self, method: str, /, **kwargs: object) -> LaneCall:
         """Issue `method` to the lane; never blocks on the lane's result."""
         ...
 
-    def drain_journal(self) -> list[dict[str, Any]]:
+    def drain_journal(self) -> list[JournalRow]:
         """Journal entries the lane recorded since the last drain (for the group's journal)."""
         ...
 
@@ -241,14 +310,14 @@ class LaneTarget:
     """The executing side of a lane, the same for both transports: one lane executor, driven
     by call name, whose journal is forwarded in increments and whose close is retryable."""
 
-    def __init__(self, executor: Any) -> None:
+    def __init__(self, executor: object) -> None:
         self.executor = executor
         self._journal_seen = 0
 
-    def run(self, method: str, kwargs: Mapping[str, Any]) -> Any:
+    def run(self, method: str, kwargs: Mapping[str, object]) -> object:
         return invoke(self.executor, method, kwargs)
 
-    def new_journal_rows(self) -> list[dict[str, Any]]:
+    def new_journal_rows(self) -> list[JournalRow]:
         """The executor's journal entries recorded since the last call (picklable rows)."""
         rows, self._journal_seen = journal_rows(
             getattr(self.executor, "journal", None), self._journal_seen
@@ -260,7 +329,11 @@ class LaneTarget:
         return int(getattr(getattr(self.executor, "device", None), "live_allocations", 0))
 
     def close(self) -> None:
-        close = getattr(self.executor, "close", None) or self.executor.cleanup
+        close: Callable[[], object] | None = getattr(self.executor, "close", None) or getattr(
+            self.executor, "cleanup", None
+        )
+        if close is None:
+            raise TypeError(f"lane executor {self.executor!r} has neither close() nor cleanup()")
         close()
 
 
@@ -268,12 +341,12 @@ class LaneTarget:
 class CompletedCall:
     """A call that already ran (value or error): what an in-process lane returns."""
 
-    value: Any = None
+    value: object = None
     error: BaseException | None = None
-    finish: Callable[[], Any] | None = None
+    finish: Callable[[], object] | None = None
     seconds: float = 0.0
 
-    def wait(self, timeout_s: float | None = None) -> Any:
+    def wait(self, timeout_s: float | None = None) -> object:
         if self.error is not None:
             raise self.error
         if self.finish is not None:
@@ -284,23 +357,23 @@ class CompletedCall:
         return self.value
 
 
-def journal_rows(journal: Any, seen: int) -> tuple[list[dict[str, Any]], int]:
+def journal_rows(journal: Journal | None, seen: int) -> tuple[list[JournalRow], int]:
     """Entries of `journal` after the first `seen`, as plain dicts (picklable)."""
     if journal is None:
         return [], seen
     entries = journal.entries
     rows = [
-        {
-            "machine": e.machine,
-            "trigger": e.trigger,
-            "source": e.source,
-            "dest": e.dest,
-            "wall_time": e.wall_time,
-            "duration_s": e.duration_s,
-            "outcome": str(e.outcome.value if hasattr(e.outcome, "value") else e.outcome),
-            "error": e.error,
-            "detail": e.detail,
-        }
+        JournalRow(
+            machine=e.machine,
+            trigger=e.trigger,
+            source=e.source,
+            dest=e.dest,
+            wall_time=e.wall_time,
+            duration_s=e.duration_s,
+            outcome=str(e.outcome.value),
+            error=e.error,
+            detail=e.detail,
+        )
         for e in entries[seen:]
     ]
     return rows, len(entries)

@@ -10,6 +10,7 @@ and broadcasting a single active row. `runtime.sampling.prepare` builds the valu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal, NamedTuple, TypeAlias
 
@@ -186,13 +187,14 @@ class PreparedSamplingParams:
                 f"[1, {self.max_device_top_k}]"
             )
 
-    def _active(self) -> list[int]:
-        return [row for row, active in enumerate(self.active_mask) if active]
+    def _active(self) -> tuple[int, ...]:
+        return self.active_row_indices
 
-    @property
+    @functools.cached_property
     def active_row_indices(self) -> tuple[int, ...]:
-        """Physical rows that carry a request, in order."""
-        return tuple(self._active())
+        """Physical rows that carry a request, in order (computed once: the value is frozen,
+        and a lane of many slots asks for it per property, per planned request)."""
+        return tuple(row for row, active in enumerate(self.active_mask) if active)
 
     @property
     def penalties_enabled(self) -> bool:

@@ -29,7 +29,7 @@ class FakeTrace:
 @attrs.define
 class FakeConfig:
     trace: FakeTrace
-    device_sampling_enabled: bool = False
+    device_sampling_enabled: bool = True
     max_seq_len: int = 64
 
 

@@ -165,3 +165,43 @@ def test_planning_rows_together_equals_planning_each_alone(
             )
         assert request.prompt_lengths == alone[0].prompt_lengths
         assert request.chunks == alone[0].chunks
+
+
+@pytest.mark.parametrize(
+    ("batching", "widest"), [(True, 8), (None, 32)], ids=["current-rule", "legacy-rule"]
+)
+def test_waves_past_the_widest_batch_add_no_case(
+    monkeypatch: pytest.MonkeyPatch, batching: bool | None, widest: int
+) -> None:
+    # A lane wider than any batched wave (40 slots > 32, the largest supported prefill
+    # batch): stopping the waves at the widest batch derives what probing every width did.
+    import runtime.warmup_coverage as coverage
+
+    lane = 40
+    harness = make_harness(
+        sampling=True,
+        sampler_rows=lane,
+        max_prefill_chunk_size=64,
+        max_batch_size=lane,
+        supports_batched_prefill=batching,
+        max_prefill_batch_size=8,
+    )
+    try:
+        assert coverage.widest_wave(harness.runtime, lane) == 32
+
+        def derive() -> tuple[WarmupCase, ...]:
+            return derive_prefill_cases(
+                harness.runtime,
+                max_prompt_length=70,
+                lane_batch_size=lane,
+                recipes=RECIPES,
+                max_top_k=8,
+            )
+
+        bounded = derive()
+        monkeypatch.setattr(coverage, "widest_wave", lambda prefill, lanes: lanes)
+        unbounded = derive()
+    finally:
+        harness.setup.close()
+    assert bounded == unbounded
+    assert max(c.batch_size for c in bounded) == widest  # waves were derived at all
