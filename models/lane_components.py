@@ -87,7 +87,7 @@ class LaneComponents:
             ("decode runtime", self.decode_runtime.transient_orphan_count),
         ]
         if self.trace_compiler is not None:
-            counts.append(("trace compiler", self.trace_compiler.rollback_orphan_count))
+            counts.append(("trace compiler", self.trace_compiler.unreleased_resource_count))
         kv = self.kv_cache_manager
         if kv.state.value != "bound":
             counts.append(("paged KV cache", kv.owned_tensor_count))

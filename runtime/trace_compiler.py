@@ -193,11 +193,11 @@ class TraceCompiler:
         self._records: dict[TraceKey, TraceRecord] = {}
         self._aliases: dict[ProgramKey, TraceAliasRecord] = {}
         self._orphans: list[TensorResourceOrphan] = []
+        self._unreleased_traces: set[TraceKey] = set()
         self._replay_counts: dict[str, int] = dict.fromkeys(_OPERATIONS, 0)
         self._last_replayed: TraceKey | None = None
         self._captures = 0
         self._capture_failed = False
-        self._release_attempted = False
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -244,16 +244,14 @@ class TraceCompiler:
         return len(self._aliases)
 
     @property
-    def rollback_orphan_count(self) -> int:
-        """Resources a failed capture or cleanup could not release yet.
+    def unreleased_resource_count(self) -> int:
+        """Resources a failed capture rollback or cleanup tried and failed to release.
 
-        A live trace is not an orphan: it counts only once a release (rollback or cleanup)
-        was attempted and left it, so a refused call on a serving lane never faults it.
+        Live captured traces and their inputs are not counted: they are owned and replayable
+        until `cleanup()`. Only traces whose release failed and tensors whose deallocation
+        failed are; while any remain the gate stays closed and replay is refused.
         """
-        if not self._release_attempted:
-            return len(self._orphans)
-        unreleased = sum(1 for r in self._records.values() if r.artifact is not None)
-        return len(self._orphans) + unreleased
+        return len(self._orphans) + len(self._unreleased_traces)
 
     def registered_coverage(self, operation: str) -> tuple[tuple[TraceKey, Any], ...]:
         """(trace key, signature) of every registered trace of `operation`."""
@@ -422,7 +420,7 @@ class TraceCompiler:
     def _rollback(self, primary: BaseException) -> None:
         failures = self._release_everything()
         attach_cleanup_failures(primary, failures, note="rolling back trace capture")
-        if self.rollback_orphan_count:
+        if self.unreleased_resource_count:
             self._capture_failed = True
             self._lifecycle.fire("activate", detail="rollback left resources; gate stays closed")
             self.program_compiler.activate()
@@ -432,7 +430,6 @@ class TraceCompiler:
 
     def _release_everything(self) -> list[BaseException]:
         """Release every trace, then its inputs; a trace that fails to release keeps them."""
-        self._release_attempted = True
         failures: list[BaseException] = []
         for record in self._records.values():
             if record.shares is not None:
@@ -444,8 +441,10 @@ class TraceCompiler:
                     self._device.release_trace(artifact.handle)
                 except BaseException as failure:
                     failures.append(failure)
+                    self._unreleased_traces.add(record.key)
                     continue  # nothing of this artifact is freed until its trace is
                 artifact.trace_released = True
+            self._unreleased_traces.discard(record.key)
             record.artifact = None
             if record.persistent is not None:
                 orphan, orphan_failures = release_or_orphan(record.persistent, self._device)

@@ -171,7 +171,7 @@ def test_dirty_rollback_keeps_gate_closed_until_cleanup() -> None:
     with pytest.raises(InjectedFault) as caught:
         traces.capture_all()
     assert caught.value.cleanup_failures  # type: ignore[attr-defined]
-    assert compiler.gate_closed and traces.rollback_orphan_count == 2
+    assert compiler.gate_closed and traces.unreleased_resource_count == 2
     with pytest.raises(RuntimeError, match="call cleanup"):
         traces.replay(key, refresh_x(torch.zeros(3)))
     with pytest.raises(RuntimeError, match="Failed to release 4 trace resource"):
@@ -184,6 +184,20 @@ def test_dirty_rollback_keeps_gate_closed_until_cleanup() -> None:
     assert device.deallocated_twice == 0
 
 
+def test_live_traces_are_not_unreleased_resources() -> None:
+    """Captured, replayable traces are owned, not left behind: a clean capture holds none."""
+    inner = TorchDevice("cpu")
+    traces, compiler, _ = build(inner)
+    for operation, batch in (("decode", 2), ("prefill", 3)):
+        key, sig = compile_toy(compiler, operation, batch)
+        traces.register_capture_plan(toy_plan(inner, key, sig))
+    traces.capture_all()
+    assert inner.live_traces == 2
+    assert traces.unreleased_resource_count == 0
+    traces.cleanup()
+    assert traces.unreleased_resource_count == 0
+
+
 def test_cleanup_retries_failed_trace_release_without_freeing_inputs() -> None:
     inner = TorchDevice("cpu")
     device = FaultInjectingDevice(inner, FaultPlan.nth("release_trace", 1))
@@ -194,6 +208,7 @@ def test_cleanup_retries_failed_trace_release_without_freeing_inputs() -> None:
     with pytest.raises(RuntimeError, match="Failed to release 1 trace resource"):
         traces.cleanup()
     assert inner.live_allocations == 2  # inputs kept while the trace is alive
+    assert traces.unreleased_resource_count == 1
     assert compiler.gate_closed
     traces.cleanup()
     traces.cleanup()
@@ -220,7 +235,7 @@ def test_random_capture_failures_leave_nothing_after_cleanup(
         traces.register_capture_plan(toy_plan(device, key, sig))
     with pytest.raises(InjectedFault):
         traces.capture_all()
-    if traces.rollback_orphan_count:
+    if traces.unreleased_resource_count:
         assert compiler.gate_closed
     else:
         assert not compiler.gate_closed
