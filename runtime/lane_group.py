@@ -158,6 +158,16 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     def _refresh(self) -> None:
         self._lanes.each("describe")
 
+    def _placement(
+        self, operation: str, kv_cache: object, execution: object
+    ) -> tuple[list[object], list[str | None]]:
+        """Each lane's KV handle and execution name, checked against the lanes' tracing."""
+        lanes = len(self.lanes)
+        caches = per_lane_argument("kv_cache", kv_cache, lanes)
+        executions = lane_executions(execution, lanes)
+        check_traced_executions(executions, operation, self.facts)
+        return caches, executions
+
     def _prefill_step(
         self, arguments: PrefillArguments, kv_cache: object, execution: object
     ) -> tuple[dict[int, PrefillStep], dict[int, LaneRows]]:
@@ -166,15 +176,12 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         Every caller error raises here, before any lane is called, so a refusal leaves the
         group and every lane as they were.
         """
-        lanes = len(self.lanes)
-        caches = per_lane_argument("kv_cache", kv_cache, lanes)
-        executions = lane_executions(execution, lanes)
-        check_traced_executions(executions, "prefill", self.facts)
+        caches, executions = self._placement("prefill", kv_cache, execution)
         self._boundary.check_prefill(arguments, self.facts)
         return split_prefill(
             PrefillStep.of(arguments),
             per_lane=self.per_lane_max_batch_size,
-            lanes=lanes,
+            lanes=len(self.lanes),
             kv_caches=caches,
             executions=executions,
         )
@@ -183,15 +190,12 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self, arguments: DecodeArguments, kv_cache: object, execution: object, read: bool
     ) -> list[DecodeStep]:
         """The boundary: check one global decode step, then split it into lane steps."""
-        lanes = len(self.lanes)
-        caches = per_lane_argument("kv_cache", kv_cache, lanes)
-        executions = lane_executions(execution, lanes)
-        check_traced_executions(executions, "decode", self.facts)
+        caches, executions = self._placement("decode", kv_cache, execution)
         self._boundary.check_decode(arguments, self.facts)
         return split_decode(
             DecodeStep.of(arguments, read_from_device=read),
             per_lane=self.per_lane_max_batch_size,
-            lanes=lanes,
+            lanes=len(self.lanes),
             kv_caches=caches,
             executions=executions,
         )
