@@ -53,3 +53,18 @@ def integer_tensor(name: str, value: object) -> torch.Tensor:
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
     return value
+
+
+def check_block_ids(page_table: torch.Tensor, num_blocks: int, *, note: str = "") -> None:
+    """Every page-table entry is -1 (unmapped) or a block id of a pool of `num_blocks` (a host
+    read: the model's own check and the lane group's boundary both apply this one rule)."""
+    if not page_table.numel():
+        return
+    low, high = int(page_table.min()), int(page_table.max())
+    if low < -1 or high >= num_blocks:
+        row, column = ((page_table < -1) | (page_table >= num_blocks)).nonzero()[0].tolist()
+        raise ValueError(
+            f"page_table has entries in [{low}, {high}] (page_table[{row}, {column}] is "
+            f"{int(page_table[row, column])}): allowed are -1 (unmapped) and block ids in "
+            f"[0, {num_blocks}){note}"
+        )

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from runtime.model_contract import KVCache, PagedAttentionConfig
-from runtime.validation import is_int
+from runtime.validation import check_block_ids, is_int
 
 LayerCaches = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
@@ -97,13 +97,7 @@ def check_page_table_layout(page_table: torch.Tensor, batch: int) -> None:
 def check_page_table(page_table: torch.Tensor, batch: int, num_blocks: int) -> None:
     """Layout, then entries: -1 (unmapped) or a block id of the bound cache (a host read)."""
     check_page_table_layout(page_table, batch)
-    if page_table.numel():
-        low, high = int(page_table.min()), int(page_table.max())
-        if low < -1 or high >= num_blocks:
-            raise ValueError(
-                f"page_table has entries in [{low}, {high}]: allowed are -1 (unmapped) and "
-                f"block ids in [0, {num_blocks})"
-            )
+    check_block_ids(page_table, num_blocks)
 
 
 def check_decode_shapes(

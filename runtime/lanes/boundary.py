@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from runtime import validation
 from runtime.config import PageTableLayout
 from runtime.decode_batch import (
     DecodeArguments,
@@ -275,18 +276,13 @@ def _check_sampling(
 
 
 def check_block_ids(page_table: object, num_blocks: int | None) -> None:
-    """Every page-table entry is -1 (unmapped) or a block id of a lane's pool (the model's
-    own rule, `models.llama.input_checks.check_page_table`, checked before any lane runs)."""
-    if num_blocks is None or not isinstance(page_table, torch.Tensor) or not page_table.numel():
+    """The pool rule (`runtime.validation.check_block_ids`) against each lane's own pool."""
+    if num_blocks is None or not isinstance(page_table, torch.Tensor):
         return
-    low, high = int(page_table.min()), int(page_table.max())
-    if low < -1 or high >= num_blocks:
-        bad = ((page_table < -1) | (page_table >= num_blocks)).nonzero()[0].tolist()
-        raise ValueError(
-            f"page_table[{bad[0]}, {bad[1]}] is {int(page_table[bad[0], bad[1]])}: allowed "
-            f"are -1 (unmapped) and block ids in [0, {num_blocks}) (each DP lane's KV pool "
-            f"holds num_blocks={num_blocks} blocks; block ids are lane-local)"
-        )
+    note = (
+        f" (each DP lane's KV pool holds num_blocks={num_blocks} blocks; block ids are lane-local)"
+    )
+    validation.check_block_ids(page_table, num_blocks, note=note)
 
 
 def check_traced_executions(
