@@ -66,6 +66,7 @@ from runtime.output_reader import ReadState
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
+    SamplingPath,
 )
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
@@ -105,6 +106,7 @@ class DecodeRuntime:
         self._device: Device = config.device
         self._normalizer = PageTableNormalizer(config.page_table_layout)
         self._last_submitted: torch.Tensor | None = None
+        self._signatures: dict[tuple[SamplingPath, bool, bool, bool], DecodeSignature] = {}
         self._orphans: list[TensorResourceOrphan] = []
         self._leases: dict[int, DecodeOutputLease] = {}
         self._leases_by_host: dict[int, DecodeOutputLease] = {}
@@ -122,6 +124,7 @@ class DecodeRuntime:
         self._config = config
         self._normalizer = PageTableNormalizer(config.page_table_layout)
         self._last_submitted = None
+        self._signatures.clear()
 
     @property
     def transient_orphan_count(self) -> int:
@@ -209,20 +212,45 @@ class DecodeRuntime:
             lane.page_table, counts, device_feedback=device_feedback
         )
         last = self._last_submitted
+        path: SamplingPath = "logits" if sampling is None else sampling.sampling_path
         prepared = PreparedDecode(
             tokens=lane.tokens,
             start_pos=lane.positions,
             page_table=normalized,
             sampling_params=params,
             prepared_sampling=sampling,
-            sampling_path="logits" if sampling is None else sampling.sampling_path,
+            sampling_path=path,
             reset_batch=reset_batch,
             device_feedback=device_feedback,
-            page_table_changed=last is None or not torch.equal(normalized, last),
+            # The normaliser hands back its cached table object for an unchanged one, and no
+            # normalised table is written after it is made: the same object is the same table.
+            page_table_changed=last is None
+            or (normalized is not last and not torch.equal(normalized, last)),
+            signature=self._signature(path, device_feedback, sampling),
         )
         config = self._config
         assert_lane_batch(prepared, config.lane_capacity, config.page_table_layout.decode_width)
         return prepared
+
+    def _signature(
+        self, path: SamplingPath, device_feedback: bool, sampling: PreparedSamplingParams | None
+    ) -> DecodeSignature:
+        """The step's program and trace identity: one per sampling facts, built once each."""
+        penalties = sampling is not None and sampling.penalties_enabled
+        logprobs = sampling is not None and sampling.log_probs_enabled
+        facts = (path, device_feedback, penalties, logprobs)
+        signature = self._signatures.get(facts)
+        if signature is None:
+            signature = DecodeSignature(
+                batch_size=self._config.lane_capacity,
+                page_table_width=self._config.page_table_layout.decode_width,
+                sampling_path=path,
+                device_feedback=device_feedback,
+                penalties_enabled=penalties,
+                logprobs_enabled=logprobs,
+            )
+            self._signatures[facts] = signature
+        return signature
 
     def _refuse_while_orphaned(self) -> None:
         if self._orphans:
@@ -231,25 +259,21 @@ class DecodeRuntime:
             )
 
     def program_signature(self, prepared: PreparedDecode) -> DecodeSignature:
-        """The eager program identity: lane capacity, normalised width, sampling facts."""
-        prepared = require_prepared(prepared)
-        return DecodeSignature(
-            batch_size=prepared.lane_capacity,
-            page_table_width=int(prepared.page_table.shape[1]),
-            sampling_path=prepared.sampling_path,
-            device_feedback=prepared.device_feedback,
-            penalties_enabled=prepared.penalties_enabled,
-            logprobs_enabled=prepared.logprobs_enabled,
-        )
+        """The eager program identity (lane capacity, normalised width, sampling facts): the
+        signature `prepare` built for the step."""
+        return require_prepared(prepared).signature
 
     def trace_signature(self, prepared: PreparedDecode) -> DecodeSignature:
         """The trace identity (same key material as the program)."""
         return DecodeSignature.for_program(self.program_signature(prepared))
 
     def note_submitted(self, prepared: PreparedDecode) -> None:
-        """Remember the page table a step was submitted with (traced replay calls this)."""
-        prepared = require_prepared(prepared)
-        self._last_submitted = prepared.page_table.clone()
+        """Remember the page table a step was submitted with (traced replay calls this).
+
+        The normalised table is the runtime's own and never written after `prepare` made it,
+        so it is kept, not copied.
+        """
+        self._last_submitted = require_prepared(prepared).page_table
 
     # -- eager execution ----------------------------------------------------------------------
 
@@ -287,7 +311,9 @@ class DecodeRuntime:
             value=value, owned=(value, inputs), is_tokens=prepared.sampling_path != "logits"
         )
 
-    def consume(self, result: DecodeInvocationResult, *, read_from_device: bool = True) -> Any:
+    def consume(
+        self, result: DecodeInvocationResult, *, read_from_device: bool = True
+    ) -> DecodeHostOutput | object:
         """Blocking: read, release owned values, normalise. Otherwise lease the raw output.
 
         Normalised output: logits float32 `[lane, 1, vocab]`; tokens int64 `[lane]`; with
@@ -303,7 +329,8 @@ class DecodeRuntime:
         if not read_from_device:
             if result.owned is not None:
                 self._register_lease(result)
-            return result.value
+            raw: object = result.value
+            return raw
         # Eager logits are a fresh model output this call owns and releases below, so the
         # reader may hand them over without a copy; trace outputs (owned=None) are overwritten
         # by the next replay and sampled tokens may live in sampler buffers: those are copied.

@@ -16,6 +16,7 @@ import torch
 
 from runtime.config import PageTableLayout
 from runtime.decode_config import DecodeRuntimeConfig
+from runtime.decode_signatures import DecodeSignature
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -80,7 +81,9 @@ class PreparedDecode:
 
     `tokens`/`start_pos` are int64 `[lane]` private copies; `page_table` is the normalised
     int32 `[lane, decode_width]` table (possibly the cached object of the previous step);
-    `prepared_sampling` is slot-indexed over the lane with inactive rows neutral.
+    `prepared_sampling` is slot-indexed over the lane with inactive rows neutral. `signature`
+    is the step's program and trace identity, built once by the boundary: the dispatcher's
+    key, never rebuilt below it.
     """
 
     tokens: torch.Tensor
@@ -92,6 +95,7 @@ class PreparedDecode:
     reset_batch: bool
     device_feedback: bool
     page_table_changed: bool
+    signature: DecodeSignature
 
     @property
     def lane_capacity(self) -> int:
@@ -133,6 +137,9 @@ def assert_lane_batch(prepared: PreparedDecode, lane_capacity: int, decode_width
     assert prepared.page_table.shape == (lane_capacity, decode_width)
     assert prepared.page_table.dtype == torch.int32
     assert (prepared.prepared_sampling is None) == (prepared.sampling_path == "logits")
+    signature = prepared.signature
+    assert signature.batch_size == lane_capacity and signature.page_table_width == decode_width
+    assert signature.sampling_path == prepared.sampling_path
 
 
 # --------------------------------------------------------------------------------------------
