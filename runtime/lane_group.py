@@ -21,6 +21,7 @@ import torch
 from lifecycle import LifecycleHost, Phase, PhaseError, guarded
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
+from runtime.config import TraceConfig
 from runtime.decode_batch import DecodeArguments
 from runtime.lane_routing import (
     LaneOutput,
@@ -419,7 +420,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self._guard("compile", lambda: super(LaneGroupExecutor, self).compile())
 
     def _requires_capture(self) -> bool:
-        return self.trace_mode != "none"
+        return TraceConfig.of(self.trace_mode).enabled
 
     def _do_capture(self) -> str:
         """The lane barrier: every lane must be pending, then all capture together."""

@@ -167,12 +167,13 @@ def warmup_config(args: argparse.Namespace) -> Any:
 
     Sampling (temperature > 0) decodes on the top-k path, so a traced lane must capture it too.
     """
-    from runtime.config import WarmupConfig
+    from runtime.config import TraceConfig, WarmupConfig
 
     sampling = getattr(args, "temperature", 0.0) > 0
-    if args.warmup == "full" or (args.warmup == "auto" and args.trace != "none"):
+    traced = TraceConfig.of(args.trace).enabled
+    if args.warmup == "full" or (args.warmup == "auto" and traced):
         return WarmupConfig(include_decode_top_k=True) if sampling else None
-    if args.trace != "none":
+    if traced:
         raise UsageError(
             f"--warmup minimal needs --trace none (got --trace {args.trace}): traced lanes "
             "close the compile gate at capture, so every shape must be warmed; use --warmup full"
