@@ -42,6 +42,7 @@ from runtime.prefill.result_collector import PrefillOutput
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.program_compiler import CompiledProgram
 from runtime.sampling import SamplingParams
+from runtime.steps import DecodeStep
 from runtime.validation import require_bool
 from runtime.warmup_manifest import CoverageManifest
 
@@ -517,6 +518,27 @@ class ModelExecutor(LifecycleHost):
         try:
             prepared = self.decode_runtime.prepare(**arguments)
             return target.decode_forward(prepared, read_from_device=read_from_device)
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("decode_forward", error)
+            raise
+
+    @guarded(P.SERVING)
+    def decode_step(self, step: DecodeStep) -> Any:
+        """`decode_forward` of a typed step (what a lane group sends its lanes).
+
+        A step whose `checked` stamp is this lane's own geometry was checked by the group's
+        boundary and is not checked again; any other step is checked as `decode_forward`
+        checks its keywords (`DecodeRuntime.prepare_step`).
+        """
+        if not isinstance(step, DecodeStep):
+            raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
+        self._validate_cache_argument(step.kv_cache)
+        self._check_sampling(step.sampling_params)
+        require_bool("read_from_device", step.read_from_device)
+        target = self._target("decode", step.execution)
+        try:
+            prepared = self.decode_runtime.prepare_step(step)
+            return target.decode_forward(prepared, read_from_device=step.read_from_device)
         except BaseException as error:  # inline: this is the per-step path
             self._fault_if_holding("decode_forward", error)
             raise

@@ -63,6 +63,7 @@ from runtime.decode_staging import (
     unwrap_persistent,
 )
 from runtime.output_reader import ReadState
+from runtime.steps import DecodeCheck, DecodeStep
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -104,6 +105,7 @@ class DecodeRuntime:
             )
         self._config = config
         self._device: Device = config.device
+        self._check = _check_of(config)
         self._normalizer = PageTableNormalizer(config.page_table_layout)
         self._last_submitted: torch.Tensor | None = None
         self._signatures: dict[tuple[SamplingPath, bool, bool, bool], DecodeSignature] = {}
@@ -122,6 +124,7 @@ class DecodeRuntime:
         """Adopt late (smaller) physical geometry before serving; the runtime object stays."""
         config = self._config.with_page_table_layout(layout)
         self._config = config
+        self._check = _check_of(config)
         self._normalizer = PageTableNormalizer(config.page_table_layout)
         self._last_submitted = None
         self._signatures.clear()
@@ -197,6 +200,47 @@ class DecodeRuntime:
             device_feedback=device_feedback,
         )
         return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
+
+    def prepare_step(self, step: DecodeStep) -> PreparedDecode:
+        """`prepare` of a typed step; one a group boundary checked against this lane's own
+        geometry (`step.checked`, see `runtime.steps`) is not checked again."""
+        if step.checked is None or step.checked != self._check:
+            return self.prepare(
+                step.tokens,
+                step.start_pos,
+                step.page_table,
+                sampling_params=step.sampling_params,
+                prompt_tokens=step.prompt_tokens,
+                output_tokens=step.output_tokens,
+                slot_remap=step.slot_remap,
+                reset_batch=step.reset_batch,
+            )
+        self._refuse_while_orphaned()
+        config = self._config
+        lane = LaneInputs(
+            tokens=step.tokens.detach().to(device="cpu", dtype=torch.int64, copy=True),
+            positions=step.start_pos.detach().to(device="cpu", dtype=torch.int64, copy=True),
+            page_table=step.page_table,
+        )
+        params = step.sampling_params
+        sampling = None
+        if params is not None:
+            sampling = prepare_lane_sampling(
+                config,
+                params,
+                lane,
+                prompt_tokens=step.prompt_tokens,
+                output_tokens=step.output_tokens,
+                slot_remap=step.slot_remap,
+            )
+        device_feedback = params is not None and config.position_feedback_capable
+        counts = page_table_copy_counts(
+            lane.page_table,
+            lane.positions,
+            layout=config.page_table_layout,
+            device_feedback=device_feedback,
+        )
+        return self._checked_step(lane, params, sampling, counts, step.reset_batch, device_feedback)
 
     def _checked_step(
         self,
@@ -581,3 +625,13 @@ class DecodeRuntime:
         if failures:
             self._raise_release_failures(failures, operation)
         return out
+
+
+def _check_of(config: DecodeRuntimeConfig) -> DecodeCheck:
+    """The stamp of a step checked against this lane's geometry (`runtime.steps`)."""
+    return DecodeCheck(
+        lane_capacity=config.lane_capacity,
+        vocab_size=config.vocab_size,
+        page_table_layout=config.page_table_layout,
+        device_sampling_enabled=config.device_sampling_enabled,
+    )

@@ -192,9 +192,9 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     ) -> list[DecodeStep]:
         """The boundary: check one global decode step, then split it into lane steps."""
         caches, executions = self._placement("decode", kv_cache, execution)
-        self._boundary.check_decode(arguments, self.facts)
+        checked = self._boundary.check_decode(arguments, self.facts)
         return split_decode(
-            DecodeStep.of(arguments, read_from_device=read),
+            DecodeStep.of(arguments, read_from_device=read, checked=checked),
             per_lane=self.per_lane_max_batch_size,
             lanes=len(self.lanes),
             kv_caches=caches,
