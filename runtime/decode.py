@@ -63,12 +63,12 @@ from runtime.decode_staging import (
     unwrap_persistent,
 )
 from runtime.output_reader import ReadState
-from runtime.steps import DecodeCheck, DecodeStep
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
     SamplingPath,
 )
+from runtime.steps import DecodeCheck, DecodeStep
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
 from runtime.validation import require_bool

@@ -201,6 +201,11 @@ def check_lane_inputs(
 def check_token_ids(lane: LaneInputs, vocab_size: int) -> None:
     """Every active row's token is a vocabulary id (inactive rows may carry anything)."""
     tokens = lane.tokens
+    if not tokens.numel():
+        return
+    low, high = torch.aminmax(torch.where(lane.active, tokens, 0))
+    if int(low) >= 0 and int(high) < vocab_size:
+        return  # one reduction on the common path; the row is looked for only when refused
     bad = (lane.active & ((tokens < 0) | (tokens >= vocab_size))).nonzero()
     if bad.numel():
         row = int(bad[0, 0])
@@ -266,6 +271,19 @@ def page_table_copy_counts(
     width = int(page_table.shape[1])
     pos = start_pos.to(torch.int64)
     used = _ceil_div((pos + 1).clamp(min=0), block)
+    if used.numel() and int(used.max()) > min(raw, width):
+        _refuse_positions(pos, used, block=block, raw=raw, width=width)
+    if not device_feedback:
+        return used
+    at_boundary = (pos >= 0) & ((pos + 1) % block == 0)
+    look_ahead = (used + 1).clamp(max=min(raw, width))
+    return torch.where(at_boundary, torch.maximum(look_ahead, used), used)
+
+
+def _refuse_positions(
+    pos: torch.Tensor, used: torch.Tensor, *, block: int, raw: int, width: int
+) -> None:
+    """The first row whose position the layout or the caller's table cannot hold."""
     over = (used > raw).nonzero()
     if over.numel():
         row = int(over[0, 0])
@@ -281,11 +299,6 @@ def page_table_copy_counts(
             f"page table is too narrow for decode row {row}: position {int(pos[row])} needs "
             f"{int(used[row])} block(s) of {block} tokens, the page table has {width} column(s)"
         )
-    if not device_feedback:
-        return used
-    at_boundary = (pos >= 0) & ((pos + 1) % block == 0)
-    look_ahead = (used + 1).clamp(max=min(raw, width))
-    return torch.where(at_boundary, torch.maximum(look_ahead, used), used)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Iterator, MutableSequence
 from typing import Any
 
 import attrs
+import torch
 
 from lifecycle.errors import (
     CLEANUP_NOTE_PREFIX,
@@ -82,10 +83,18 @@ def _iter_owned_leaves(
     stack: list[Any] = [value]
     while stack:
         item = stack.pop()
-        if id(item) in visited:
+        if item is None:
+            continue  # an absent optional value: nothing to walk or release
+        key = id(item)
+        if key in visited:
             continue
-        visited.add(id(item))
+        visited.add(key)
         keepalive.append(item)
+        if isinstance(item, torch.Tensor):
+            # A tensor is always a leaf (it never owns values): skip the owner lookup.
+            if key not in completed and device.is_owned(item):
+                yield item
+            continue
         if isinstance(item, dict):
             stack.extend(reversed(list(item.values())))
             continue
