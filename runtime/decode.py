@@ -218,8 +218,8 @@ class DecodeRuntime:
         self._refuse_while_orphaned()
         config = self._config
         lane = LaneInputs(
-            tokens=step.tokens.detach().to(device="cpu", dtype=torch.int64, copy=True),
-            positions=step.start_pos.detach().to(device="cpu", dtype=torch.int64, copy=True),
+            tokens=step.tokens.to(device="cpu", dtype=torch.int64, copy=True),
+            positions=step.start_pos.to(device="cpu", dtype=torch.int64, copy=True),
             page_table=step.page_table,
         )
         params = step.sampling_params

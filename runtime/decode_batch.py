@@ -168,11 +168,10 @@ class LaneInputs:
     tokens: torch.Tensor
     positions: torch.Tensor
     page_table: torch.Tensor
-    active: torch.Tensor = attrs.field(init=False)
-    """bool `[lane]`: rows with a position >= 0 (computed once)."""
 
-    @active.default
-    def _active(self) -> torch.Tensor:
+    @property
+    def active(self) -> torch.Tensor:
+        """bool `[lane]`: rows with a position >= 0 (computed when a check needs it)."""
         return self.positions >= 0
 
 
@@ -191,9 +190,10 @@ def check_lane_inputs(
             f"decode tokens, start_pos and page_table batches must match: tokens {batch}, "
             f"start_pos {int(positions.shape[0])}, page_table {int(table.shape[0])}"
         )
+    # Integer tensors never require grad: a copy needs no detach.
     return LaneInputs(
-        tokens=host_tokens.detach().to(device="cpu", dtype=torch.int64, copy=True),
-        positions=positions.detach().to(device="cpu", dtype=torch.int64, copy=True),
+        tokens=host_tokens.to(device="cpu", dtype=torch.int64, copy=True),
+        positions=positions.to(device="cpu", dtype=torch.int64, copy=True),
         page_table=table,
     )
 
@@ -203,9 +203,9 @@ def check_token_ids(lane: LaneInputs, vocab_size: int) -> None:
     tokens = lane.tokens
     if not tokens.numel():
         return
-    low, high = torch.aminmax(torch.where(lane.active, tokens, 0))
+    low, high = torch.aminmax(tokens)
     if int(low) >= 0 and int(high) < vocab_size:
-        return  # one reduction on the common path; the row is looked for only when refused
+        return  # every row holds an id: one reduction; active rows are looked at otherwise
     bad = (lane.active & ((tokens < 0) | (tokens >= vocab_size))).nonzero()
     if bad.numel():
         row = int(bad[0, 0])
@@ -248,10 +248,6 @@ def check_sampling_arguments(
     return sampling_params
 
 
-def _ceil_div(value: torch.Tensor, divisor: int) -> torch.Tensor:
-    return torch.div(value + (divisor - 1), divisor, rounding_mode="floor")
-
-
 def page_table_copy_counts(
     page_table: torch.Tensor,
     start_pos: torch.Tensor,
@@ -270,9 +266,14 @@ def page_table_copy_counts(
     raw = layout.raw_capacity_width
     width = int(page_table.shape[1])
     pos = start_pos.to(torch.int64)
-    used = _ceil_div((pos + 1).clamp(min=0), block)
-    if used.numel() and int(used.max()) > min(raw, width):
-        _refuse_positions(pos, used, block=block, raw=raw, width=width)
+    # ceil((pos + 1) / block) == floor((pos + block) / block) for pos >= -1; below, 0 blocks.
+    used = (pos + block).div_(block, rounding_mode="floor")
+    if pos.numel():
+        low, high = torch.aminmax(pos)
+        if int(low) < -1:
+            used.clamp_(min=0)
+        if int(high) >= min(raw, width) * block:  # the blocks needed grow with the position
+            _refuse_positions(pos, used, block=block, raw=raw, width=width)
     if not device_feedback:
         return used
     at_boundary = (pos >= 0) & ((pos + 1) % block == 0)

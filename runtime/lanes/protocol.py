@@ -364,8 +364,8 @@ class CompletedCall:
 
 def journal_rows(journal: Journal | None, seen: int) -> tuple[list[JournalRow], int]:
     """Entries of `journal` after the first `seen`, as plain dicts (picklable)."""
-    if journal is None:
-        return [], seen
+    if journal is None or len(journal) == seen:
+        return [], seen  # nothing new: no snapshot of the whole journal (the per-step case)
     entries = journal.entries
     rows = [
         JournalRow(
