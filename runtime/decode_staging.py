@@ -249,6 +249,8 @@ def normalize_logits(host: object, *, lane_capacity: int, vocab_size: int) -> to
     if not isinstance(host, torch.Tensor):
         raise TypeError(f"decode logits must be a torch.Tensor on host, got {type(host).__name__}")
     flat = host.reshape(-1, host.shape[-1]) if host.dim() != 2 else host
+    if flat.shape == (lane_capacity, vocab_size) and flat.dtype == torch.float32:
+        return flat.reshape(lane_capacity, 1, vocab_size)  # the model's exact output: no copy
     if flat.shape[0] < lane_capacity or flat.shape[1] < vocab_size:
         raise ValueError(
             f"decode logits have shape {tuple(host.shape)}; expected at least "

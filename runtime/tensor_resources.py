@@ -154,9 +154,11 @@ def release_or_orphan(
     value: Any, device: Device
 ) -> tuple[TensorResourceOrphan | None, list[BaseException]]:
     """Release `value` best-effort; on failure return an orphan that a later retry can finish."""
-    orphan = TensorResourceOrphan(values=value, device=device)
-    failures = orphan.release()
-    return (orphan if failures else None), failures
+    done: set[int] = set()
+    failures = best_effort_deallocate_owned_tensors(value, device, done)
+    if not failures:
+        return None, failures  # the per-step case: no orphan record is built
+    return TensorResourceOrphan(values=value, device=device, deallocated_tensor_ids=done), failures
 
 
 def release_orphans(orphans: MutableSequence[TensorResourceOrphan]) -> list[BaseException]:
