@@ -138,6 +138,8 @@ class ModelExecutor(LifecycleHost):
         self.traced_executor = components.traced_executor
         self.warmup = components.warmup
         self._kv_handle: list[list[Any]] | None = None
+        traced = self.traced_executor if config.trace.decode_enabled else None
+        self._decode_target: EagerExecutor | TracedExecutor = traced or self.eager_executor
 
     # -- geometry ---------------------------------------------------------------------------------
 
@@ -458,6 +460,8 @@ class ModelExecutor(LifecycleHost):
             self.ensure_sampling_buffers()
 
     def _target(self, operation: str, execution: str | None) -> Any:
+        if execution is None and operation == "decode":
+            return self._decode_target  # the per-step case: decided once, at construction
         if execution not in (None, "eager", "traced"):
             raise ValueError(f"execution must be None, 'eager' or 'traced', got {execution!r}")
         traced = (
