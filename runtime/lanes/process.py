@@ -7,6 +7,12 @@ the pipe), never as pickled copies of large buffers; objects whose identity matt
 the lane (raw decode outputs, pending reads, preflighted requests, the KV handle) stay in the
 worker and cross as `RemoteRef` tokens. Every wait is bounded, and a worker that died or did
 not answer in time is a `LaneFailure` naming the lane.
+
+A decode step arrives as a pickled `DecodeStep`. The worker answers only its parent group
+over a private pipe, so it trusts the group boundary's `DecodeCheck` stamp as an in-process
+lane does: a step stamped with the worker lane's own geometry is not checked again, and any
+other step (no stamp, or one checked against another geometry, e.g. facts gone stale) is
+checked in full by the lane's boundary (`DecodeRuntime.prepare_step`).
 """
 
 from __future__ import annotations
