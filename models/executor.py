@@ -256,7 +256,7 @@ class ModelExecutor(LifecycleHost):
 
     # -- compile and warm ------------------------------------------------------------------------
 
-    def _validate_cache_argument(self, kv_cache: Any) -> None:
+    def _validate_cache_argument(self, kv_cache: object) -> None:
         if kv_cache is not None:
             self.kv_cache_manager.validate_borrowed_handle(kv_cache)
         elif self.kv_cache_manager.bound_context is None:
@@ -450,7 +450,7 @@ class ModelExecutor(LifecycleHost):
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _check_sampling(self, sampling_params: Any) -> None:
+    def _check_sampling(self, sampling_params: object) -> None:
         if sampling_params is not None:
             if not self.config.device_sampling_enabled:
                 raise ValueError(
@@ -527,7 +527,7 @@ class ModelExecutor(LifecycleHost):
             raise
 
     @guarded(P.SERVING)
-    def decode_step(self, step: DecodeStep) -> Any:
+    def decode_step(self, step: DecodeStep) -> object:
         """`decode_forward` of a typed step (what a lane group sends its lanes).
 
         A step whose `checked` stamp is this lane's own geometry was checked by the group's

@@ -55,7 +55,7 @@ class CompileGateClosedError(TraceCoverageError):
     """An eager call after capture needs a program warmup never compiled; nothing ran."""
 
 
-def _compact(signature: Any) -> str:
+def _compact(signature: object) -> str:
     """`name=value` pairs of a signature's key material (None values left out)."""
     pairs = key_pairs_of(signature)
     return ", ".join(f"{name}={value}" for name, value in pairs if value is not None)
@@ -92,12 +92,13 @@ def _model_name(model: object) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _result_spec(result: Any) -> OutputSpec:
+def _result_spec(result: InvocationResult | DecodeInvocationResult) -> OutputSpec:
     return OutputSpec.from_value(result.value)
 
 
-def _result_owned(result: Any) -> Any:
-    return result.owned
+def _result_owned(result: InvocationResult | DecodeInvocationResult) -> object:
+    owned: object = result.owned
+    return owned
 
 
 def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
@@ -275,7 +276,7 @@ class EagerExecutor(_DecodeEntry):
         """Eager calls refused because the closed gate lacked their program."""
         return self._gate_refusals
 
-    def _refuse(self, operation: str, signature: Any, request: str) -> None:
+    def _refuse(self, operation: str, signature: object, request: str) -> None:
         self._gate_refusals += 1
         compiler = self.program_compiler
         key = compiler.key_for(signature)
