@@ -71,7 +71,7 @@ from runtime.sampling import (
 from runtime.steps import DecodeCheck, DecodeStep
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
-from runtime.validation import require_bool
+from runtime.validation import check_block_ids, require_bool
 
 __all__ = [
     "DecodeCapturePlan",
@@ -199,6 +199,8 @@ class DecodeRuntime:
             layout=config.page_table_layout,
             device_feedback=device_feedback,
         )
+        if config.page_table_layout.num_blocks is not None:
+            check_block_ids(lane.page_table, config.page_table_layout.num_blocks, read=counts)
         return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
 
     def prepare_step(self, step: DecodeStep) -> PreparedDecode:
@@ -240,6 +242,10 @@ class DecodeRuntime:
             layout=config.page_table_layout,
             device_feedback=device_feedback,
         )
+        pool = config.page_table_layout.num_blocks
+        if device_feedback and pool is not None:
+            # Feedback reads a look-ahead block the group's check (without it) did not judge.
+            check_block_ids(lane.page_table, pool, read=counts)
         return self._checked_step(lane, params, sampling, counts, step.reset_batch, device_feedback)
 
     def _checked_step(
@@ -633,5 +639,6 @@ def _check_of(config: DecodeRuntimeConfig) -> DecodeCheck:
         lane_capacity=config.lane_capacity,
         vocab_size=config.vocab_size,
         page_table_layout=config.page_table_layout,
+        num_blocks=config.page_table_layout.num_blocks,
         device_sampling_enabled=config.device_sampling_enabled,
     )

@@ -101,17 +101,6 @@ def _result_owned(result: InvocationResult | DecodeInvocationResult) -> object:
     return owned
 
 
-def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
-    if "kv_cache" in kwargs:
-        raise TypeError(
-            f"{operation}() got an unexpected keyword argument 'kv_cache': executors use the "
-            "manager-owned cache; validate the borrowed handle at the model executor"
-        )
-    if kwargs:
-        name = next(iter(kwargs))
-        raise TypeError(f"{operation}() got an unexpected keyword argument {name!r}")
-
-
 class _DecodeExecution(Protocol):
     """What the shared decode entry needs of an executor: its runtime, how it compiles a
     checked step and how it launches one."""
@@ -188,16 +177,6 @@ class EagerExecutor(_DecodeEntry):
     def trace_mode(self) -> str:
         """The lane's trace mode, as error messages name it."""
         return self.trace.mode
-
-    @property
-    def eager_prefill_count(self) -> int:
-        """Eager prefill requests executed (compile runs not counted)."""
-        return self._eager_prefill_count
-
-    @property
-    def eager_decode_count(self) -> int:
-        """Eager decode steps executed (compile runs not counted)."""
-        return self._eager_decode_count
 
     # -- prefill --------------------------------------------------------------------------------
 

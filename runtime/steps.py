@@ -87,12 +87,15 @@ class PrefillStep:
 @attrs.frozen
 class DecodeCheck:
     """The lane geometry a group boundary checked a decode step against: the rows of one lane,
-    the vocabulary, the page-table layout and whether sampling parameters are accepted. Every
-    caller error of `DecodeRuntime.prepare` depends on these and on the step alone."""
+    the vocabulary, the page-table layout, the KV pool's blocks (None: not judged) and whether
+    sampling parameters are accepted. Every caller error of `DecodeRuntime.prepare` depends on
+    these and on the step alone."""
 
     lane_capacity: int
     vocab_size: int
     page_table_layout: PageTableLayout
+    num_blocks: int | None
+    """Compared on its own: a layout's pool is not part of the layout's equality."""
     device_sampling_enabled: bool
 
 
