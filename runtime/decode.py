@@ -199,9 +199,13 @@ class DecodeRuntime:
             layout=config.page_table_layout,
             device_feedback=device_feedback,
         )
-        if config.page_table_layout.num_blocks is not None:
-            check_block_ids(lane.page_table, config.page_table_layout.num_blocks, read=counts)
-        return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
+        pool = config.page_table_layout.num_blocks
+        cached = self._normalizer.cached(lane.page_table, counts, device_feedback=device_feedback)
+        if pool is not None and cached is None:  # an unchanged table was judged when it came
+            check_block_ids(lane.page_table, pool, read=counts)
+        return self._checked_step(
+            lane, params, sampling, counts, reset_batch, device_feedback, cached
+        )
 
     def prepare_step(self, step: DecodeStep) -> PreparedDecode:
         """`prepare` of a typed step; one a group boundary checked against this lane's own
@@ -256,10 +260,18 @@ class DecodeRuntime:
         counts: torch.Tensor,
         reset_batch: bool,
         device_feedback: bool,
+        cached: torch.Tensor | None = None,
     ) -> PreparedDecode:
-        """The frozen step of checked inputs: nothing below here is the caller's fault."""
-        normalized = self._normalizer.normalize(
-            lane.page_table, counts, device_feedback=device_feedback
+        """The frozen step of checked inputs: nothing below here is the caller's fault.
+
+        `cached`: the normaliser's previous table, when the caller already found it equal.
+        """
+        normalized = (
+            cached
+            if cached is not None
+            else self._normalizer.normalize(
+                lane.page_table, counts, device_feedback=device_feedback
+            )
         )
         last = self._last_submitted
         path: SamplingPath = "logits" if sampling is None else sampling.sampling_path

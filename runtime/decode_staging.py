@@ -210,6 +210,29 @@ class PageTableNormalizer:
         table or the layout cannot hold.
         """
         assert counts.shape == (int(page_table.shape[0]),)
+        cached = self.cached(page_table, counts, device_feedback=device_feedback)
+        if cached is not None:
+            return cached
+        rows = int(page_table.shape[0])
+        width = self.layout.decode_width
+        cols = min(int(page_table.shape[1]), width)
+        normalized = torch.zeros((rows, width), dtype=torch.int32)
+        if cols:
+            src = page_table[:, :cols].to(device="cpu", dtype=torch.int32)
+            keep = torch.arange(cols).unsqueeze(0) < counts.unsqueeze(1)
+            normalized[:, :cols] = torch.where(keep, src, torch.zeros_like(src))
+        self._source = page_table.detach().clone()
+        self._counts = counts
+        self._feedback = device_feedback
+        self._normalized = normalized
+        return normalized
+
+    def cached(
+        self, page_table: torch.Tensor, counts: torch.Tensor, *, device_feedback: bool
+    ) -> torch.Tensor | None:
+        """The previous normalised table when `page_table` and `counts` equal the previous
+        source (counted as a hit), else None. Only a step that passed the boundary's checks
+        is normalised, so a hit is also a table those checks already accepted."""
         source = self._source
         if (
             source is not None
@@ -224,19 +247,7 @@ class PageTableNormalizer:
         ):
             self.hits += 1
             return self._normalized
-        rows = int(page_table.shape[0])
-        width = self.layout.decode_width
-        cols = min(int(page_table.shape[1]), width)
-        normalized = torch.zeros((rows, width), dtype=torch.int32)
-        if cols:
-            src = page_table[:, :cols].to(device="cpu", dtype=torch.int32)
-            keep = torch.arange(cols).unsqueeze(0) < counts.unsqueeze(1)
-            normalized[:, :cols] = torch.where(keep, src, torch.zeros_like(src))
-        self._source = page_table.detach().clone()
-        self._counts = counts
-        self._feedback = device_feedback
-        self._normalized = normalized
-        return normalized
+        return None
 
 
 # --------------------------------------------------------------------------------------------
