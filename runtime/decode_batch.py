@@ -153,8 +153,9 @@ def _host_tensor(name: str, value: object, rank: int, shape_text: str) -> torch.
         raise ValueError(
             f"{name} must be a rank-{rank} tensor {shape_text}, got shape {tuple(value.shape)}"
         )
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    dtype = value.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {dtype}")
     return value
 
 
