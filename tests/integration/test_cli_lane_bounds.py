@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,25 @@ def test_process_lanes_report_start_up_load_and_warmup() -> None:
     assert all(line.count("lane 0: ") <= 1 for line in lines), done.stderr
     start = next(i for i, line in enumerate(lines) if "lane 0: warmup decode 1/" in line)
     assert start < next(i for i, line in enumerate(lines) if "tokens/s" in line)
+
+
+def test_ctrl_c_while_process_lanes_start_exits_130_without_worker_tracebacks() -> None:
+    command = [sys.executable, "-m", "models.cli", *TINY, "--lanes", "2", "--max-batch", "2"]
+    process = subprocess.Popen(
+        [*command, "--progress", "always"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,  # its own process group: the signal reaches the workers too
+    )
+    assert process.stderr is not None
+    first = process.stderr.readline()
+    assert first.startswith("start 2 lane processes:"), first
+    time.sleep(1.0)  # the workers are importing torch
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    _, rest = process.communicate(timeout=120)
+    assert process.returncode == 130, rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+    assert "start 2 lane processes 0/2: stopped after" in rest, rest
+    assert rest.rstrip().endswith("llm-runtime: error: interrupted"), rest
