@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from models.cli.errors import UsageError, one_line
+from models.cli.lane_bounds import check_lane_memory
 
 
 def model_args(model: str) -> Any:
@@ -57,6 +58,8 @@ def check_lane_arguments(args: argparse.Namespace) -> Any:
         )
     if hasattr(args, "max_batch"):
         check_slot_capacity(args, model)
+    if hasattr(args, "lane_transport"):
+        check_lane_memory(args, model)
     return model
 
 
