@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import resource
+from typing import TYPE_CHECKING
 
 from models.cli.errors import UsageError
-from models.llama.config import LlamaArgs
+
+if TYPE_CHECKING:  # only named in annotations: `models.cli` must import without torch
+    from models.llama.config import LlamaArgs
 
 WEIGHT_ITEM_BYTES = {"float32": 4, "bfloat16": 2}
 
