@@ -11,7 +11,7 @@ import collections
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeGuard, TypeVar
 
 import attrs
 
@@ -151,7 +151,7 @@ class AccountedDevice(Generic[TensorT]):
         with self._lock:
             return [describe_tensor(t) for t in self._registry.live_values()]
 
-    def is_owned(self, tensor: object) -> bool:
+    def is_owned(self, tensor: object) -> TypeGuard[DeviceTensor]:
         """Whether `tensor` is a live allocation of this device (identity, not equality)."""
         return self._registry.is_live(tensor)
 

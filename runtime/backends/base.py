@@ -8,7 +8,7 @@ leak accounting (`live_allocations`) are uniform across backends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Protocol, TypeAlias, TypeGuard, runtime_checkable
 
 import attrs
 import torch
@@ -118,7 +118,7 @@ class Device(Protocol):
         """Copy to host. Non-blocking copies return an event to wait on before reading."""
         ...
 
-    def is_owned(self, tensor: object) -> bool:
+    def is_owned(self, tensor: object) -> TypeGuard[DeviceTensor]:
         """Whether `tensor` is a live allocation of this device."""
         ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, get_args
+from typing import Literal, TypeGuard, get_args
 
 import attrs
 import torch
@@ -275,7 +275,7 @@ class FaultInjectingDevice:
         self._enter("to_host", tensor, blocking=blocking)
         return self.inner.to_host(tensor, blocking=blocking)
 
-    def is_owned(self, tensor: object) -> bool:
+    def is_owned(self, tensor: object) -> TypeGuard[DeviceTensor]:
         """Never fails: ownership queries are not device work."""
         return self.inner.is_owned(tensor)
 
