@@ -38,7 +38,7 @@ def load_transformers(model: str, dtype: str) -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         loaded = load_model(model, dtype=torch_dtype, with_tokenizer=False)
-        hf = LlamaForCausalLM(LlamaConfig(**loaded.args.to_hf_config()))
+        hf = LlamaForCausalLM(LlamaConfig.from_dict(dict(loaded.args.to_hf_config())))
         hf = hf.to(dtype=torch_dtype)
         result = hf.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
         if result.unexpected_keys or not set(result.missing_keys) <= {"lm_head.weight"}:
