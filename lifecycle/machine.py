@@ -12,7 +12,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import attrs
 from transitions import Machine
@@ -333,7 +333,8 @@ def guard_table(cls: type) -> dict[str, frozenset[Enum]]:
     table: dict[str, frozenset[Enum]] = {}
     for klass in reversed(cls.__mro__):
         for attribute in vars(klass).values():
-            marker: Any = getattr(attribute, GUARD_ATTRIBUTE, None)
+            # Set by `guarded` as (operation name, legal states).
+            marker: tuple[str, frozenset[Enum]] | None = getattr(attribute, GUARD_ATTRIBUTE, None)
             if marker is not None:
                 name, legal_states = marker
                 table[name] = legal_states

@@ -9,7 +9,6 @@ is their cleanup root; building them here keeps its constructor about the lane i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 
@@ -21,6 +20,7 @@ from runtime.backends.base import Device
 from runtime.config import PagedKVCacheConfig, PageTableLayout
 from runtime.decode import DecodeRuntime, DecodeRuntimeConfig
 from runtime.execution import EagerExecutor, TracedExecutor
+from runtime.model_contract import PagedModel
 from runtime.output_reader import OutputReader
 from runtime.paged_kv_cache import PagedKVCacheManager
 from runtime.prefill.config import PrefillRuntimeConfig
@@ -35,7 +35,7 @@ class LaneCallbacks:
     """What the warmup coordinator calls back into the lane that owns it."""
 
     ensure_sampling_buffers: Callable[[], None]
-    validate_bound_cache: Callable[[Any], None]
+    validate_bound_cache: Callable[[object], None]
     progress: ProgressSink
 
 
@@ -94,13 +94,13 @@ class LaneComponents:
         return tuple(f"{count} unreleased {name} resource(s)" for name, count in counts if count)
 
     def cleanup_steps(
-        self, release_sampling: Callable[[], Any] | None
-    ) -> list[tuple[str, Callable[[], Any]]]:
+        self, release_sampling: Callable[[], object] | None
+    ) -> list[tuple[str, Callable[[], object]]]:
         """The seed's cleanup order: leases and reads, transients, traces, programs, KV last.
 
         `release_sampling` frees the model's device-sampling buffers (None: none to free).
         """
-        steps: list[tuple[str, Callable[[], Any]]] = [
+        steps: list[tuple[str, Callable[[], object]]] = [
             ("external decode leases", self.decode_runtime.drain_external_outputs),
             ("pending output reads", self.output_reader.drain),
             ("prefill transients", self.prefill_runtime.cleanup),
@@ -116,7 +116,7 @@ class LaneComponents:
 
 
 def build_lane_components(
-    model: Any,
+    model: PagedModel,
     config: ModelExecutorConfig,
     *,
     layout: PageTableLayout,
@@ -192,7 +192,7 @@ def _traced_parts(
 
 
 def _prefill_runtime(
-    model: Any,
+    model: PagedModel,
     config: ModelExecutorConfig,
     device: Device,
     output_reader: OutputReader,
@@ -217,7 +217,7 @@ def _prefill_runtime(
 
 
 def _decode_runtime(
-    model: Any,
+    model: PagedModel,
     config: ModelExecutorConfig,
     device: Device,
     output_reader: OutputReader,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from lifecycle.errors import attach_cleanup_failures
 from models.lane_progress import LaneWorkerProgress
@@ -20,9 +21,35 @@ from models.progress import ConsoleProgress, as_progress
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
 
+if TYPE_CHECKING:
+    from models.llama.kernels import KernelPlan
+    from runtime.backends.cpu_features import CpuFeatures
+    from runtime.config import WarmupConfig
+
 logger = logging.getLogger(__name__)
 
 LANE_TRANSPORTS = ("process", "inprocess")
+
+
+class LaneExecutorOptions(TypedDict, total=False):
+    """The `load_executor` arguments every lane is built with (see `models.llama.executor`).
+
+    `device` and `max_batch_size` are not here: the group derives each lane's from its own.
+    """
+
+    dtype: str
+    trace_mode: str
+    block_size: int
+    num_blocks: int | None
+    max_prefill_chunk_size: int
+    max_seq_len: int | None
+    device_sampling: bool
+    warmup: WarmupConfig | None
+    faults: str | None
+    progress: object
+    seed: int
+    kernels: str | Path | KernelPlan | None
+    cpu_features: CpuFeatures | None
 
 
 def check_lane_arguments(
@@ -58,6 +85,15 @@ def check_lane_arguments(
         )
 
 
+def _with_progress(
+    options: LaneExecutorOptions, progress: LaneWorkerProgress | None
+) -> LaneExecutorOptions:
+    """A worker's options: the parent's, with the worker's own progress sink (or none)."""
+    worker: LaneExecutorOptions = {**options}
+    worker["progress"] = progress
+    return worker
+
+
 def _lane_device(device: str, index: int) -> str:
     if device == "cuda":
         return f"cuda:{index}"
@@ -65,7 +101,7 @@ def _lane_device(device: str, index: int) -> str:
 
 
 def load_lane_group(
-    model: Any,
+    model: str | Path,
     *,
     lanes: int,
     lane_transport: str = "process",
@@ -73,7 +109,7 @@ def load_lane_group(
     max_batch_size: int = 8,
     device: str = "cpu",
     call_timeout_s: float | None = None,
-    **kwargs: Any,
+    **kwargs: Unpack[LaneExecutorOptions],
 ) -> LaneGroupExecutor:
     """Load `lanes` identical lane executors and group them (CONSTRUCTED)."""
     from models.llama.executor import load_executor
@@ -115,8 +151,7 @@ def load_lane_group(
             str(model),
             max_batch_size=per_lane,
             device="cuda:0" if cuda else device,
-            progress=LaneWorkerProgress(index) if shown and index == 0 else None,
-            **kwargs,
+            **_with_progress(kwargs, LaneWorkerProgress(index) if shown and index == 0 else None),
         )
         for index in range(lanes)
     ]

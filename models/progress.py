@@ -12,9 +12,19 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, Protocol, TextIO, runtime_checkable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Protocol, TextIO, runtime_checkable
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+
+class ProgressStep(Protocol):
+    """The value of a running `ProgressSink.step`: counts items as they finish."""
+
+    def advance(self, count: int = 1, detail: str = "") -> None:
+        """`count` more items done; `detail` says what the last one was."""
 
 
 @runtime_checkable
@@ -26,7 +36,7 @@ class ProgressSink(Protocol):
 
     def step(
         self, name: str, *, total: int | None = None, each: bool = False, estimate: bool = True
-    ) -> Any:
+    ) -> AbstractContextManager[ProgressStep]:
         """A context manager around one slow step; its value has `advance(n, detail)`.
 
         `each`: the advances are worth lines of their own (kernel measurements, lane
@@ -91,7 +101,7 @@ class _Step:
         self.done = 0
         self.detail = ""
         self.started = self.last_line = time.perf_counter()
-        self.task: Any = None
+        self.task: TaskID | None = None
         if owner._bars is not None:
             self.task = owner._bars.add_task(name, total=total)
 
@@ -99,9 +109,10 @@ class _Step:
         self.done += count
         if detail:
             self.detail = detail
-        if self.task is not None:
+        bars = self.owner._bars
+        if self.task is not None and bars is not None:
             label = f"{self.name} ({detail})" if detail else self.name
-            self.owner._bars.update(self.task, advance=count, description=label)
+            bars.update(self.task, advance=count, description=label)
         elif self.each and count and self.done != self.total:
             now = time.perf_counter()
             if now - self.last_line >= EACH_LINE_INTERVAL_S:
@@ -122,8 +133,9 @@ class _Step:
         """The step's last line: `done in`, or `stopped after` when it raised (or was
         interrupted), so a pipe never reads an unfinished step as done."""
         seconds = time.perf_counter() - self.started
-        if self.task is not None:
-            self.owner._bars.remove_task(self.task)
+        bars = self.owner._bars
+        if self.task is not None and bars is not None:
+            bars.remove_task(self.task)
         count = f" {self.done}/{self.total}" if self.total else ""
         detail = f"; {self.detail}" if self.detail and not self.each else ""
         ended = "stopped after" if stopped else "done in"
@@ -140,7 +152,7 @@ class ConsoleProgress:
         self.console = Console(file=self._stream, stderr=stream is None)
         self.interactive = bool(self.console.is_terminal)
         self.enabled = self.interactive or force
-        self._bars: Any = None
+        self._bars: Progress | None = None
         self._depth = 0
         self._warmup: _Step | None = None
 
@@ -155,7 +167,7 @@ class ConsoleProgress:
                 TimeElapsedColumn,
             )
 
-            self._bars = Progress(
+            bars = Progress(
                 SpinnerColumn(),
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -168,7 +180,8 @@ class ConsoleProgress:
                 redirect_stdout=_is_terminal(sys.stdout),
                 redirect_stderr=False,
             )
-            self._bars.start()
+            bars.start()
+            self._bars = bars
 
     def _stop_bars(self) -> None:
         if self._bars is not None and self._depth == 0 and self._warmup is None:
@@ -223,7 +236,7 @@ class ConsoleProgress:
         eta = warmup.eta(index - 1)
         if index > 1:
             warmup.advance(1, label)
-        if warmup.task is not None:
+        if warmup.task is not None and self._bars is not None:
             self._bars.update(warmup.task, description=f"{warmup.name} ({label}{eta})")
         else:
             operation = warmup.name.removeprefix("warmup ").removesuffix(" shapes")
@@ -261,7 +274,7 @@ def _seconds(seconds: float) -> str:
     return f"{seconds / 60:.0f} min"
 
 
-def _is_terminal(stream: Any) -> bool:
+def _is_terminal(stream: TextIO) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
@@ -276,11 +289,11 @@ def progress_for(mode: str, stream: TextIO | None = None) -> ConsoleProgress | N
     return console if console.enabled else NullProgress()
 
 
-def as_progress(progress: Any) -> Any:
+def as_progress(progress: object) -> ProgressSink:
     """A `ProgressSink` for whatever an API caller passed (None, a callback, or a sink)."""
     if progress is None:
         return NullProgress()
-    if all(callable(getattr(progress, name, None)) for name in ("step", "announce", "cases_done")):
+    if isinstance(progress, ProgressSink):
         return progress
     if callable(progress):
         return _CallbackProgress(progress)
@@ -293,7 +306,7 @@ def as_progress(progress: Any) -> Any:
 class _CallbackProgress(NullProgress):
     """A bare warmup callback: warmup cases reach it; other steps are not shown."""
 
-    def __init__(self, callback: Any) -> None:
+    def __init__(self, callback: Callable[[str, int, int], object]) -> None:
         self._callback = callback
 
     def __call__(self, label: str, index: int, total: int) -> None:

@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from runtime.backends.base import DeviceTensor
+
 
 @attrs.frozen
 class PagedAttentionConfig:
@@ -83,7 +85,7 @@ class PagedModel(PrefillModel, Protocol):
 
     def configure_paged_attention(self, *, block_size: int, max_num_blocks: int) -> None: ...
 
-    def set_kv_cache(self, cache: KVCache | None) -> None: ...
+    def set_kv_cache(self, cache: Sequence[Sequence[DeviceTensor]] | None) -> None: ...
 
     def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]: ...
 

@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import attrs
 import torch
@@ -20,7 +20,7 @@ import torch
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
 from lifecycle.machine import MachineTable, StateMachine, StateSpec, TransitionSpec
-from runtime.backends.base import Device
+from runtime.backends.base import Device, DeviceTensor
 from runtime.config import PagedKVCacheConfig
 from runtime.model_contract import AttentionMetadata
 
@@ -64,13 +64,32 @@ KV_CACHE_TABLE = MachineTable(
 
 CacheShape = tuple[int, int, int, int]
 
+KVCacheHandle: TypeAlias = list[list[DeviceTensor]]
+"""The borrowed handle `allocate()` returns and binds: per layer a ``[K, V]`` list."""
+
+
+class KVCacheModel(Protocol):
+    """What the manager asks of a model: its per-layer attention facts and a KV binding.
+
+    `set_kv_cache` receives the manager's handle (or None to unbind); a model checks that the
+    tensors are its own kind (a torch model refuses anything but its torch tensors).
+    """
+
+    def attention_metadata(self) -> Sequence[AttentionMetadata | None]:
+        """One entry per layer (None: the layer has no attention config)."""
+        ...
+
+    def set_kv_cache(self, cache: Sequence[Sequence[DeviceTensor]] | None) -> None:
+        """Bind the per-layer K/V tensors, or unbind with None."""
+        ...
+
 
 @attrs.frozen
 class PagedKVCacheContext:
     """A borrowed, immutable view of the bound cache: what compile and requests check."""
 
     config: PagedKVCacheConfig
-    tensors: tuple[tuple[Any, Any], ...]
+    tensors: tuple[tuple[DeviceTensor, DeviceTensor], ...]
     cache_shapes: tuple[CacheShape, ...]
     per_layer_dtypes: tuple[torch.dtype, ...]
 
@@ -92,7 +111,7 @@ class _LayerGeometry:
 
 @attrs.frozen
 class _AllocationOutcome:
-    handle: list[list[Any]] | None
+    handle: KVCacheHandle | None
     error: BaseException | None
 
 
@@ -101,7 +120,7 @@ class PagedKVCacheManager:
 
     def __init__(
         self,
-        model: Any,
+        model: KVCacheModel,
         config: PagedKVCacheConfig,
         *,
         device: Device,
@@ -120,8 +139,8 @@ class PagedKVCacheManager:
         _validate_against_model(model, config)
         self._config = config
         self._lifecycle: StateMachine = KV_CACHE_TABLE.build(owner=owner_name, journal=journal)
-        self._owned: list[Any] = []
-        self._handle: list[list[Any]] | None = None
+        self._owned: list[DeviceTensor] = []
+        self._handle: KVCacheHandle | None = None
         self._context: PagedKVCacheContext | None = None
         self._model_bound = False
         if config.is_resolved():
@@ -254,7 +273,7 @@ class PagedKVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def allocate(self) -> list[list[Any]]:
+    def allocate(self) -> KVCacheHandle:
         """Allocate every K/V tensor, bind through `model.set_kv_cache`, return the handle.
 
         The handle is borrowed: requests must present exactly this object. A partial failure
@@ -282,7 +301,7 @@ class PagedKVCacheManager:
 
     def _allocate_and_bind(self) -> _AllocationOutcome:
         self._retry_leftovers()
-        created: list[Any] = []
+        created: list[DeviceTensor] = []
         try:
             for shape, geometry in zip(self.cache_shapes, self._layers, strict=True):
                 created.append(self._device.allocate(shape, geometry.dtype))
@@ -291,7 +310,7 @@ class PagedKVCacheManager:
             self._release_partial(created, error)
             raise
         pairs = tuple((created[i], created[i + 1]) for i in range(0, len(created), 2))
-        handle = [[k, v] for k, v in pairs]
+        handle: KVCacheHandle = [[k, v] for k, v in pairs]
         try:
             self._model.set_kv_cache(handle)
         except BaseException as error:
@@ -322,7 +341,7 @@ class PagedKVCacheManager:
         )
         return _AllocationOutcome(handle=handle, error=None)
 
-    def _release_partial(self, created: list[Any], primary: BaseException) -> None:
+    def _release_partial(self, created: list[DeviceTensor], primary: BaseException) -> None:
         failures: list[BaseException] = []
         for tensor in reversed(created):
             try:
@@ -347,7 +366,7 @@ class PagedKVCacheManager:
 
     def _deallocate_owned(self) -> list[BaseException]:
         failures: list[BaseException] = []
-        remaining: list[Any] = []
+        remaining: list[DeviceTensor] = []
         for tensor in self._owned:
             try:
                 self._device.deallocate(tensor)
@@ -430,7 +449,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _read_layer_geometry(model: Any, num_devices: int) -> tuple[_LayerGeometry, ...]:
+def _read_layer_geometry(model: KVCacheModel, num_devices: int) -> tuple[_LayerGeometry, ...]:
     metadata_fn = getattr(model, "attention_metadata", None)
     if not callable(metadata_fn):
         raise TypeError(
@@ -471,9 +490,11 @@ def _read_layer_geometry(model: Any, num_devices: int) -> tuple[_LayerGeometry, 
     return tuple(layers)
 
 
-def _validate_against_model(model: Any, config: PagedKVCacheConfig) -> None:
-    metadata: Sequence[AttentionMetadata] = tuple(model.attention_metadata())
+def _validate_against_model(model: KVCacheModel, config: PagedKVCacheConfig) -> None:
+    metadata = tuple(model.attention_metadata())
     for index, layer in enumerate(metadata):
+        if layer is None:
+            raise ValueError(f"Model layer {index} has no attention config")
         paged = layer.paged_attention_config
         if paged is None:
             raise ValueError(f"Model layer {index} is not configured for paged attention")
@@ -487,7 +508,7 @@ def _validate_against_model(model: Any, config: PagedKVCacheConfig) -> None:
                 f"Model layer {index} paged max_num_blocks {paged.max_num_blocks} does not "
                 f"match PagedKVCacheConfig.max_num_blocks {config.max_num_blocks}"
             )
-    dtypes = {layer.kv_cache_dtype for layer in metadata}
+    dtypes = {layer.kv_cache_dtype for layer in metadata if layer is not None}
     if len(dtypes) == 1 and config.dtype not in dtypes:
         raise ValueError(
             f"PagedKVCacheConfig.dtype {config.dtype} does not match the model-owned dtype "

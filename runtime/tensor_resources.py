@@ -11,8 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Iterator, MutableSequence
-from typing import Any
+from collections.abc import Callable, Iterator, MutableSequence
 
 import attrs
 import torch
@@ -22,7 +21,7 @@ from lifecycle.errors import (
     attach_cleanup_failures,
     raise_cleanup_failures,
 )
-from runtime.backends.base import Device
+from runtime.backends.base import Device, DeviceTensor
 
 __all__ = [
     "CLEANUP_NOTE_PREFIX",
@@ -48,7 +47,8 @@ class TensorResourceOrphan:
     alive, so the recorded ids cannot be reused by other objects meanwhile.
     """
 
-    values: Any
+    values: object
+    """The tree walked for owned tensors (see `best_effort_deallocate_owned_tensors`)."""
     device: Device
     deallocated_tensor_ids: set[int] = attrs.field(factory=set)
 
@@ -59,7 +59,8 @@ class TensorResourceOrphan:
         )
 
 
-def _owned_tensor_values(value: object) -> Any:
+def _owned_tensor_values(value: object) -> object:
+    """What an owner's ``owned_tensor_values()`` lists, or `_NOT_AN_OWNER`."""
     method = getattr(value, "owned_tensor_values", None)
     return method() if callable(method) else _NOT_AN_OWNER
 
@@ -68,8 +69,8 @@ _NOT_AN_OWNER = object()
 
 
 def _iter_owned_leaves(
-    value: Any, device: Device, completed: set[int], failures: list[BaseException] | None
-) -> Iterator[Any]:
+    value: object, device: Device, completed: set[int], failures: list[BaseException] | None
+) -> Iterator[DeviceTensor]:
     """Yield each owned, not yet completed leaf of `value` once, depth first in order.
 
     Containers are walked: dict values, list/tuple/set/frozenset items, and the result of an
@@ -80,7 +81,7 @@ def _iter_owned_leaves(
     """
     visited: set[int] = set()
     keepalive: list[object] = []  # walked objects must outlive their ids during the walk
-    stack: list[Any] = [value]
+    stack: list[object] = [value]
     while stack:
         item = stack.pop()
         if item is None:
@@ -106,19 +107,26 @@ def _iter_owned_leaves(
             if children is not _NOT_AN_OWNER:
                 stack.append(children)
                 continue
-            if id(item) in completed or not device.is_owned(item):
-                continue
+            leaf = _owned_leaf(item, device, completed)
         except Exception as exc:
             if failures is None:
                 raise
             logger.warning("walking owned values of %s failed: %r", type(item).__name__, exc)
             failures.append(exc)
             continue
-        yield item
+        if leaf is not None:
+            yield leaf
+
+
+def _owned_leaf(item: object, device: Device, completed: set[int]) -> DeviceTensor | None:
+    """`item` when it is a live allocation of `device` not yet released by this walk's owner."""
+    if id(item) in completed or not device.is_owned(item):
+        return None
+    return item
 
 
 def best_effort_deallocate_owned_tensors(
-    value: Any, device: Device, completed: set[int] | None = None
+    value: object, device: Device, completed: set[int] | None = None
 ) -> list[BaseException]:
     """Deallocate every owned tensor in `value`; collect failures instead of stopping.
 
@@ -138,7 +146,9 @@ def best_effort_deallocate_owned_tensors(
     return failures
 
 
-def deallocate_owned_tensors(value: Any, device: Device, completed: set[int] | None = None) -> None:
+def deallocate_owned_tensors(
+    value: object, device: Device, completed: set[int] | None = None
+) -> None:
     """Strict variant: deallocate owned tensors in `value`, raising on the first failure.
 
     Tensors released before the failure are recorded in `completed` (when given), so a caller
@@ -151,7 +161,7 @@ def deallocate_owned_tensors(value: Any, device: Device, completed: set[int] | N
 
 
 def release_or_orphan(
-    value: Any, device: Device
+    value: object, device: Device
 ) -> tuple[TensorResourceOrphan | None, list[BaseException]]:
     """Release `value` best-effort; on failure return an orphan that a later retry can finish."""
     done: set[int] = set()
@@ -174,8 +184,23 @@ def release_orphans(orphans: MutableSequence[TensorResourceOrphan]) -> list[Base
     return failures
 
 
-_malloc_trim: Any = None
+_malloc_trim: Callable[[int], object] | None = None
 _malloc_trim_looked_up = False
+
+
+def _load_malloc_trim() -> Callable[[int], object] | None:
+    """glibc's ``malloc_trim``, or None where libc or the function is missing."""
+    library = ctypes.util.find_library("c")
+    if not library:
+        return None
+    try:
+        function = ctypes.CDLL(library).malloc_trim
+    except (OSError, AttributeError) as exc:
+        logger.debug("libc malloc_trim is not loadable (%r); trim_host_allocator is a no-op", exc)
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
 
 
 def trim_host_allocator() -> bool:
@@ -187,16 +212,7 @@ def trim_host_allocator() -> bool:
     global _malloc_trim, _malloc_trim_looked_up
     if not _malloc_trim_looked_up:
         _malloc_trim_looked_up = True
-        library = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(library) if library else None
-            _malloc_trim = getattr(libc, "malloc_trim", None)
-        except OSError as exc:
-            logger.debug("libc is not loadable (%r); trim_host_allocator is a no-op", exc)
-            _malloc_trim = None
-        if _malloc_trim is not None:
-            _malloc_trim.argtypes = [ctypes.c_size_t]
-            _malloc_trim.restype = ctypes.c_int
+        _malloc_trim = _load_malloc_trim()
     if _malloc_trim is None:
         return False
     _malloc_trim(0)

@@ -2,27 +2,91 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import NotRequired, TypedDict, final
+
+from runtime.json_types import JSONValue
 
 
-def format_row(row: dict[str, Any]) -> str:
+class EngineRates(TypedDict):
+    """One engine's runs at one batch size: seconds per run and the best rates (tokens/s)."""
+
+    decode_seconds: list[float]
+    decode_tokens_per_second: float
+    total_seconds: list[float]
+    end_to_end_tokens_per_second: float
+
+
+@final
+class LaneRates(EngineRates):
+    """This runtime's rates on one lane, with its prefill time and its kernel choice."""
+
+    prefill_seconds: float
+    kernels: JSONValue
+
+
+@final
+class AnchorRates(EngineRates):
+    """The one-lane anchor of a lane comparison, with the torch threads it was given."""
+
+    torch_threads: int
+
+
+class LaneGroupRates(EngineRates):
+    """A lane group's rates, its shape and its per-decode-step host bookkeeping per repeat."""
+
+    lanes: int
+    lane_transport: str
+    threads_per_lane: int
+    per_decode_step: list[Mapping[str, int | float]]
+
+
+class BenchRow(TypedDict):
+    """One batch size: what it measured, this runtime's rates and what they are compared to."""
+
+    batch_size: int
+    prompt_len_min: int
+    prompt_len_max: int
+    prompt_len_mean: float
+    new_tokens: int
+    runtime: LaneRates | AnchorRates
+    transformers: NotRequired[EngineRates]
+    ratio: NotRequired[float]
+    end_to_end_ratio: NotRequired[float]
+    lane_group: NotRequired[LaneGroupRates]
+    lanes_ratio: NotRequired[float]
+    lanes_end_to_end_ratio: NotRequired[float]
+
+
+class BenchReport(TypedDict):
+    """The whole benchmark (`--json` prints it as is)."""
+
+    model: str
+    device: str
+    dtype: str
+    trace_mode: str
+    torch_threads: int
+    method: str
+    results: list[BenchRow]
+
+
+def format_row(row: BenchRow) -> str:
     """One batch size: decode-only and end-to-end tokens/s of each engine, with the ratios."""
     ours = row["runtime"]
     text = f"batch {row['batch_size']:>3}  prompts {row['prompt_len_min']}-{row['prompt_len_max']}"
-    for label, key, ratio in (
-        ("decode-only", "decode_tokens_per_second", "ratio"),
-        ("end-to-end", "end_to_end_tokens_per_second", "end_to_end_ratio"),
-    ):
-        text += f"\n  {label:<11}  runtime {ours[key]:8.1f} tok/s"
+    for label, decode_only in (("decode-only", True), ("end-to-end", False)):
+        text += f"\n  {label:<11}  runtime {_rate(ours, decode_only):8.1f} tok/s"
         if "transformers" in row:
-            theirs = row["transformers"][key]
-            text += f"  transformers {theirs:8.1f} tok/s  ratio {row[ratio]:.2f}x"
+            theirs = _rate(row["transformers"], decode_only)
+            ratio = row["ratio"] if decode_only else row["end_to_end_ratio"]
+            text += f"  transformers {theirs:8.1f} tok/s  ratio {ratio:.2f}x"
         if "lane_group" in row:
             group = row["lane_group"]
-            lanes_ratio = row["lanes_ratio" if ratio == "ratio" else "lanes_end_to_end_ratio"]
+            lanes_ratio = row["lanes_ratio"] if decode_only else row["lanes_end_to_end_ratio"]
+            threads = ours.get("torch_threads", "?")
             text += (
-                f" ({ours['torch_threads']} threads)  {group['lanes']} {group['lane_transport']} "
-                f"lanes {group[key]:8.1f} tok/s  ratio {lanes_ratio:.2f}x"
+                f" ({threads} threads)  {group['lanes']} {group['lane_transport']} "
+                f"lanes {_rate(group, decode_only):8.1f} tok/s  ratio {lanes_ratio:.2f}x"
             )
     if "lane_group" in row:
         for step in row["lane_group"]["per_decode_step"]:
@@ -34,7 +98,14 @@ def format_row(row: dict[str, Any]) -> str:
     return text
 
 
-def format_report(report: dict[str, Any]) -> str:
+def _rate(rates: EngineRates, decode_only: bool) -> float:
+    """The decode-only or the end-to-end tokens/s of one engine."""
+    if decode_only:
+        return rates["decode_tokens_per_second"]
+    return rates["end_to_end_tokens_per_second"]
+
+
+def format_report(report: BenchReport) -> str:
     """Plain text: decode-only and end-to-end tokens/s per batch size."""
     lines = [
         f"{report['model']} {report['dtype']} on {report['device']} "

@@ -3,49 +3,95 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Protocol, TypeVar
 
 import attrs
 
 from models.benchmark.config import BenchConfig, BenchUsageError
-from models.generation.generator import Generator
+from models.generation.generator import GenerationExecutor, Generator
 from models.generation.params import GenerationParams
 
 
-def runtime_executor(config: BenchConfig, batch: int, *, lanes: int = 1) -> Any:
-    from models import load_executor
-    from models.llama.sources import ModelNotAvailableError
+class BenchExecutor(GenerationExecutor, Protocol):
+    """What the benchmark calls on the executor it generates with, besides generation."""
 
+    def resolve_capacity(self, num_blocks: int | None = None) -> None: ...
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BenchLaneGroup(BenchExecutor, Protocol):
+    """A lane group: it also counts its host bookkeeping per decode step."""
+
+    def reset_step_counters(self) -> None: ...
+
+    def runtime_summary(self) -> Mapping[str, int | float]: ...
+
+
+ExecutorT = TypeVar("ExecutorT", bound=BenchExecutor)
+
+
+def runtime_executor(config: BenchConfig, batch: int) -> BenchExecutor:
+    """One lane of `batch` slots, started (SERVING) with its KV pool sized to the prompts."""
+    from models import load_executor
+
+    with _usage_errors():
+        executor: BenchExecutor = load_executor(config.model, **_load_options(config, batch, 1))
+    return _started(executor)
+
+
+def runtime_lane_group(config: BenchConfig, batch: int) -> BenchLaneGroup:
+    """`config.lanes` lanes of `batch / lanes` slots together, started (SERVING)."""
+    from models import load_executor
+
+    options = _load_options(config, batch, config.lanes)
+    with _usage_errors():
+        group: BenchLaneGroup = load_executor(config.model, **options)
+    return _started(group)
+
+
+def _load_options(config: BenchConfig, batch: int, lanes: int) -> dict[str, object]:
+    """`load_executor`'s arguments for `lanes` lanes holding `batch` rows in all."""
     longest = config.prompt_len[1] + config.new_tokens
     block = config.block_size
     per_request = -(-longest // block)
-    try:
-        executor = load_executor(
-            config.model,
-            device=config.device,
-            dtype=config.dtype,
-            trace_mode=config.trace_mode,
-            block_size=block,
-            max_batch_size=batch,
-            max_prefill_chunk_size=config.prefill_chunk,
-            max_seq_len=per_request * block,
-            # Per lane; warmup prefills a whole chunk (plus one block) into one row.
-            num_blocks=max(-(-config.prefill_chunk // block) + 1, batch // lanes * per_request),
-            kernels=config.kernels,
-            **(
-                {
-                    "lanes": lanes,
-                    "lane_transport": config.lane_transport,
-                    "threads_per_lane": config.threads_per_lane
-                    if config.lane_transport == "process"
-                    else None,
-                }
-                if lanes > 1
-                else {}
-            ),
+    options: dict[str, object] = {
+        "device": config.device,
+        "dtype": config.dtype,
+        "trace_mode": config.trace_mode,
+        "block_size": block,
+        "max_batch_size": batch,
+        "max_prefill_chunk_size": config.prefill_chunk,
+        "max_seq_len": per_request * block,
+        # Per lane; warmup prefills a whole chunk (plus one block) into one row.
+        "num_blocks": max(-(-config.prefill_chunk // block) + 1, batch // lanes * per_request),
+        "kernels": config.kernels,
+    }
+    if lanes > 1:
+        options["lanes"] = lanes
+        options["lane_transport"] = config.lane_transport
+        options["threads_per_lane"] = (
+            config.threads_per_lane if config.lane_transport == "process" else None
         )
+    return options
+
+
+@contextmanager
+def _usage_errors() -> Iterator[None]:
+    """A missing model or a refused argument is the user's error (exit 2)."""
+    from models.llama.sources import ModelNotAvailableError
+
+    try:
+        yield
     except (ModelNotAvailableError, ValueError) as error:
         raise BenchUsageError(str(error)) from error
+
+
+def _started(executor: ExecutorT) -> ExecutorT:
     executor.resolve_capacity()  # num_blocks above: KV blocks per lane
     executor.start()
     return executor

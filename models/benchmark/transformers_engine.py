@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from models.benchmark.runtime_engine import RunTimes
 
+if TYPE_CHECKING:
+    from transformers.generation.utils import GenerationMixin
 
-def load_transformers(model: str, dtype: str) -> Any:
+
+def load_transformers(model: str, dtype: str) -> GenerationMixin:
     """transformers' model with the weights our loader reads for `model`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -27,41 +30,33 @@ def load_transformers(model: str, dtype: str) -> Any:
         from transformers import AutoModelForCausalLM
 
         assert source.path is not None
-        hf: Any = AutoModelForCausalLM.from_pretrained(
+        hf = AutoModelForCausalLM.from_pretrained(
             str(source.path.parent), gguf_file=source.path.name, dtype=torch_dtype
         )
-    elif source.kind == "hf_dir":
+        hf.train(False)
+        return hf
+    if source.kind == "hf_dir":
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        hf.train(False)
+        return hf
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        loaded = load_model(model, dtype=torch_dtype, with_tokenizer=False)
-        hf = LlamaForCausalLM(LlamaConfig(**loaded.args.to_hf_config()))
-        hf = hf.to(dtype=torch_dtype)
-        result = hf.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
-        if result.unexpected_keys or not set(result.missing_keys) <= {"lm_head.weight"}:
-            raise RuntimeError(f"state dict mismatch: {result}")
-        if loaded.args.tie_word_embeddings:
-            hf.tie_weights()
-    return hf.eval()
-
-
-class _StepClock:
-    """A transformers streamer that only records when each step's tokens arrive."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def put(self, value: Any) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+    loaded = load_model(model, dtype=torch_dtype, with_tokenizer=False)
+    llama = LlamaForCausalLM(LlamaConfig.from_dict(dict(loaded.args.to_hf_config())))
+    if torch_dtype == torch.bfloat16:
+        llama = llama.bfloat16()  # built in float32, transformers' default
+    result = llama.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
+    if result.unexpected_keys or not set(result.missing_keys) <= {"lm_head.weight"}:
+        raise RuntimeError(f"state dict mismatch: {result}")
+    if loaded.args.tie_word_embeddings:
+        llama.tie_weights()
+    llama.train(False)
+    return llama
 
 
-def hf_run(hf: Any, prompts: list[list[int]], new_tokens: int, *, pad: int) -> RunTimes:
+def hf_run(hf: GenerationMixin, prompts: list[list[int]], new_tokens: int, *, pad: int) -> RunTimes:
     """One timed `generate`: seconds from the first generated token to the last, and wall
     seconds from building the padded inputs to the returned ids."""
     start = time.perf_counter()
@@ -71,7 +66,9 @@ def hf_run(hf: Any, prompts: list[list[int]], new_tokens: int, *, pad: int) -> R
     for row, prompt in enumerate(prompts):
         ids[row, longest - len(prompt) :] = torch.tensor(prompt)
         mask[row, longest - len(prompt) :] = 1
-    clock = _StepClock()
+    from models.benchmark.step_clock import StepClock
+
+    clock = StepClock()
     with torch.inference_mode():
         out = hf.generate(
             ids,

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from models.cli.bringup_report import (
     count_detail,
@@ -32,11 +32,15 @@ from models.cli.loading import (
     progress_from_args,
 )
 
+if TYPE_CHECKING:
+    from models.cli.executor_view import CliExecutor
+    from runtime.warmup_manifest import CoverageManifest
+
 logger = logging.getLogger(__name__)
 
 BRINGUP_PROMPT = "The lifecycle of an executor"
 
-Step = tuple[str, Callable[[], Any]]
+Step = tuple[str, Callable[[], object]]
 Row = tuple[str, str, str]
 
 
@@ -96,19 +100,20 @@ def _check_output_path(flag: str, value: str | None) -> None:
         raise UsageError(f"{flag} {value!r}: folder {str(folder)!r} is not writable")
 
 
-def _check_kv_memory(executor: Any, blocks: int) -> None:
+def _check_kv_memory(executor: CliExecutor, blocks: int) -> None:
     from models.executor import KVCapacityError
 
-    if not hasattr(executor, "check_kv_memory"):
+    check = getattr(executor, "check_kv_memory", None)
+    if check is None:
         return  # a lane group: each lane checks its own pool in resolve_capacity
     try:
-        executor.check_kv_memory(blocks)
+        check(blocks)
     except KVCapacityError as error:
         executor.close()
         raise UsageError(f"--num-blocks {blocks}: {one_line(error)}") from error
 
 
-def _steps(executor: Any, num_blocks: int | None) -> list[Step]:
+def _steps(executor: CliExecutor, num_blocks: int | None) -> list[Step]:
     """The phase calls in lifecycle order (capture only for a traced executor)."""
     from runtime.config import TraceConfig
 
@@ -127,7 +132,7 @@ def _steps(executor: Any, num_blocks: int | None) -> list[Step]:
     return steps
 
 
-def _bringup_request(executor: Any) -> str:
+def _bringup_request(executor: CliExecutor) -> str:
     from models.generation.generator import Generator
     from models.generation.params import GenerationParams
 
@@ -141,14 +146,14 @@ def _bringup_request(executor: Any) -> str:
 
 
 def _run_steps(
-    executor: Any, steps: list[Step]
-) -> tuple[list[Row], Any, tuple[str, BaseException] | None]:
+    executor: CliExecutor, steps: list[Step]
+) -> tuple[list[Row], CoverageManifest | None, tuple[str, BaseException] | None]:
     """Time each step with what its journal entries and counters say; stop at a failure.
 
     Returns the table rows, the coverage manifest (read just before close) and the failure.
     """
     rows: list[Row] = []
-    manifest: Any = None
+    manifest: CoverageManifest | None = None
     for name, call in steps:
         if name == "close":
             manifest = executor.coverage_manifest
@@ -172,7 +177,7 @@ def _run_steps(
     return rows, manifest, None
 
 
-def _close_after_failure(executor: Any) -> None:
+def _close_after_failure(executor: CliExecutor) -> None:
     """Close up to twice, printing what each attempt left (a retry may free the rest)."""
     for attempt in (1, 2):
         if executor.is_terminal:

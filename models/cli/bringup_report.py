@@ -5,20 +5,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lifecycle import PhaseError
 from models.cli.errors import one_line
 
+if TYPE_CHECKING:
+    from lifecycle.journal import JournalEntry
+    from models.cli.executor_view import CliExecutor
+    from runtime.warmup_manifest import CoverageManifest
 
-def next_calls(executor: Any, error: BaseException) -> tuple[str, ...]:
+
+def next_calls(executor: CliExecutor, error: BaseException) -> tuple[str, ...]:
     """What can succeed now: the refusal's list, else the phase's (they agree by design)."""
     if isinstance(error, PhaseError) and error.next_calls:
         return tuple(error.next_calls)
     return tuple(executor.next_calls)
 
 
-def journal_detail(entries: Sequence[Any]) -> str:
+def journal_detail(entries: Sequence[JournalEntry]) -> str:
     """The distinct details of the journal entries one step appended, in order."""
     parts: list[str] = []
     for entry in entries:
@@ -31,12 +36,13 @@ def journal_detail(entries: Sequence[Any]) -> str:
     return "; ".join(parts)
 
 
-def counts(executor: Any) -> tuple[int, int]:
+def counts(executor: CliExecutor) -> tuple[int, int]:
     """(programs compiled, traces captured) so far (a lane group reports per-lane journals)."""
-    if getattr(executor, "program_compiler", None) is None:
+    compiler = getattr(executor, "program_compiler", None)
+    if compiler is None:
         return 0, 0
-    programs = len(executor.program_compiler.compiled_programs)
-    tracer = executor.trace_compiler
+    programs = len(compiler.compiled_programs)
+    tracer = getattr(executor, "trace_compiler", None)
     return programs, int(tracer.capture_count) if tracer is not None else 0
 
 
@@ -59,7 +65,7 @@ def print_table(rows: list[tuple[str, str, str]]) -> None:
         print(f"{phase:<{width0}}  {seconds:>{width1}}  {detail}")
 
 
-def print_manifest(manifest: Any, coverage_out: str | None) -> None:
+def print_manifest(manifest: CoverageManifest | None, coverage_out: str | None) -> None:
     if manifest is None:
         print("coverage manifest: none (warmup did not complete)")
         return
@@ -73,7 +79,7 @@ def print_manifest(manifest: Any, coverage_out: str | None) -> None:
         print(f"coverage manifest written to {coverage_out}")
 
 
-def fault_report(executor: Any, spec: str | None) -> str | None:
+def fault_report(executor: CliExecutor, spec: str | None) -> str | None:
     """Say so when a --fault plan never fired (the rehearsal rehearsed nothing)."""
     device = getattr(executor, "device", None)  # a lane group's devices live in its lanes
     if spec is None or device is None or int(getattr(device, "injected_total", 1)):
@@ -85,7 +91,7 @@ def fault_report(executor: Any, spec: str | None) -> str | None:
     )
 
 
-def print_failure(executor: Any, step: str, cause: BaseException) -> None:
+def print_failure(executor: CliExecutor, step: str, cause: BaseException) -> None:
     """The failed step, its notes and the calls that can succeed now."""
     print()
     print(f"FAILED in {step} (phase {executor.phase}): {type(cause).__name__}: {one_line(cause)}")

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from models.cli.errors import EXIT_INTERRUPTED, EXIT_OK, PROG, UsageError, one_line
 from models.cli.generate_output import Printer, consume_finished, consume_streaming
@@ -19,6 +19,14 @@ from models.cli.loading import (
     resolve_capacity,
 )
 from models.cli.options import MAX_TOP_K
+from models.progress import ProgressSink
+
+if TYPE_CHECKING:
+    from models.cli.executor_view import CliExecutor
+    from models.generation.generator import Generator
+    from models.generation.params import GenerationParams
+    from models.generation.stream import GenerationStream
+    from runtime.config import PagedKVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +70,42 @@ def _check_sampling_arguments(args: argparse.Namespace) -> None:
             raise UsageError("--stop '' is invalid: a stop string must not be empty")
 
 
-def _capacity(generator: Any, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+def _capacity(
+    executor: CliExecutor, generator: Generator, prompt_ids: list[list[int]], max_new_tokens: int
+) -> int:
     """KV blocks this run needs at most: every slot holding the longest request.
 
     Warmup prefills a whole chunk (plus one cached block) into one row, so the pool never
-    goes below that either.
+    goes below that either. A lane's KV manager and a group's per-lane figures are read
+    where the executor has them.
     """
-    executor = generator.executor
-    block = int(executor.block_size)
+    block = _block_size(executor)
     longest = min(max(len(p) for p in prompt_ids) + max_new_tokens, generator.max_seq_len)
     per_request = -(-longest // block)
     lane_slots = int(getattr(executor, "per_lane_max_batch_size", executor.max_batch_size))
     slots = min(lane_slots, len(prompt_ids))
-    warmup = -(-int(executor.config.max_prefill_chunk_size) // block) + 1
-    kv_config = getattr(executor, "kv_cache_manager", None)
-    kv_config = kv_config.config if kv_config is not None else executor.paged_kv_cache_config[0]
+    config = getattr(executor, "config", None)
+    warmup = -(-int(getattr(config, "max_prefill_chunk_size", 0) or 0) // block) + 1
+    manager = getattr(executor, "kv_cache_manager", None)  # a lane; a group has per-lane configs
+    if manager is not None:
+        kv_config = manager.config
+    else:
+        per_lane: tuple[PagedKVCacheConfig | None, ...] = getattr(
+            executor, "paged_kv_cache_config", ()
+        )
+        kv_config = per_lane[0] if per_lane else None
+    if kv_config is None:
+        raise RuntimeError("the executor reports no paged KV cache configuration")
     ceiling = int(kv_config.max_num_blocks)
     return int(max(1, min(ceiling, max(warmup, slots * per_request))))
+
+
+def _block_size(executor: CliExecutor) -> int:
+    """The executor's KV block size (known once it is loaded)."""
+    block = executor.block_size
+    if block is None:
+        raise RuntimeError("the executor reports no KV block size; it is not loaded")
+    return block
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -111,7 +138,7 @@ def generate(args: argparse.Namespace) -> int:
         close_progress(progress)
 
 
-def _close_quietly(executor: Any) -> None:
+def _close_quietly(executor: CliExecutor) -> None:
     """Close after a failure without hiding it; what close left is logged."""
     try:
         executor.close()
@@ -120,7 +147,7 @@ def _close_quietly(executor: Any) -> None:
 
 
 def _run_generation(
-    args: argparse.Namespace, executor: Any, prompts: list[str], params: Any
+    args: argparse.Namespace, executor: CliExecutor, prompts: list[str], params: GenerationParams
 ) -> int:
     """Size the KV pool to the prompts, start the executor, generate and print."""
     from models.generation.generator import Generator
@@ -141,16 +168,19 @@ def _run_generation(
 
 
 def _size_kv_pool(
-    args: argparse.Namespace, executor: Any, generator: Any, prompt_ids: list[list[int]]
+    args: argparse.Namespace,
+    executor: CliExecutor,
+    generator: Generator,
+    prompt_ids: list[list[int]],
 ) -> None:
     """Resolve KV capacity: --num-blocks, else what these prompts need at most."""
     from runtime.backends.memory import format_bytes
 
-    needed = _capacity(generator, prompt_ids, args.max_new_tokens)
+    needed = _capacity(executor, generator, prompt_ids, args.max_new_tokens)
     blocks = args.num_blocks or needed
     _check_prompt_lengths(args, prompt_ids, generator.max_seq_len)
     if args.num_blocks:
-        _check_num_blocks(args, int(executor.block_size), prompt_ids, generator.max_seq_len)
+        _check_num_blocks(args, _block_size(executor), prompt_ids, generator.max_seq_len)
     resolve_capacity(executor, blocks, given=bool(args.num_blocks))
     if args.num_blocks and args.num_blocks > 4 * needed and hasattr(executor, "kv_cache_bytes"):
         logger.warning(
@@ -193,7 +223,9 @@ def _check_num_blocks(
             )
 
 
-def _print_completions(args: argparse.Namespace, executor: Any, stream: Any, total: int) -> int:
+def _print_completions(
+    args: argparse.Namespace, executor: CliExecutor, stream: GenerationStream, total: int
+) -> int:
     """Run the stream to the end, printing as it goes; Ctrl-C keeps what finished."""
     printer = Printer(args.json)
     try:
@@ -201,7 +233,8 @@ def _print_completions(args: argparse.Namespace, executor: Any, stream: Any, tot
             consume_streaming(stream, printer)
         else:
             # A lane group has no progress of its own (its lanes may be other processes).
-            sink = getattr(executor, "progress", None) or progress_from_args(args)
+            own = getattr(executor, "progress", None)
+            sink = own if isinstance(own, ProgressSink) else progress_from_args(args)
             consume_finished(stream, printer, sink, total)
     except KeyboardInterrupt:
         if total > 1 or args.json:

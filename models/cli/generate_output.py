@@ -8,9 +8,16 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from models.cli.errors import PipeClosed
+from runtime.json_types import JSONValue
+
+if TYPE_CHECKING:
+    from models.cli.executor_view import CliExecutor
+    from models.generation.results import Completion
+    from models.generation.stream import GenerationStream
+    from models.progress import ProgressSink
 
 
 @contextmanager
@@ -42,7 +49,7 @@ class Printer:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
         self.finished = 0
-        self.pending: list[Any] = []
+        self.pending: list[Completion] = []
 
     def write(self, text: str) -> None:
         """Write and flush whole: Ctrl-C waits until the text is out (never half a line)."""
@@ -56,7 +63,7 @@ class Printer:
         except BrokenPipeError as error:
             raise PipeClosed() from error
 
-    def drain(self, stream: Any) -> int:
+    def drain(self, stream: GenerationStream) -> int:
         """Print every completion finished so far (also after Ctrl-C); returns how many.
 
         Each line and its bookkeeping happen with Ctrl-C held back, so an interrupt never
@@ -72,13 +79,16 @@ class Printer:
             count += 1
         return count
 
-    def _format(self, completion: Any) -> str:
+    def _format(self, completion: Completion) -> str:
         if self.as_json:
             return json.dumps(completion.to_json(), ensure_ascii=False) + "\n"
         head = f"[{completion.index}] ({completion.finish_reason}, "
         return f"{head}{len(completion.token_ids)} tokens)\n{completion.text}\n"
 
-    def summary(self, stream: Any, executor: Any, *, interrupted: bool) -> None:
+    def summary(
+        self, stream: GenerationStream, executor: CliExecutor, *, interrupted: bool
+    ) -> None:
+        """The run's counters: a line on stderr, or a JSON ``summary`` line on stdout."""
         stats = stream.stats
         if not self.as_json:
             print(
@@ -90,7 +100,7 @@ class Printer:
             )
             return
         summary = stats.to_json()
-        out: dict[str, Any] = {key: summary[key] for key in self.KEEP}
+        out: dict[str, JSONValue] = {key: summary[key] for key in self.KEEP}
         out["phases"] = executor.journal.durations_by_dest(executor.owner_name)
         out["requests"] = stats.requests
         out["finished"] = self.finished
@@ -99,7 +109,7 @@ class Printer:
         self.write(json.dumps({"summary": out}) + "\n")
 
 
-def consume_streaming(stream: Any, printer: Printer) -> None:
+def consume_streaming(stream: GenerationStream, printer: Printer) -> None:
     """One prompt: its text as it is generated."""
     for event in stream:
         if event.text_delta:
@@ -108,7 +118,9 @@ def consume_streaming(stream: Any, printer: Printer) -> None:
     printer.write("\n")
 
 
-def consume_finished(stream: Any, printer: Printer, progress: Any, total: int) -> None:
+def consume_finished(
+    stream: GenerationStream, printer: Printer, progress: ProgressSink, total: int
+) -> None:
     """Print each completion when it finishes; progress shows requests done and tokens/s."""
     with progress.step("generate", total=total) as step:
         for _ in stream:

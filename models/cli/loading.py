@@ -9,13 +9,19 @@ functions so `--help` and argument errors stay fast.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
 from models.cli.errors import UsageError, one_line
 from models.cli.lane_bounds import check_lane_memory
 
+if TYPE_CHECKING:
+    from models.cli.executor_view import CliExecutor
+    from models.llama.config import LlamaArgs
+    from models.progress import ConsoleProgress, NullProgress, ProgressSink
+    from runtime.config import WarmupConfig
 
-def model_args(model: str) -> Any:
+
+def model_args(model: str) -> LlamaArgs:
     """The model's architecture without its weights; a bad name or file is a UsageError."""
     from models.llama.sources import ModelNotAvailableError
     from models.llama.sources import model_args as read_model_args
@@ -39,7 +45,7 @@ def check_block_geometry(args: argparse.Namespace) -> None:
         raise UsageError(problem)
 
 
-def check_lane_arguments(args: argparse.Namespace) -> Any:
+def check_lane_arguments(args: argparse.Namespace) -> LlamaArgs:
     """Block size, chunk, lanes and context checked together, before anything loads."""
     check_block_geometry(args)
     if getattr(args, "lanes", 1) != 1 or getattr(args, "threads_per_lane", None) is not None:
@@ -67,7 +73,7 @@ KV_ITEM_BYTES = {"float32": 4, "bfloat16": 2}
 """Bytes per K/V element by `--dtype` (the KV cache has the weights' dtype)."""
 
 
-def check_slot_capacity(args: argparse.Namespace, model: Any) -> None:
+def check_slot_capacity(args: argparse.Namespace, model: LlamaArgs) -> None:
     """--max-batch no larger than the KV pool can give one block to every slot.
 
     A slot holds a request only while it owns at least one KV block (the block its next
@@ -107,7 +113,7 @@ def check_slot_capacity(args: argparse.Namespace, model: Any) -> None:
     )
 
 
-def load(model: str, **kwargs: Any) -> Any:
+def load(model: str, **kwargs: object) -> CliExecutor:
     """Build the executor (CONSTRUCTED); a missing model, bad file or geometry is a UsageError."""
     from models import load_executor
     from models.llama.kernels import KernelPlanError
@@ -115,14 +121,17 @@ def load(model: str, **kwargs: Any) -> Any:
     from runtime.backends.cpu_features import UnsupportedCpuFeatureError
 
     try:
-        return load_executor(model, **kwargs)
+        executor: CliExecutor = load_executor(model, **kwargs)
     except (ModelNotAvailableError, KernelPlanError, UnsupportedCpuFeatureError) as error:
         raise UsageError(str(error)) from error
     except (ValueError, TypeError) as error:
         raise UsageError(f"--model {model}: {one_line(error)}") from error
+    return executor
 
 
-def load_from_args(args: argparse.Namespace, progress: Any, **extra: Any) -> Any:
+def load_from_args(
+    args: argparse.Namespace, progress: ProgressSink, **extra: object
+) -> CliExecutor:
     """`load` with the model and lane geometry that `generate` and `bringup` share."""
     return load(
         args.model,
@@ -142,7 +151,7 @@ def load_from_args(args: argparse.Namespace, progress: Any, **extra: Any) -> Any
     )
 
 
-def _lane_arguments(args: argparse.Namespace) -> dict[str, Any]:
+def _lane_arguments(args: argparse.Namespace) -> dict[str, int | str | None]:
     if args.lanes == 1 and args.threads_per_lane is None:
         return {}
     return {
@@ -152,20 +161,21 @@ def _lane_arguments(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def progress_from_args(args: argparse.Namespace) -> Any:
+def progress_from_args(args: argparse.Namespace) -> ConsoleProgress | NullProgress:
     """The `--progress` sink (stderr; a terminal only unless `--progress always`)."""
     from models.progress import progress_for
 
     return progress_for(args.progress)
 
 
-def close_progress(progress: Any) -> None:
+def close_progress(progress: ProgressSink) -> None:
+    """End a console display (a sink without `close` has nothing to end)."""
     close = getattr(progress, "close", None)
-    if close is not None:
+    if callable(close):
         close()
 
 
-def warmup_config(args: argparse.Namespace) -> Any:
+def warmup_config(args: argparse.Namespace) -> WarmupConfig | None:
     """The declared coverage: full (the executor's default) or one prefill shape.
 
     Sampling (temperature > 0) decodes on the top-k path, so a traced lane must capture it too.
@@ -184,7 +194,7 @@ def warmup_config(args: argparse.Namespace) -> Any:
     return WarmupConfig(prefill_seq_lens=(min(32, args.prefill_chunk),), prefill_batch_sizes=(1,))
 
 
-def resolve_capacity(executor: Any, blocks: int, *, given: bool) -> None:
+def resolve_capacity(executor: CliExecutor, blocks: int, *, given: bool) -> None:
     """Make KV capacity final; too many blocks for free memory is refused before allocating."""
     from models.executor import KVCapacityError
 

@@ -27,7 +27,13 @@ from models.cli.errors import (
     report,
 )
 from models.cli.generate import generate
-from models.cli.options import OPTION_OVERRIDES, OPTIONS, SUBCOMMAND_OPTIONS, HelpFormatter
+from models.cli.options import (
+    OPTION_OVERRIDES,
+    OPTIONS,
+    SUBCOMMAND_OPTIONS,
+    ArgumentSpec,
+    HelpFormatter,
+)
 
 SUBCOMMANDS: dict[str, tuple[str, str, Callable[[argparse.Namespace], int]]] = {
     "generate": (
@@ -89,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=HelpFormatter,
         )
         for flag in SUBCOMMAND_OPTIONS[name]:
-            sub.add_argument(flag, **{**OPTIONS[flag], **OPTION_OVERRIDES.get((name, flag), {})})
+            spec: ArgumentSpec = {**OPTIONS[flag], **OPTION_OVERRIDES.get((name, flag), {})}
+            sub.add_argument(flag, **spec)
         sub.set_defaults(handler=handler, command_name=name)
     return parser
 

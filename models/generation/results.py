@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import attrs
 
 from models.generation.scheduler import FinishReason
+from runtime.json_types import JSONValue
 
 
 @attrs.frozen
@@ -20,7 +21,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         """The CLI's JSON object (lists, not tuples)."""
         return {
             "index": self.index,
@@ -66,7 +67,8 @@ class GenerationStats:
         """Short live figures for a progress display."""
         return f"{self.decode_tokens} tokens, {self.decode_tokens_per_second:.1f} tokens/s"
 
-    def to_json(self) -> dict[str, Any]:
-        out = attrs.asdict(self)
+    def to_json(self) -> dict[str, int | float]:
+        """Every counter, plus the decode rate."""
+        out: dict[str, int | float] = attrs.asdict(self)
         out["decode_tokens_per_second"] = self.decode_tokens_per_second
         return out

@@ -14,7 +14,7 @@ import numbers
 import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import NamedTuple, Protocol
 
 import attrs
 import torch
@@ -24,14 +24,56 @@ from models.generation.params import GenerationParams, rows_sampling
 from models.generation.results import Completion, GenerationStats, StreamEvent
 from models.generation.scheduler import Admission, Scheduler, SequenceState
 from models.generation.text import TextTracker
+from runtime.config import PageTableLayout
 from runtime.sampling import SamplingParams
+
+
+class StreamExecutor(Protocol):
+    """What a stream calls on the executor (a `ModelExecutor` or a `LaneGroupExecutor`).
+
+    Outputs are read through `_token_list` and `_async_read`, which check what came back.
+    """
+
+    @property
+    def max_batch_size(self) -> int: ...
+
+    @property
+    def page_table_layout(self) -> PageTableLayout | None: ...
+
+    def prefill_forward(
+        self,
+        *,
+        tokens: torch.Tensor,
+        page_table: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        start_pos: torch.Tensor,
+        empty_slots: list[int],
+        sampling_params: SamplingParams,
+    ) -> object: ...
+
+    def decode_forward(
+        self,
+        *,
+        tokens: torch.Tensor,
+        start_pos: torch.Tensor,
+        page_table: torch.Tensor,
+        sampling_params: SamplingParams,
+        reset_batch: bool,
+        read_from_device: bool,
+    ) -> object: ...
+
+    def read_decode_output(self, raw: object, *, async_read: bool) -> object: ...
+
+    def process_decode_output_host(self, host_value: object, *, is_tokens: bool) -> object: ...
 
 
 class StreamHost(Protocol):
     """What a stream reads of the `Generator` that started it (the generator imports the
     stream; the stream names only this)."""
 
-    executor: Any
+    @property
+    def executor(self) -> StreamExecutor: ...
+
     last_stats: GenerationStats
 
     @property
@@ -52,7 +94,28 @@ class TrackedRequest:
     completion: Completion | None = None
 
 
-def _token_list(value: Any, name: str) -> list[int]:
+class _DecodeInputs(NamedTuple):
+    """One lane-wide decode step's inputs (inactive slots have start_pos -1)."""
+
+    tokens: torch.Tensor
+    start_pos: torch.Tensor
+    page_table: torch.Tensor
+    sampling_params: SamplingParams
+    reset_batch: bool
+
+
+def _async_read(value: object) -> object:
+    """The host value of an asynchronous `read_decode_output`: its `(host_value, events)`."""
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise TypeError(
+            f"read_decode_output(async_read=True) returned {type(value).__name__}; expected a "
+            "(host_value, events) pair"
+        )
+    host_value: object = value[0]
+    return host_value
+
+
+def _token_list(value: object, name: str) -> list[int]:
     """Normalise a tokens output (`tensor`, or `(tokens, log_probs)`) to a list of ints."""
     if isinstance(value, tuple | list) and value and not isinstance(value[0], numbers.Integral):
         value = value[0]
@@ -81,9 +144,15 @@ class GenerationStream:
         self._by_sequence = {id(r.sequence): r for r in requests}
         self._pending: list[tuple[TrackedRequest, int]] = []
         self._lane = int(self.executor.max_batch_size)
-        self._decode_width = int(self.executor.page_table_layout.decode_width)
+        layout = self.executor.page_table_layout
+        if layout is None:
+            raise RuntimeError(
+                "the executor's KV capacity is not resolved yet (no page-table layout); call "
+                "executor.start() before generating"
+            )
+        self._decode_width = layout.decode_width
         self._last_slots: dict[int, int] | None = None
-        self._sampling_key: tuple[Any, ...] | None = None
+        self._sampling_key: tuple[GenerationParams | None, ...] | None = None
         self._sampling: SamplingParams | None = None
         self._iterator = self._run()
 
@@ -204,7 +273,7 @@ class GenerationStream:
             self.stats.prefix_cache_hit_tokens += admission.cached_tokens
             self._record(request, token, scheduler)
 
-    def _decode_inputs(self, scheduler: Scheduler) -> tuple[dict[str, Any], list[TrackedRequest]]:
+    def _decode_inputs(self, scheduler: Scheduler) -> tuple[_DecodeInputs, list[TrackedRequest]]:
         lane = self._lane
         tokens = torch.zeros(lane, dtype=torch.int64)
         start_pos = torch.full((lane,), -1, dtype=torch.int64)
@@ -224,13 +293,7 @@ class GenerationStream:
             slots[slot] = sequence.index
         reset = slots != self._last_slots
         self._last_slots = slots
-        inputs = {
-            "tokens": tokens,
-            "start_pos": start_pos,
-            "page_table": page_table,
-            "sampling_params": self._sampling_params(rows),
-            "reset_batch": reset,
-        }
+        inputs = _DecodeInputs(tokens, start_pos, page_table, self._sampling_params(rows), reset)
         return inputs, active
 
     def _decode_step(self, scheduler: Scheduler) -> list[StreamEvent]:
@@ -242,8 +305,15 @@ class GenerationStream:
             return self._host_work(scheduler)
         inputs, active = self._decode_inputs(scheduler)
         executor = self.executor
-        raw = executor.decode_forward(**inputs, read_from_device=False)
-        host_value, _events = executor.read_decode_output(raw, async_read=True)
+        raw = executor.decode_forward(
+            tokens=inputs.tokens,
+            start_pos=inputs.start_pos,
+            page_table=inputs.page_table,
+            sampling_params=inputs.sampling_params,
+            reset_batch=inputs.reset_batch,
+            read_from_device=False,
+        )
+        host_value = _async_read(executor.read_decode_output(raw, async_read=True))
         try:
             events = self._host_work(scheduler)
         finally:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
+
+from runtime.json_types import JSONValue
 
 
 class TextTokenizer(Protocol):
@@ -14,7 +16,7 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, JSONValue]], *, add_generation_prompt: bool = True
     ) -> list[int]: ...
 
 
@@ -33,7 +35,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, JSONValue]], *, add_generation_prompt: bool = True
     ) -> list[int]:
         raise ValueError(
             "this model has no tokenizer and therefore no chat template; drop --chat/chat=True"

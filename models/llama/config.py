@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, SupportsFloat, SupportsInt
 
 import attrs
 
+from runtime.json_types import JSONObject, JSONValue
 from runtime.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,14 @@ class RopeScaling:
             )
 
     @classmethod
-    def from_hf(cls, raw: Mapping[str, Any] | None) -> RopeScaling | None:
+    def from_hf(cls, raw: JSONValue) -> RopeScaling | None:
         """Read HF `rope_scaling` / `rope_parameters`; `default` (or absent) means no scaling."""
         if raw is None:
             return None
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"config rope_scaling={raw!r} is invalid: allowed is an object or null"
+            )
         kind = raw.get("rope_type", raw.get("type", "default"))
         if kind in (None, "default"):
             return None
@@ -83,17 +88,26 @@ class RopeScaling:
             )
         if "factor" not in raw:
             raise ValueError(f"config rope_scaling.factor is missing for rope_type={kind!r}")
+        factor = _json_float("config rope_scaling.factor", raw["factor"])
         if kind == "linear":
-            return cls(kind="linear", factor=float(raw["factor"]))
+            return cls(kind="linear", factor=factor)
+
+        def read_float(key: str, default: float) -> float:
+            return _json_float(f"config rope_scaling.{key}", raw.get(key, default))
+
+        original = "original_max_position_embeddings"
         return cls(
             kind="llama3",
-            factor=float(raw["factor"]),
-            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+            factor=factor,
+            low_freq_factor=read_float("low_freq_factor", 1.0),
+            high_freq_factor=read_float("high_freq_factor", 4.0),
+            original_max_position_embeddings=_json_int(
+                f"config rope_scaling.{original}", raw.get(original, 8192)
+            ),
         )
 
-    def to_hf(self) -> dict[str, Any]:
+    def to_hf(self) -> dict[str, JSONValue]:
+        """The HF ``rope_scaling`` object for this scaling."""
         if self.kind == "linear":
             return {"rope_type": "linear", "factor": self.factor}
         return {
@@ -105,12 +119,44 @@ class RopeScaling:
         }
 
 
-def _to_eos_tuple(value: Any) -> tuple[int, ...]:
+def _to_eos_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    """One id, several ids or none, as the tuple `LlamaArgs.eos_token_ids` holds."""
     if value is None:
         return ()
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def _json_int(where: str, value: object) -> int:
+    """`value`, read at `where` of a JSON config, as an int; ValueError naming `where`."""
+    if not is_int(value):
+        raise ValueError(f"{where}={value!r} is invalid: allowed is an integer")
+    return value
+
+
+def _json_optional_int(where: str, value: object) -> int | None:
+    """`_json_int`, with null (None) allowed."""
+    return None if value is None else _json_int(where, value)
+
+
+def _json_float(where: str, value: object) -> float:
+    """`value`, read at `where` of a JSON config, as a float; ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}={value!r} is invalid: allowed is a number")
+    return float(value)
+
+
+def _json_eos(value: object) -> int | list[int] | None:
+    """HF ``eos_token_id``: null, one id or a list of ids."""
+    if value is None or is_int(value):
+        return value
+    if isinstance(value, list):
+        return [_json_int(f"config eos_token_id[{i}]", v) for i, v in enumerate(value)]
+    raise ValueError(
+        f"config eos_token_id={value!r} is invalid: allowed is an integer, a list of integers "
+        "or null"
+    )
 
 
 @attrs.frozen
@@ -163,14 +209,21 @@ class LlamaArgs:
 
     # ----------------------------------------------------------------- Hugging Face
     @classmethod
-    def from_hf_config(cls, source: Mapping[str, Any] | str | Path) -> LlamaArgs:
+    def from_hf_config(cls, source: JSONObject | str | Path) -> LlamaArgs:
         """Translate a HF `config.json` (a mapping, the file, or its directory)."""
         config = _read_hf_config(source)
         model_type = _check_hf_support(config)
-        dim = config["hidden_size"]
-        n_heads = config["num_attention_heads"]
+
+        def read_int(key: str, default: int | None = None) -> int:
+            return _json_int(f"config {key}", config.get(key, default))
+
+        def read_optional_int(key: str) -> int | None:
+            return _json_optional_int(f"config {key}", config.get(key))
+
+        dim = read_int("hidden_size")
+        n_heads = read_int("num_attention_heads")
         rope_theta, scaling_raw = _hf_rope(config)
-        head_dim = config.get("head_dim")
+        head_dim = read_optional_int("head_dim")
         if head_dim is None:
             if dim % n_heads != 0:
                 raise ValueError(
@@ -180,25 +233,27 @@ class LlamaArgs:
             head_dim = dim // n_heads
         return cls(
             dim=dim,
-            n_layers=config["num_hidden_layers"],
+            n_layers=read_int("num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            vocab_size=config["vocab_size"],
-            ffn_dim=config["intermediate_size"],
+            n_kv_heads=read_optional_int("num_key_value_heads") or n_heads,
+            vocab_size=read_int("vocab_size"),
+            ffn_dim=read_int("intermediate_size"),
             head_dim=head_dim,
-            max_seq_len=config.get("max_position_embeddings", 2048),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_seq_len=read_int("max_position_embeddings", 2048),
+            norm_eps=_json_float("config rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+            rope_theta=_json_float(
+                "config rope_theta", rope_theta if rope_theta is not None else 10000.0
+            ),
             rope_scaling=RopeScaling.from_hf(scaling_raw),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=config.get("eos_token_id"),
+            bos_token_id=read_optional_int("bos_token_id"),
+            eos_token_ids=_json_eos(config.get("eos_token_id")),
             name=str(config.get("_name_or_path") or model_type),
         )
 
-    def to_hf_config(self) -> dict[str, Any]:
+    def to_hf_config(self) -> dict[str, JSONValue]:
         """The equivalent HF `config.json` content (used to build oracles and test fixtures)."""
-        out: dict[str, Any] = {
+        out: dict[str, JSONValue] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_size": self.dim,
@@ -227,7 +282,7 @@ class LlamaArgs:
     # ----------------------------------------------------------------------- GGUF
     @classmethod
     def from_gguf_metadata(
-        cls, metadata: Mapping[str, Any], tensor_names: frozenset[str] | set[str]
+        cls, metadata: Mapping[str, object], tensor_names: frozenset[str] | set[str]
     ) -> LlamaArgs:
         """Translate GGUF key/values (already decoded to Python values) and tensor names."""
         arch = metadata.get("general.architecture")
@@ -237,8 +292,11 @@ class LlamaArgs:
                 f"{list(GGUF_ARCHITECTURES)}"
             )
 
-        def need(key: str) -> Any:
+        def need(key: str) -> int | float:
             return _gguf_required(metadata, f"{arch}.{key}")
+
+        def optional(key: str, default: int | float) -> int | float:
+            return _gguf_number(f"{arch}.{key}", metadata.get(f"{arch}.{key}", default))
 
         if "rope_freqs.weight" in tensor_names:
             raise ValueError(
@@ -257,28 +315,40 @@ class LlamaArgs:
                     "are 'none' and 'linear'"
                 )
             scaling = RopeScaling(kind="linear", factor=float(need("rope.scaling.factor")))
-        vocab = metadata.get(f"{arch}.vocab_size")
-        if vocab is None:
+        vocab_key = f"{arch}.vocab_size"
+        if vocab_key in metadata and metadata[vocab_key] is not None:
+            vocab = int(_gguf_required(metadata, vocab_key))
+        else:
             tokens = metadata.get("tokenizer.ggml.tokens")
             if tokens is None:
                 raise ValueError(f"GGUF metadata {arch}.vocab_size is missing: it is required")
+            if not isinstance(tokens, Sequence):
+                raise ValueError(
+                    f"GGUF metadata tokenizer.ggml.tokens is a {type(tokens).__name__}: "
+                    "allowed is a list of token strings"
+                )
             vocab = len(tokens)
         eos = metadata.get("tokenizer.ggml.eos_token_id")
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
         return cls(
             dim=dim,
             n_layers=int(need("block_count")),
             n_heads=n_heads,
-            n_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", n_heads)),
-            vocab_size=int(vocab),
+            n_kv_heads=int(optional("attention.head_count_kv", n_heads)),
+            vocab_size=vocab,
             ffn_dim=int(need("feed_forward_length")),
             head_dim=head_dim,
-            max_seq_len=int(metadata.get(f"{arch}.context_length", 2048)),
+            max_seq_len=int(optional("context_length", 2048)),
             norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=float(optional("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in tensor_names,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
+            bos_token_id=None
+            if bos is None
+            else int(_gguf_number("tokenizer.ggml.bos_token_id", bos)),
+            eos_token_ids=()
+            if eos is None
+            else (int(_gguf_number("tokenizer.ggml.eos_token_id", eos)),),
             name=str(metadata.get("general.name", arch)),
         )
 
@@ -293,7 +363,7 @@ class LlamaArgs:
         return TINY_PRESETS[preset]
 
 
-def _read_hf_config(source: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+def _read_hf_config(source: JSONObject | str | Path) -> JSONObject:
     """A HF config as a mapping: given as one, or read from `config.json` (or its directory)."""
     if not isinstance(source, str | Path):
         return source
@@ -302,11 +372,15 @@ def _read_hf_config(source: Mapping[str, Any] | str | Path) -> Mapping[str, Any]
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"config path {str(path)!r} does not exist")
-    config: Mapping[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    config: JSONValue = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"config {str(path)!r} holds a JSON {type(config).__name__}: allowed is an object"
+        )
     return config
 
 
-def _check_hf_support(config: Mapping[str, Any]) -> str:
+def _check_hf_support(config: JSONObject) -> str:
     """Refuse architectures and options the model does not implement; the model type."""
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
@@ -331,7 +405,7 @@ def _check_hf_support(config: Mapping[str, Any]) -> str:
     return str(model_type)
 
 
-def _hf_rope(config: Mapping[str, Any]) -> tuple[Any, Any]:
+def _hf_rope(config: JSONObject) -> tuple[JSONValue, JSONValue]:
     """`(rope_theta, rope_scaling)` of a config, either at the top level or (newer
     transformers) inside `rope_parameters`."""
     rope_params = config.get("rope_parameters")
@@ -344,23 +418,36 @@ def _hf_rope(config: Mapping[str, Any]) -> tuple[Any, Any]:
     return rope_theta, scaling_raw
 
 
-def _gguf_required(metadata: Mapping[str, Any], key: str) -> Any:
+def _gguf_number(key: str, value: object) -> int | float:
+    """A numeric GGUF value (a Python or numpy number); ValueError naming `key` otherwise."""
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, SupportsInt) and not isinstance(value, str | bytes):
+        return int(value)
+    if isinstance(value, SupportsFloat) and not isinstance(value, str | bytes):
+        return float(value)
+    raise ValueError(f"GGUF metadata {key}={value!r} is invalid: allowed is a number")
+
+
+def _gguf_required(metadata: Mapping[str, object], key: str) -> int | float:
+    """The numeric value at `key`; ValueError when it is missing or not a number."""
     if key not in metadata:
         raise ValueError(f"GGUF metadata {key} is missing: it is required")
-    return metadata[key]
+    return _gguf_number(key, metadata[key])
 
 
-def _gguf_head_dim(metadata: Mapping[str, Any], arch: str, default: int) -> int:
+def _gguf_head_dim(metadata: Mapping[str, object], arch: str, default: int) -> int:
     """The head dim (`key_length`, else `dim / heads`); values and rotary must use all of it."""
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", default))
+    key_length = f"{arch}.attention.key_length"
+    head_dim = int(_gguf_number(key_length, metadata.get(key_length, default)))
     value_dim = metadata.get(f"{arch}.attention.value_length")
-    if value_dim is not None and int(value_dim) != head_dim:
+    if value_dim is not None and value_dim != head_dim:
         raise ValueError(
             f"GGUF {arch}.attention.value_length={value_dim} is not supported: allowed is "
             f"key_length={head_dim}"
         )
     rot = metadata.get(f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
+    if rot is not None and rot != head_dim:
         raise ValueError(
             f"GGUF {arch}.rope.dimension_count={rot} is not supported: allowed is "
             f"head_dim={head_dim} (partial rotary embeddings are not implemented)"
@@ -368,37 +455,48 @@ def _gguf_head_dim(metadata: Mapping[str, Any], arch: str, default: int) -> int:
     return head_dim
 
 
-def _tiny(name: str, **overrides: Any) -> LlamaArgs:
-    base: dict[str, Any] = {
-        "dim": 64,
-        "n_layers": 2,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "vocab_size": 256,
-        "ffn_dim": 128,
-        "head_dim": 16,
-        "max_seq_len": 512,
-        "norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_ids": (2,),
-        "name": f"{TINY_RANDOM_PREFIX}-{name}",
-    }
-    base.update(overrides)
-    return LlamaArgs(**base)
+def _tiny_name(preset: str) -> str:
+    return f"{TINY_RANDOM_PREFIX}-{preset}"
 
+
+_TINY_GQA = LlamaArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    ffn_dim=128,
+    head_dim=16,
+    max_seq_len=512,
+    norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    name=_tiny_name("gqa"),
+)
 
 TINY_PRESETS: dict[str, LlamaArgs] = {
     # grouped-query attention, untied head
-    "gqa": _tiny("gqa"),
+    "gqa": _TINY_GQA,
     # multi-head attention with a tied head
-    "mha-tied": _tiny("mha-tied", n_kv_heads=4, tie_word_embeddings=True),
+    "mha-tied": attrs.evolve(
+        _TINY_GQA, name=_tiny_name("mha-tied"), n_kv_heads=4, tie_word_embeddings=True
+    ),
     # one KV head, head_dim different from dim / n_heads, three layers
-    "mqa": _tiny("mqa", n_heads=4, n_kv_heads=1, head_dim=24, n_layers=3, ffn_dim=96),
+    "mqa": attrs.evolve(
+        _TINY_GQA,
+        name=_tiny_name("mqa"),
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=24,
+        n_layers=3,
+        ffn_dim=96,
+    ),
     # llama3-style rope scaling; original context small so all three bands are used
-    "llama3-rope": _tiny(
-        "llama3-rope",
+    "llama3-rope": attrs.evolve(
+        _TINY_GQA,
+        name=_tiny_name("llama3-rope"),
         rope_theta=500000.0,
         rope_scaling=RopeScaling(
             kind="llama3",
@@ -410,7 +508,11 @@ TINY_PRESETS: dict[str, LlamaArgs] = {
         tie_word_embeddings=True,
     ),
     # linear position interpolation
-    "linear-rope": _tiny("linear-rope", rope_scaling=RopeScaling(kind="linear", factor=2.0)),
+    "linear-rope": attrs.evolve(
+        _TINY_GQA,
+        name=_tiny_name("linear-rope"),
+        rope_scaling=RopeScaling(kind="linear", factor=2.0),
+    ),
 }
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.model_contract import KVCache, PagedAttentionConfig
+from runtime.model_contract import PagedAttentionConfig
 from runtime.validation import check_block_ids, is_int
 
 LayerCaches = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -27,7 +27,7 @@ def check_paged_geometry(block_size: object, max_num_blocks: object) -> None:
 
 
 def check_kv_cache(
-    cache: KVCache,
+    cache: object,
     paged: PagedAttentionConfig,
     *,
     n_layers: int,

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol, TypeAlias
 
 import attrs
 import torch
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from models.progress import ProgressSink, as_progress
 from runtime.backends import native_kernels
+from runtime.json_types import JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class KernelPlan:
     def choice(self, name: str) -> ProjectionChoice:
         return dict(self.projections)[name]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         """JSON-ready (the format `--kernels FILE` reads back)."""
         return {
             "version": PLAN_VERSION,
@@ -240,7 +241,7 @@ def _error(where: str, message: str) -> KernelPlanError:
     return KernelPlanError(f"{where}: {message}")
 
 
-def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
+def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
     """A plan from its JSON form (or a coverage manifest holding one under "kernels").
 
     `where` names the origin for errors (`--kernels FILE`). Checks the structure only; shape
@@ -280,14 +281,16 @@ def parse_kernel_plan(data: Any, *, where: str) -> KernelPlan:
 
 
 def _parse_fused(
-    entry: Any, buckets: Sequence[int], where: str
+    entry: object, buckets: Sequence[int], where: str
 ) -> tuple[tuple[int, ...], tuple[tuple[int, float, float], ...]]:
     """A plan's `fused_decode` record (absent in version 1 plans: fused decode off)."""
     if entry is None:
         return (), ()
     chosen = entry.get("buckets") if isinstance(entry, dict) else None
-    if not isinstance(chosen, list) or any(
-        type(b) is not int or b not in buckets or b > FUSED_MAX_ROWS for b in chosen
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(chosen, list)
+        or any(type(b) is not int or b not in buckets or b > FUSED_MAX_ROWS for b in chosen)
     ):
         raise _error(
             where,
@@ -301,7 +304,7 @@ def _parse_fused(
     return tuple(sorted(set(chosen))), timings
 
 
-def _parse_projection(name: str, entry: Any, where: str) -> ProjectionChoice:
+def _parse_projection(name: str, entry: object, where: str) -> ProjectionChoice:
     """One projection's entry of a plan file: layout, forms per row bucket, split."""
     if not isinstance(entry, dict):
         raise _error(where, f"projection {name!r} must be an object")
@@ -321,7 +324,7 @@ def _parse_projection(name: str, entry: Any, where: str) -> ProjectionChoice:
     return ProjectionChoice(layout, split, tuple(forms), micro)
 
 
-def _parse_form(name: str, layout: Layout, item: Any, where: str) -> tuple[int, str]:
+def _parse_form(name: str, layout: Layout, item: object, where: str) -> tuple[int, str]:
     """One `[rows, form]` entry of a projection's forms, runnable from `layout`."""
     if (
         not isinstance(item, list)
@@ -526,7 +529,11 @@ class MeasuredModel(Protocol):
 
 # Plans measured in this process, by what they depend on: lanes of one model in one process
 # (and an eager lane next to a traced one) compute with the same forms, bit for bit.
-_MEASURED: dict[tuple[Any, ...], KernelPlan] = {}
+_PlanKey: TypeAlias = tuple[
+    tuple[tuple[str, ProjectionShape], ...], torch.dtype, tuple[int, ...], int, str, tuple[str, ...]
+]
+"""What a measured plan depends on: shapes, dtype, buckets, torch threads, attention, notes."""
+_MEASURED: dict[_PlanKey, KernelPlan] = {}
 
 
 def measure_kernel_plan(
@@ -541,7 +548,14 @@ def measure_kernel_plan(
     process for a given geometry, dtype, thread count and attention. `progress` gets one
     advance per projection and bucket (`measure kernels i/n: q_proj rows=64`)."""
     shapes = tuple(sorted(model.projection_shapes().items()))
-    key = (shapes, model.dtype, tuple(buckets), torch.get_num_threads(), attention, tuple(notes))
+    key: _PlanKey = (
+        shapes,
+        model.dtype,
+        tuple(buckets),
+        torch.get_num_threads(),
+        attention,
+        tuple(notes),
+    )
     plan = _MEASURED.get(key)
     if plan is None:
         plan = _measure(model, buckets=buckets, attention=attention, notes=notes, progress=progress)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +50,9 @@ from models.llama.weights import (
     layer_name,
     validate_state_dict,
 )
+from runtime.backends.base import DeviceTensor
 from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
+from runtime.sampling.sampler import DeviceSampler
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +94,16 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         self.args = args
         self.dtype = dtype
         self.device = torch.device(device)
-        kw: dict[str, Any] = {"dtype": dtype, "device": self.device}
         self.embed_tokens: nn.Embedding | None = None
         if not args.tie_word_embeddings:
-            self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, **kw)
+            self.embed_tokens = nn.Embedding(
+                args.vocab_size, args.dim, dtype=dtype, device=self.device
+            )
         self.layers = nn.ModuleList(
             DecoderLayer(args, dtype, self.device) for _ in range(args.n_layers)
         )
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
-        self.lm_head = Projection(args.dim, args.vocab_size, **kw)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps, dtype=dtype, device=self.device)
+        self.lm_head = Projection(args.dim, args.vocab_size, dtype=dtype, device=self.device)
         self.requires_grad_(False)
         self._init_kernel_state()
         cos, sin = rope_tables(args, dtype)
@@ -112,7 +114,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         # Reused K/V gather buffers of the dynamic decode (see `attention.GroupedDecode`).
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # Optional device-sampling module a family executor attaches (the runtime reads it).
-        self.sampling: Any = None
+        self.sampling: DeviceSampler | None = None
         self.graph_safe = None
         if paged_attention is not None:
             self.configure_paged_attention(
@@ -246,7 +248,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
                 )
         self._paged = PagedAttentionConfig(block_size=block_size, max_num_blocks=max_num_blocks)
 
-    def set_kv_cache(self, cache: KVCache | None) -> None:
+    def set_kv_cache(self, cache: Sequence[Sequence[DeviceTensor]] | None) -> None:
         """Bind (or with None unbind) the per-layer K/V tensors; all-or-nothing.
 
         Every layer's K and V must be `[num_blocks, n_kv_heads, block_size, head_dim]`, the
@@ -269,7 +271,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         self._kv_cache = bound
         logger.debug("bound KV cache: %d layers x %s blocks", len(bound), bound[0][0].shape[0])
 
-    def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]:
+    def iter_executor_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """Every submodule with its qualified name (the root excluded)."""
         for name, module in self.named_modules():
             if name:
@@ -541,8 +543,10 @@ class LlamaModel(KernelPlanHooks, nn.Module):
     def _workspace_of(self, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat K and V gather buffers, grown (never shrunk) to `elements` values each."""
         if self._workspace is None or self._workspace[0].shape[0] < elements:
-            kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
-            self._workspace = (torch.empty(elements, **kw), torch.empty(elements, **kw))
+            self._workspace = (
+                torch.empty(elements, dtype=self.dtype, device=self.device),
+                torch.empty(elements, dtype=self.dtype, device=self.device),
+            )
         return self._workspace
 
     @torch.inference_mode()

@@ -13,14 +13,20 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from models.llama.weights import GGUFFile
+from runtime.json_types import JSONValue
+
+if TYPE_CHECKING:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # llama.cpp token types (gguf `tokenizer.ggml.token_type`).
 _TOKEN_CONTROL = 3
@@ -71,7 +77,7 @@ def _respell(token: str, alphabet: frozenset[str]) -> str:
     return "".join(spelling[b] for b in token.encode("utf-8"))
 
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, Mapping):
@@ -89,7 +95,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 @cache
-def _jinja_env() -> Any:
+def _jinja_env() -> ImmutableSandboxedEnvironment:
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -98,10 +104,13 @@ def _jinja_env() -> Any:
     )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, ensure_ascii=False, indent=indent
-    )
+    env.filters["tojson"] = _tojson
     return env
+
+
+def _tojson(value: JSONValue, indent: int | None = None) -> str:
+    """The templates' ``tojson`` filter: JSON with non-ASCII text kept as is."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 @attrs.frozen
@@ -150,10 +159,10 @@ class LlamaTokenizer:
 
     def render_chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, JSONValue]],
         *,
         add_generation_prompt: bool = True,
-        **extra: Any,
+        **extra: JSONValue,
     ) -> str:
         """The chat template applied to `messages` (text, special tokens written literally)."""
         if self.chat_template is None:
@@ -171,10 +180,10 @@ class LlamaTokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, JSONValue]],
         *,
         add_generation_prompt: bool = True,
-        **extra: Any,
+        **extra: JSONValue,
     ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own special tokens."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
@@ -190,9 +199,16 @@ class LlamaTokenizer:
             raise FileNotFoundError(f"tokenizer file {str(tokenizer_file)!r} does not exist")
         backend = Tokenizer.from_file(str(tokenizer_file))
 
-        def read_json(name: str) -> dict[str, Any]:
+        def read_json(name: str) -> Mapping[str, JSONValue]:
             path = root / name
-            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            if not path.is_file():
+                return {}
+            loaded: JSONValue = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(loaded, Mapping):
+                raise ValueError(
+                    f"{str(path)!r} holds a JSON {type(loaded).__name__}: allowed is an object"
+                )
+            return loaded
 
         tok_config = read_json("tokenizer_config.json")
         model_config = read_json("config.json")
@@ -204,9 +220,10 @@ class LlamaTokenizer:
 
         bos = token_id("bos_token")
         if bos is None:
-            bos = model_config.get("bos_token_id")
+            configured = model_config.get("bos_token_id")
+            bos = configured if isinstance(configured, int) else None
         eos: list[int] = []
-        candidates: list[Any] = [
+        candidates: list[JSONValue] = [
             token_id("eos_token"),
             model_config.get("eos_token_id"),
             gen_config.get("eos_token_id"),
@@ -215,10 +232,7 @@ class LlamaTokenizer:
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, int) and item not in eos:
                     eos.append(item)
-        template = tok_config.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default")
+        template = _chat_template(tok_config.get("chat_template"))
         jinja_file = root / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
@@ -241,9 +255,11 @@ class LlamaTokenizer:
                 f"GGUF tokenizer.ggml.model={kind!r} is not supported: allowed are "
                 f"{list(GGUF_TOKENIZER_MODELS)}"
             )
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
+        if meta.get("tokenizer.ggml.tokens") is None:
+            raise ValueError("GGUF tokenizer.ggml.tokens is missing: it is required")
+        tokens = _gguf_list(meta, "tokenizer.ggml.tokens", str)
+        types = _gguf_list(meta, "tokenizer.ggml.token_type", int) or [1] * len(tokens)
+        merges_raw = _gguf_list(meta, "tokenizer.ggml.merges", str)
         alphabet = frozenset(byte_alphabet().values())
         vocab: dict[str, int] = {}
         for index, token in enumerate(tokens):
@@ -254,17 +270,20 @@ class LlamaTokenizer:
         backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         _add_gguf_special_tokens(backend, tokens, types, vocab, alphabet)
-        bos_raw = meta.get("tokenizer.ggml.bos_token_id")
-        bos = None if bos_raw is None else int(bos_raw)
+        bos = _gguf_token_id(meta, "tokenizer.ggml.bos_token_id")
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
         if add_bos and bos is not None:
             backend.post_processor = _bos_template(tokens[bos], bos)
         eos: list[int] = []
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-            value = meta.get(key)
-            if value is not None and int(value) not in eos:
-                eos.append(int(value))
-        pad = meta.get("tokenizer.ggml.padding_token_id")
+            value = _gguf_token_id(meta, key)
+            if value is not None and value not in eos:
+                eos.append(value)
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(
+                f"GGUF tokenizer.chat_template is a {type(template).__name__}: allowed is a string"
+            )
         logger.info(
             "GGUF tokenizer: %d tokens, %d merges, pre=%s, add_bos=%s",
             len(tokens),
@@ -276,10 +295,46 @@ class LlamaTokenizer:
             backend=backend,
             bos_token_id=bos,
             eos_token_ids=tuple(eos),
-            pad_token_id=None if pad is None else int(pad),
-            chat_template=meta.get("tokenizer.chat_template"),
+            pad_token_id=_gguf_token_id(meta, "tokenizer.ggml.padding_token_id"),
+            chat_template=template,
             source=str(gguf_file.path),
         )
+
+
+def _chat_template(value: JSONValue) -> str | None:
+    """A tokenizer_config ``chat_template``: one template, or the default of named ones."""
+    if isinstance(value, str) or value is None:
+        return value
+    if isinstance(value, list):  # named templates: use the default one
+        for entry in value:
+            if isinstance(entry, Mapping) and entry.get("name") == "default":
+                template = entry.get("template")
+                return template if isinstance(template, str) else None
+        return None
+    raise ValueError(
+        f"tokenizer_config chat_template is a {type(value).__name__}: allowed is a string or "
+        "a list of named templates"
+    )
+
+
+def _gguf_list(meta: Mapping[str, object], key: str, kind: type[T]) -> list[T]:
+    """The list of `kind` values at `key` (empty when absent); ValueError naming the key."""
+    value = meta.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, kind) for item in value):
+        raise ValueError(f"GGUF {key} is invalid: allowed is a list of {kind.__name__} values")
+    return [item for item in value if isinstance(item, kind)]
+
+
+def _gguf_token_id(meta: Mapping[str, object], key: str) -> int | None:
+    """The token id at `key`, or None when absent; ValueError naming the key otherwise."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"GGUF {key}={value!r} is invalid: allowed is a token id (an integer)")
+    return value
 
 
 def _gguf_merge(line: str) -> tuple[str, str]:
@@ -289,7 +344,7 @@ def _gguf_merge(line: str) -> tuple[str, str]:
     return left, right
 
 
-def _gguf_pre_tokenizer(pre: object) -> Any:
+def _gguf_pre_tokenizer(pre: object) -> pre_tokenizers.PreTokenizer:
     """The split before byte-level BPE: the family's own regex, else GPT-2's."""
     pattern = _SPLIT_PATTERNS.get(str(pre))
     if pattern is None:
@@ -326,7 +381,7 @@ def _add_gguf_special_tokens(
         backend.add_tokens(user)
 
 
-def _bos_template(bos_token: str, bos: int) -> Any:
+def _bos_template(bos_token: str, bos: int) -> processors.PostProcessor:
     """The post-processor that prepends BOS (the file's `add_bos_token`)."""
     return processors.TemplateProcessing(
         single=f"{bos_token}:0 $A:0",

@@ -13,13 +13,16 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 import torch
 
 from models.llama.config import LlamaArgs
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
 
 logger = logging.getLogger(__name__)
 
@@ -316,8 +319,8 @@ class GGUFFile:
     """An opened GGUF file: decoded metadata and the (memory-mapped) tensor records."""
 
     path: Path
-    metadata: Mapping[str, Any]
-    reader: Any
+    metadata: Mapping[str, object]
+    reader: GGUFReader
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFFile:
@@ -373,7 +376,7 @@ def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def _dequantize_gguf_tensor(tensor: Any) -> torch.Tensor:
+def _dequantize_gguf_tensor(tensor: ReaderTensor) -> torch.Tensor:
     """One GGUF tensor as a torch tensor in PyTorch (row-major, reversed ggml) shape."""
     from gguf import GGMLQuantizationType, quants
 

@@ -14,9 +14,12 @@ import torch
 from runtime.backends.base import (
     Device,
     DeviceError,
+    DeviceTensor,
     DoubleDeallocationError,
     Event,
     TraceHandle,
+    TraceOutputs,
+    as_torch,
 )
 from runtime.backends.faults import (
     FAULT_OPERATIONS,
@@ -37,6 +40,7 @@ __all__ = [
     "TTNN_INSTALL_HINT",
     "Device",
     "DeviceError",
+    "DeviceTensor",
     "DoubleDeallocationError",
     "Event",
     "FaultCall",
@@ -47,8 +51,10 @@ __all__ = [
     "InjectedFault",
     "TorchDevice",
     "TraceHandle",
+    "TraceOutputs",
     "TtnnDevice",
     "allocates_torch_tensors",
+    "as_torch",
     "make_device",
 ]
 

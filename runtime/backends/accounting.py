@@ -11,17 +11,27 @@ import collections
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Generic, TypeGuard, TypeVar
 
 import attrs
 
-from runtime.backends.base import DeviceError, DoubleDeallocationError, Event, TraceHandle
+from runtime.backends.base import (
+    DeviceError,
+    DeviceTensor,
+    DoubleDeallocationError,
+    Event,
+    TraceHandle,
+    TraceOutputs,
+)
+
+TensorT = TypeVar("TensorT", bound=DeviceTensor)
+"""The tensor type a backend allocates (`torch.Tensor` on torch)."""
 
 _MAX_TOMBSTONES = 4096
 _MISSING = object()
 
 
-def describe_tensor(tensor: Any) -> str:
+def describe_tensor(tensor: object) -> str:
     """A short description naming shape and dtype, for error messages."""
     shape = getattr(tensor, "shape", None)
     dtype = getattr(tensor, "dtype", None)
@@ -29,7 +39,7 @@ def describe_tensor(tensor: Any) -> str:
     return f"{type(tensor).__name__}(shape={shape_text}, dtype={dtype})"
 
 
-class AllocationRegistry:
+class AllocationRegistry(Generic[TensorT]):
     """Live allocations by identity, plus recent releases to tell a double free from a foreign
     tensor.
 
@@ -40,29 +50,31 @@ class AllocationRegistry:
 
     def __init__(self, device_name: str) -> None:
         self.device_name = device_name
-        self._live: dict[int, Any] = {}
-        self._released: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
+        self._live: dict[int, TensorT] = {}
+        self._released: collections.OrderedDict[int, Callable[[], object]] = (
+            collections.OrderedDict()
+        )
         self.allocations_total = 0
         self.deallocations_total = 0
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def live_values(self) -> list[Any]:
+    def live_values(self) -> list[TensorT]:
         """The live allocations, oldest first."""
         return list(self._live.values())
 
-    def add(self, tensor: Any) -> None:
+    def add(self, tensor: TensorT) -> None:
         """Register a fresh allocation."""
         self._live[id(tensor)] = tensor
         self._released.pop(id(tensor), None)
         self.allocations_total += 1
 
-    def is_live(self, tensor: Any) -> bool:
+    def is_live(self, tensor: object) -> bool:
         """Whether `tensor` (this exact object) is a live allocation."""
         return self._live.get(id(tensor), _MISSING) is tensor
 
-    def check_releasable(self, tensor: Any, operation: str = "deallocate") -> None:
+    def check_releasable(self, tensor: object, operation: str = "deallocate") -> None:
         """Raise unless `tensor` is live: `DoubleDeallocationError` if it was released here
         before, `DeviceError` if it never belonged to this device."""
         if self.is_live(tensor):
@@ -79,11 +91,11 @@ class AllocationRegistry:
             "device may be passed (borrowed tensors are released by their owner)"
         )
 
-    def remove(self, tensor: Any) -> None:
+    def remove(self, tensor: object) -> None:
         """Forget a live allocation after the backend released it."""
         del self._live[id(tensor)]
         try:
-            reference: Callable[[], Any] = weakref.ref(tensor)
+            reference: Callable[[], object] = weakref.ref(tensor)
         except TypeError:
             reference = _StrongReference(tensor)
         self._released[id(tensor)] = reference
@@ -95,13 +107,13 @@ class AllocationRegistry:
 
 @attrs.define(eq=False)
 class _StrongReference:
-    value: Any
+    value: object
 
-    def __call__(self) -> Any:
+    def __call__(self) -> object:
         return self.value
 
 
-class AccountedDevice:
+class AccountedDevice(Generic[TensorT]):
     """The bookkeeping every backend's device keeps: its name, one lock, the registry of its
     allocations, its live traces and its event sequence, with the counters the `Device`
     protocol reports from them."""
@@ -109,7 +121,7 @@ class AccountedDevice:
     def __init__(self, name: str) -> None:
         self._name = name
         self._lock = threading.RLock()
-        self._registry = AllocationRegistry(name)
+        self._registry: AllocationRegistry[TensorT] = AllocationRegistry(name)
         self._traces: dict[int, TraceHandle] = {}
         self._next_trace_id = 0
         self._event_sequence = 0
@@ -139,11 +151,11 @@ class AccountedDevice:
         with self._lock:
             return [describe_tensor(t) for t in self._registry.live_values()]
 
-    def is_owned(self, tensor: Any) -> bool:
+    def is_owned(self, tensor: object) -> TypeGuard[DeviceTensor]:
         """Whether `tensor` is a live allocation of this device (identity, not equality)."""
         return self._registry.is_live(tensor)
 
-    def _register_trace(self, outputs: Any, handle: Any) -> TraceHandle:
+    def _register_trace(self, outputs: TraceOutputs, handle: object) -> TraceHandle:
         """A new live trace of this device holding `outputs` and the backend's `handle`."""
         with self._lock:
             self._next_trace_id += 1

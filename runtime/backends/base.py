@@ -8,10 +8,44 @@ leak accounting (`live_allocations`) are uniform across backends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, TypeGuard, runtime_checkable
 
 import attrs
 import torch
+
+
+@runtime_checkable
+class DeviceTensor(Protocol):
+    """A tensor a `Device` hands out: a `torch.Tensor` on torch, a ``ttnn.Tensor`` on ttnn.
+
+    Backend-neutral runtime code reads only its shape; code that computes on it with torch
+    narrows it with `as_torch`, which names the backend when the tensor is not torch's.
+    """
+
+    @property
+    def shape(self) -> Sequence[int]:
+        """The tensor's dimensions."""
+        ...
+
+
+TraceOutputs: TypeAlias = DeviceTensor | tuple["TraceOutputs", ...] | list["TraceOutputs"]
+"""What a traced function returns and a replay rewrites: a device tensor or nested tuples/lists."""
+
+
+def as_torch(tensor: DeviceTensor, what: str = "device tensor") -> torch.Tensor:
+    """`tensor` as the `torch.Tensor` a torch backend handed out.
+
+    TypeError when it came from another backend (ttnn), so torch-only code fails with the
+    backend named instead of deep inside a torch call.
+    """
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    kind = type(tensor)
+    raise TypeError(
+        f"{what} must be a torch.Tensor from a torch backend ('cpu' or 'cuda'), got "
+        f"{kind.__module__}.{kind.__qualname__}; this path computes with torch, so it needs a "
+        "torch backend, not ttnn"
+    )
 
 
 class DeviceError(RuntimeError):
@@ -28,7 +62,8 @@ class Event:
 
     device_name: str
     sequence: int
-    handle: Any = None
+    handle: object = None
+    """The backend's event (a ``torch.cuda.Event``, a ttnn event), or None where none is needed."""
 
 
 @attrs.define(eq=False)
@@ -37,8 +72,9 @@ class TraceHandle:
 
     device_name: str
     trace_id: int
-    outputs: Any
-    handle: Any = None
+    outputs: TraceOutputs
+    handle: object = None
+    """The backend's trace state; each backend checks it is its own before using it."""
     released: bool = False
 
 
@@ -66,23 +102,27 @@ class Device(Protocol):
         """Traces captured on this device and not yet released."""
         ...
 
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0) -> Any:
+    def allocate(
+        self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0
+    ) -> DeviceTensor:
         """Allocate an owned device tensor filled with `fill`."""
         ...
 
-    def from_host(self, host: torch.Tensor, *, into: Any | None = None) -> Any:
+    def from_host(self, host: torch.Tensor, *, into: DeviceTensor | None = None) -> DeviceTensor:
         """Copy a host tensor to the device: a new owned tensor, or in place into `into`."""
         ...
 
-    def to_host(self, tensor: Any, *, blocking: bool = True) -> tuple[torch.Tensor, Event | None]:
+    def to_host(
+        self, tensor: DeviceTensor, *, blocking: bool = True
+    ) -> tuple[torch.Tensor, Event | None]:
         """Copy to host. Non-blocking copies return an event to wait on before reading."""
         ...
 
-    def is_owned(self, tensor: Any) -> bool:
+    def is_owned(self, tensor: object) -> TypeGuard[DeviceTensor]:
         """Whether `tensor` is a live allocation of this device."""
         ...
 
-    def deallocate(self, tensor: Any) -> None:
+    def deallocate(self, tensor: DeviceTensor) -> None:
         """Release an owned tensor; a second release raises `DeviceError`."""
         ...
 
@@ -98,11 +138,11 @@ class Device(Protocol):
         """Wait until `event` completed."""
         ...
 
-    def capture(self, fn: Callable[[], Any]) -> TraceHandle:
+    def capture(self, fn: Callable[[], TraceOutputs]) -> TraceHandle:
         """Capture `fn` (reading persistent inputs) as a replayable trace."""
         ...
 
-    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> Any:
+    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> TraceOutputs:
         """Replay a captured trace; returns its (trace-owned) outputs."""
         ...
 

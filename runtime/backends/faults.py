@@ -11,12 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Literal, TypeGuard, get_args
 
 import attrs
 import torch
 
-from runtime.backends.base import Device, DoubleDeallocationError, Event, TraceHandle
+from runtime.backends.base import (
+    Device,
+    DeviceTensor,
+    DoubleDeallocationError,
+    Event,
+    TraceHandle,
+    TraceOutputs,
+)
 from runtime.validation import is_int
 
 logger = logging.getLogger(__name__)
@@ -50,20 +57,26 @@ class InjectedFault(RuntimeError):
 
 @attrs.frozen
 class FaultCall:
-    """One call a predicate may inspect: operation, 1-based index per operation, arguments."""
+    """One call a predicate may inspect: operation, 1-based index per operation, arguments.
+
+    The arguments are the operation's own (a shape, a tensor, a trace, ...); a predicate
+    narrows the ones it reads.
+    """
 
     operation: FaultOperation
     index: int
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
+    args: tuple[object, ...]
+    kwargs: Mapping[str, object]
 
 
-def _check_operation(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_operation(
+    instance: object, attribute: attrs.Attribute[FaultOperation], value: FaultOperation
+) -> None:
     if value not in FAULT_OPERATIONS:
         raise ValueError(f"operation must be one of {', '.join(FAULT_OPERATIONS)}; got {value!r}")
 
 
-def _check_nth(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_nth(instance: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
     if value is None:
         return
     if not is_int(value) or value < 1:
@@ -203,7 +216,7 @@ class FaultInjectingDevice:
     def __repr__(self) -> str:
         return f"FaultInjectingDevice({self.inner!r}, plan={self.plan.describe()!r})"
 
-    def _enter(self, operation: FaultOperation, *args: Any, **kwargs: Any) -> None:
+    def _enter(self, operation: FaultOperation, *args: object, **kwargs: object) -> None:
         """Count the call and raise `InjectedFault` when the plan selects it."""
         with self._lock:
             self.attempts[operation] += 1
@@ -243,26 +256,30 @@ class FaultInjectingDevice:
         """The inner device's live traces."""
         return self.inner.live_traces
 
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0) -> Any:
+    def allocate(
+        self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0
+    ) -> DeviceTensor:
         """Delegate unless the plan fails this call (then nothing is allocated)."""
         self._enter("allocate", shape, dtype, fill=fill)
         return self.inner.allocate(shape, dtype, fill=fill)
 
-    def from_host(self, host: torch.Tensor, *, into: Any | None = None) -> Any:
+    def from_host(self, host: torch.Tensor, *, into: DeviceTensor | None = None) -> DeviceTensor:
         """Delegate unless the plan fails this call (then nothing is copied)."""
         self._enter("from_host", host, into=into)
         return self.inner.from_host(host, into=into)
 
-    def to_host(self, tensor: Any, *, blocking: bool = True) -> tuple[torch.Tensor, Event | None]:
+    def to_host(
+        self, tensor: DeviceTensor, *, blocking: bool = True
+    ) -> tuple[torch.Tensor, Event | None]:
         """Delegate unless the plan fails this call."""
         self._enter("to_host", tensor, blocking=blocking)
         return self.inner.to_host(tensor, blocking=blocking)
 
-    def is_owned(self, tensor: Any) -> bool:
+    def is_owned(self, tensor: object) -> TypeGuard[DeviceTensor]:
         """Never fails: ownership queries are not device work."""
         return self.inner.is_owned(tensor)
 
-    def deallocate(self, tensor: Any) -> None:
+    def deallocate(self, tensor: DeviceTensor) -> None:
         """Delegate unless the plan fails this call (then the tensor stays owned)."""
         self._enter("deallocate", tensor)
         try:
@@ -287,12 +304,12 @@ class FaultInjectingDevice:
         self._enter("event_synchronize", event)
         self.inner.event_synchronize(event)
 
-    def capture(self, fn: Callable[[], Any]) -> TraceHandle:
+    def capture(self, fn: Callable[[], TraceOutputs]) -> TraceHandle:
         """Delegate unless the plan fails this call (then nothing is captured)."""
         self._enter("capture", fn)
         return self.inner.capture(fn)
 
-    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> Any:
+    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> TraceOutputs:
         """Delegate unless the plan fails this call."""
         self._enter("replay", trace, blocking=blocking)
         return self.inner.replay(trace, blocking=blocking)

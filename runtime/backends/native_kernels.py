@@ -29,7 +29,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -43,7 +42,6 @@ _SOURCES = tuple(
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64
 _PTR: type[ctypes.c_void_p] = ctypes.c_void_p
-_ARGTYPES: list[Any] = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -125,7 +123,7 @@ class PagedDecodeAttention:
             torch.bfloat16: library.paged_decode_attention_bf16,
         }
         for kernel in self._kernels.values():
-            kernel.argtypes = _ARGTYPES
+            kernel.argtypes = [*[_PTR] * 6, *[_I64] * 6, ctypes.c_float, ctypes.c_int]
             kernel.restype = ctypes.c_int
 
     def __call__(self, *inputs: *PagedDecodeInputs) -> torch.Tensor:

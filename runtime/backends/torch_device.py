@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TypeAlias, cast
 
 import attrs
 import torch
 
 from runtime.backends.accounting import AccountedDevice
-from runtime.backends.base import DeviceError, Event, TraceHandle
+from runtime.backends.base import DeviceError, DeviceTensor, Event, TraceHandle, TraceOutputs
 from runtime.validation import is_int, non_negative_int
 
 logger = logging.getLogger(__name__)
@@ -33,17 +33,22 @@ _new_cuda_event = cast(Callable[[], torch.cuda.Event], torch.cuda.Event)
 _new_cuda_stream = cast(Callable[[torch.device], torch.cuda.Stream], torch.cuda.Stream)
 
 
+_TensorSignature: TypeAlias = tuple[str, tuple[int, ...], torch.dtype, torch.device]
+_Signature: TypeAlias = _TensorSignature | tuple[str, tuple["_Signature", ...]]
+"""A trace result's structure: per tensor its shape, dtype and device; per tuple/list its items."""
+
+
 @attrs.define(eq=False)
 class _TraceState:
     """Backend state behind a `TraceHandle`: the function and, on CUDA, its graph and pool."""
 
-    fn: Callable[[], Any]
-    signature: Any
+    fn: Callable[[], TraceOutputs]
+    signature: _Signature
     graph: torch.cuda.CUDAGraph | None = None
-    pool: Any = None
+    pool: tuple[int, int] | None = None
 
 
-def _signature(value: Any, path: str = "outputs") -> Any:
+def _signature(value: object, path: str = "outputs") -> _Signature:
     """Nested structure of a trace result; raises TypeError on anything but tensors/tuples/lists."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device)
@@ -58,10 +63,12 @@ def _signature(value: Any, path: str = "outputs") -> Any:
     )
 
 
-def _flatten(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [tensor for item in value for tensor in _flatten(item)]
+def _flatten(value: TraceOutputs) -> list[torch.Tensor]:
+    """The tensors of a result `_signature` accepted, depth first."""
+    if isinstance(value, tuple | list):
+        return [tensor for item in value for tensor in _flatten(item)]
+    assert isinstance(value, torch.Tensor), "_signature admits only torch tensors as leaves"
+    return [value]
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -76,7 +83,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class TorchDevice(AccountedDevice):
+class TorchDevice(AccountedDevice[torch.Tensor]):
     """The `Device` protocol over torch, for ``cpu`` and ``cuda[:N]``.
 
     `graph_warmup_runs` eager runs of a traced function precede CUDA graph capture (on a side
@@ -145,7 +152,9 @@ class TorchDevice(AccountedDevice):
 
     # --- allocation and copies ----------------------------------------------------------------
 
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0) -> Any:
+    def allocate(
+        self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0
+    ) -> torch.Tensor:
         """A new owned tensor of `shape`/`dtype` filled with `fill`."""
         dims = _check_shape(shape)
         if not isinstance(dtype, torch.dtype):
@@ -155,7 +164,7 @@ class TorchDevice(AccountedDevice):
             self._registry.add(tensor)
         return tensor
 
-    def from_host(self, host: torch.Tensor, *, into: Any | None = None) -> Any:
+    def from_host(self, host: torch.Tensor, *, into: DeviceTensor | None = None) -> torch.Tensor:
         """Copy `host` to the device: a new owned tensor, or in place into an owned `into`.
 
         The copy is complete when this returns, so the caller may reuse `host` at once.
@@ -169,7 +178,7 @@ class TorchDevice(AccountedDevice):
             with self._lock:
                 self._registry.add(tensor)
             return tensor
-        self._check_writable(into, "from_host(into=...)")
+        into = self._check_writable(into, "from_host(into=...)")
         if tuple(into.shape) != tuple(host.shape) or into.dtype != host.dtype:
             raise ValueError(
                 f"from_host(into=...) needs matching shape and dtype: host is "
@@ -179,19 +188,22 @@ class TorchDevice(AccountedDevice):
             into.copy_(host)
         return into
 
-    def _check_writable(self, into: Any, operation: str) -> None:
-        """`into` must be a live allocation or a view of one."""
+    def _check_writable(self, into: DeviceTensor, operation: str) -> torch.Tensor:
+        """`into`, which must be a live allocation or a view of one."""
         if not isinstance(into, torch.Tensor):
             raise TypeError(f"{operation}: into must be a torch.Tensor, got {type(into).__name__}")
         with self._lock:
             if self._registry.is_live(into):
-                return
+                return into
             base = into._base
             if base is not None and self._registry.is_live(base):
-                return
+                return into
             self._registry.check_releasable(into, operation)
+        return into
 
-    def to_host(self, tensor: Any, *, blocking: bool = True) -> tuple[torch.Tensor, Event | None]:
+    def to_host(
+        self, tensor: DeviceTensor, *, blocking: bool = True
+    ) -> tuple[torch.Tensor, Event | None]:
         """Copy to host memory; never returns a view of device-owned memory.
 
         Blocking: returns ``(host, None)``. Non-blocking on CUDA: the copy goes into a pinned
@@ -209,7 +221,7 @@ class TorchDevice(AccountedDevice):
         host = tensor.detach().to("cpu", copy=True)
         return host, (None if blocking else self.record_event())
 
-    def deallocate(self, tensor: Any) -> None:
+    def deallocate(self, tensor: DeviceTensor) -> None:
         """Release an owned tensor; a double free or a foreign tensor raises `DeviceError`."""
         with self._lock:
             self._registry.check_releasable(tensor, "deallocate")
@@ -257,7 +269,7 @@ class TorchDevice(AccountedDevice):
 
     # --- traces -------------------------------------------------------------------------------
 
-    def capture(self, fn: Callable[[], Any]) -> TraceHandle:
+    def capture(self, fn: Callable[[], TraceOutputs]) -> TraceHandle:
         """Capture `fn` as a trace whose outputs are owned by the trace.
 
         `fn` must read persistent inputs (refreshed in place by the caller before each replay)
@@ -277,7 +289,7 @@ class TorchDevice(AccountedDevice):
         logger.debug("captured trace %d on %s", trace.trace_id, self._name)
         return trace
 
-    def _capture_cuda(self, fn: Callable[[], Any]) -> tuple[Any, _TraceState]:
+    def _capture_cuda(self, fn: Callable[[], TraceOutputs]) -> tuple[TraceOutputs, _TraceState]:
         current = torch.cuda.current_stream(self._device)
         side = _new_cuda_stream(self._device)
         with torch.cuda.device(self._device), torch.no_grad():
@@ -316,7 +328,7 @@ class TorchDevice(AccountedDevice):
             raise DeviceError(f"{operation}: trace {trace.trace_id} has no torch trace state")
         return state
 
-    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> Any:
+    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> TraceOutputs:
         """Replay `trace`, rewriting its outputs in place; returns those same output objects."""
         state = self._live_trace(trace, "replay")
         if state.graph is not None:

@@ -18,13 +18,14 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 
 from runtime.backends.accounting import AccountedDevice
-from runtime.backends.base import DeviceError, Event, TraceHandle
+from runtime.backends.base import DeviceError, DeviceTensor, Event, TraceHandle, TraceOutputs
 from runtime.validation import is_int, non_negative_int
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,12 @@ _TORCH_TO_TTNN_DTYPE: dict[torch.dtype, str] = {
 _MEMORY_CONFIGS: dict[str, str] = {"dram": "DRAM_MEMORY_CONFIG", "l1": "L1_MEMORY_CONFIG"}
 
 
-def import_ttnn() -> Any:
-    """Import ttnn, or raise `RuntimeError` saying how to get it."""
+def import_ttnn() -> ModuleType:
+    """Import ttnn, or raise `RuntimeError` saying how to get it.
+
+    ttnn ships no type information, so its attributes are untyped (`ModuleType` says so);
+    this backend annotates what it keeps of their results.
+    """
     try:
         return importlib.import_module("ttnn")
     except ImportError as exc:
@@ -57,15 +62,36 @@ def import_ttnn() -> Any:
         ) from exc
 
 
+@runtime_checkable
+class _TtnnTensor(Protocol):
+    """What this backend reads of its own tensors besides the shape: ttnn's dtype and layout."""
+
+    @property
+    def shape(self) -> Sequence[int]:
+        """The tensor's dimensions."""
+        ...
+
+    @property
+    def dtype(self) -> object:
+        """A ttnn dtype, passed back to ttnn only."""
+        ...
+
+    @property
+    def layout(self) -> object:
+        """A ttnn layout, passed back to ttnn only."""
+        ...
+
+
 @attrs.define(eq=False)
 class _TtnnTraceState:
     """ttnn trace id plus which trace outputs were already freed (release is retryable)."""
 
-    trace_id: Any
+    trace_id: object
+    """ttnn's id for the trace, opaque here: only passed back to ttnn."""
     freed_output_ids: set[int] = attrs.field(factory=set)
 
 
-def _trace_leaves(value: Any, path: str = "outputs") -> list[Any]:
+def _trace_leaves(value: object, path: str = "outputs") -> list[DeviceTensor]:
     """Leaves of a traced function's result: a tensor or nested tuple/list of tensors."""
     if isinstance(value, tuple | list):
         return [
@@ -73,7 +99,7 @@ def _trace_leaves(value: Any, path: str = "outputs") -> list[Any]:
             for index, item in enumerate(value)
             for leaf in _trace_leaves(item, f"{path}[{index}]")
         ]
-    if value is None or isinstance(value, dict | str | bytes | int | float):
+    if not isinstance(value, DeviceTensor) or isinstance(value, str | bytes):
         raise TypeError(
             f"a traced function must return a ttnn tensor or a (nested) tuple/list of tensors; "
             f"{path} is {type(value).__name__}"
@@ -81,7 +107,7 @@ def _trace_leaves(value: Any, path: str = "outputs") -> list[Any]:
     return [value]
 
 
-class TtnnDevice(AccountedDevice):
+class TtnnDevice(AccountedDevice[DeviceTensor]):
     """The `Device` protocol over one ttnn device (command queue `cq_id`).
 
     `device`, when given, is an already opened ttnn device that this object borrows and never
@@ -93,8 +119,8 @@ class TtnnDevice(AccountedDevice):
         self,
         device_id: int = 0,
         *,
-        device: Any | None = None,
-        ttnn_module: Any | None = None,
+        device: object | None = None,
+        ttnn_module: ModuleType | None = None,
         l1_small_size: int = 32768,
         trace_region_size: int = 64 * 1024 * 1024,
         cq_id: int = 0,
@@ -114,9 +140,9 @@ class TtnnDevice(AccountedDevice):
                 trace_region_size=trace_region_size,
             )
         super().__init__(f"ttnn:{device_id}")
-        self._device = device
+        self._device: object = device
         self._cq_id = cq_id
-        self._memory_config = getattr(self._ttnn, _MEMORY_CONFIGS[memory_config])
+        self._memory_config: object = getattr(self._ttnn, _MEMORY_CONFIGS[memory_config])
         self._closed = False
 
     def __repr__(self) -> str:
@@ -126,7 +152,7 @@ class TtnnDevice(AccountedDevice):
         )
 
     @property
-    def ttnn_device(self) -> Any:
+    def ttnn_device(self) -> object:
         """The underlying ttnn device object."""
         return self._device
 
@@ -140,28 +166,33 @@ class TtnnDevice(AccountedDevice):
         """ttnn tensors are converted through host torch tensors."""
         return torch.device("cpu")
 
-    def ttnn_dtype(self, dtype: torch.dtype) -> Any:
+    def ttnn_dtype(self, dtype: torch.dtype) -> object:
         """The ttnn dtype used for a torch dtype."""
         if dtype not in _TORCH_TO_TTNN_DTYPE:
             allowed = ", ".join(str(d) for d in _TORCH_TO_TTNN_DTYPE)
             raise ValueError(f"dtype {dtype} has no ttnn equivalent here; allowed: {allowed}")
-        return getattr(self._ttnn, _TORCH_TO_TTNN_DTYPE[dtype])
+        ttnn_dtype: object = getattr(self._ttnn, _TORCH_TO_TTNN_DTYPE[dtype])
+        return ttnn_dtype
 
-    def ttnn_layout(self, dtype: torch.dtype) -> Any:
+    def ttnn_layout(self, dtype: torch.dtype) -> object:
         """Tile layout for floating point (compute) tensors, row-major for integer tensors."""
         name = "TILE_LAYOUT" if dtype.is_floating_point else "ROW_MAJOR_LAYOUT"
-        return getattr(self._ttnn, name)
+        layout: object = getattr(self._ttnn, name)
+        return layout
 
-    def _to_device(self, host: torch.Tensor) -> Any:
-        return self._ttnn.from_torch(
+    def _to_device(self, host: torch.Tensor) -> DeviceTensor:
+        tensor: DeviceTensor = self._ttnn.from_torch(
             host,
             dtype=self.ttnn_dtype(host.dtype),
             layout=self.ttnn_layout(host.dtype),
             device=self._device,
             memory_config=self._memory_config,
         )
+        return tensor
 
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0) -> Any:
+    def allocate(
+        self, shape: Sequence[int], dtype: torch.dtype, *, fill: float = 0.0
+    ) -> DeviceTensor:
         """A new owned device tensor, filled on the host and uploaded."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
@@ -173,7 +204,7 @@ class TtnnDevice(AccountedDevice):
             self._registry.add(tensor)
         return tensor
 
-    def from_host(self, host: torch.Tensor, *, into: Any | None = None) -> Any:
+    def from_host(self, host: torch.Tensor, *, into: DeviceTensor | None = None) -> DeviceTensor:
         """Upload `host` as a new owned tensor, or copy it into the owned tensor `into`."""
         if not isinstance(host, torch.Tensor):
             raise TypeError(f"host must be a torch.Tensor, got {type(host).__name__}")
@@ -189,22 +220,25 @@ class TtnnDevice(AccountedDevice):
                 f"from_host(into=...) needs matching shapes: host is {tuple(host.shape)}, "
                 f"into is {tuple(into.shape)}"
             )
+        assert isinstance(into, _TtnnTensor), "an allocation of this device is a ttnn tensor"
         staged = self._ttnn.from_torch(host, dtype=into.dtype, layout=into.layout)
         self._ttnn.copy_host_to_device_tensor(staged, into, cq_id=self._cq_id)
         return into
 
-    def to_host(self, tensor: Any, *, blocking: bool = True) -> tuple[torch.Tensor, Event | None]:
+    def to_host(
+        self, tensor: DeviceTensor, *, blocking: bool = True
+    ) -> tuple[torch.Tensor, Event | None]:
         """Read to a torch tensor.
 
         ``ttnn.to_torch`` needs the data, so a non-blocking read completes here and returns an
         event recorded after it (already complete); callers keep one code path for all backends.
         """
-        host = self._ttnn.to_torch(tensor)
+        host: object = self._ttnn.to_torch(tensor)
         if not isinstance(host, torch.Tensor):
             raise DeviceError(f"ttnn.to_torch returned {type(host).__name__}, not a torch.Tensor")
         return host, (None if blocking else self.record_event())
 
-    def deallocate(self, tensor: Any) -> None:
+    def deallocate(self, tensor: DeviceTensor) -> None:
         """``ttnn.deallocate``; the tensor stays owned (retryable) if that fails."""
         with self._lock:
             self._registry.check_releasable(tensor, "deallocate")
@@ -217,7 +251,7 @@ class TtnnDevice(AccountedDevice):
 
     def record_event(self) -> Event:
         """``ttnn.record_event`` on this device's command queue."""
-        handle = self._ttnn.record_event(self._device, self._cq_id)
+        handle: object = self._ttnn.record_event(self._device, self._cq_id)
         with self._lock:
             self._event_sequence += 1
             return Event(device_name=self._name, sequence=self._event_sequence, handle=handle)
@@ -227,18 +261,18 @@ class TtnnDevice(AccountedDevice):
         self._check_event_origin(event)
         self._ttnn.event_synchronize(event.handle)
 
-    def _free_unowned(self, value: Any) -> None:
+    def _free_unowned(self, value: TraceOutputs) -> None:
         """Free the outputs of an eager compile run (never a registered allocation)."""
         for leaf in _trace_leaves(value):
             if not self._registry.is_live(leaf):
                 self._ttnn.deallocate(leaf)
 
-    def capture(self, fn: Callable[[], Any]) -> TraceHandle:
+    def capture(self, fn: Callable[[], TraceOutputs]) -> TraceHandle:
         """Compile-run `fn`, then capture it between begin/end_trace_capture."""
         if not callable(fn):
             raise TypeError(f"capture expects a callable, got {type(fn).__name__}")
         self._free_unowned(fn())
-        trace_id = self._ttnn.begin_trace_capture(self._device, cq_id=self._cq_id)
+        trace_id: object = self._ttnn.begin_trace_capture(self._device, cq_id=self._cq_id)
         try:
             outputs = fn()
         except BaseException:
@@ -255,7 +289,7 @@ class TtnnDevice(AccountedDevice):
         logger.debug("captured ttnn trace %r as %d on %s", trace_id, trace.trace_id, self._name)
         return trace
 
-    def _abort_capture(self, trace_id: Any) -> None:
+    def _abort_capture(self, trace_id: object) -> None:
         try:
             self._ttnn.end_trace_capture(self._device, trace_id, cq_id=self._cq_id)
             self._ttnn.release_trace(self._device, trace_id)
@@ -277,7 +311,7 @@ class TtnnDevice(AccountedDevice):
             raise DeviceError(f"{operation}: trace {trace.trace_id} has no ttnn trace state")
         return state_obj
 
-    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> Any:
+    def replay(self, trace: TraceHandle, *, blocking: bool = False) -> TraceOutputs:
         """``ttnn.execute_trace``; returns the trace-owned outputs."""
         state = self._live_trace(trace, "replay")
         self._ttnn.execute_trace(self._device, state.trace_id, cq_id=self._cq_id, blocking=blocking)
