@@ -18,7 +18,6 @@ import logging
 import threading
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
 
 import attrs
 import torch
@@ -79,7 +78,8 @@ class _ReadRecord:
 class PendingRead:
     """A submitted read: the host destination, the events to wait on, its order."""
 
-    value: Any
+    value: object
+    """The host payload: the device value's structure with host tensor leaves."""
     events: tuple[Event, ...]
     sequence: int
     _owner: object = attrs.field(repr=False)
@@ -126,7 +126,7 @@ class OutputReader:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def read(self, value: Any, *, blocking: bool = True, donate: bool = False) -> Any:
+    def read(self, value: object, *, blocking: bool = True, donate: bool = False) -> object:
         """Blocking: the host payload, nothing retained. Non-blocking: a `PendingRead`.
 
         `donate=True` says the caller gives the device value up (a fresh, invocation-owned
@@ -139,7 +139,7 @@ class OutputReader:
             return _walk(value, lambda t: self._copy(t, blocking=True)[0])
         return self.submit(value)
 
-    def submit(self, value: Any) -> PendingRead:
+    def submit(self, value: object) -> PendingRead:
         """Start non-blocking copies of every device leaf and record one event after them.
 
         A host-only payload needs no event: it comes back already completed and is not
@@ -172,7 +172,7 @@ class OutputReader:
             self._by_value[id(host_value)] = sequence
         return pending
 
-    def read_synchronized(self, value: Any) -> Any:
+    def read_synchronized(self, value: object) -> object:
         """Submit every copy, then synchronize the device once (only if anything was sent)."""
         submitted = False
 
@@ -191,7 +191,7 @@ class OutputReader:
             raise
         return host_value
 
-    def complete(self, pending_or_value: Any) -> Any:
+    def complete(self, pending_or_value: object) -> object:
         """Wait for a read's events and hand over its host value. Idempotent.
 
         Accepts the `PendingRead` or the exact host value it carries; an unknown raw value is
@@ -250,7 +250,7 @@ class OutputReader:
             attach_cleanup_failures(error, [sync_error])
 
 
-def _walk(value: Any, leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _walk(value: object, leaf: Callable[[torch.Tensor], torch.Tensor]) -> object:
     """Rebuild tuples, lists and dicts with every tensor leaf replaced by `leaf(tensor)`."""
     if value is None:
         return None

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
 from lifecycle.machine import MachineTable, StateMachine, StateSpec, TransitionSpec
+from runtime.backends.base import TraceHandle, TraceOutputs
 from runtime.identity import ProgramKey, TraceKey, key_material_of
 from runtime.program_compiler import ProgramCompiler
 from runtime.tensor_resources import (
@@ -76,9 +77,10 @@ _OPERATIONS: tuple[TraceOperation, ...] = ("prefill", "decode")
 class PersistentInputs:
     """Trace-owned input buffers, refreshed in place before every replay."""
 
-    values: Any
+    values: object
+    """The operation's own inputs (`DecodePersistentInputs`, `PrefillPersistentInputs`)."""
 
-    def owned_tensor_values(self) -> Any:
+    def owned_tensor_values(self) -> object:
         """What a release walks."""
         return self.values
 
@@ -103,7 +105,9 @@ class RefreshDecision:
     fields: tuple[str, ...]
 
 
-def _check_operation(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _check_operation(
+    instance: object, attribute: attrs.Attribute[TraceOperation], value: object
+) -> None:
     if value not in _OPERATIONS:
         raise ValueError(f"operation must be 'prefill' or 'decode', got {value!r}")
 
@@ -119,16 +123,16 @@ class TraceCapturePlan:
     """
 
     program_key: ProgramKey
-    trace_signature: Any
+    trace_signature: object
     operation: TraceOperation = attrs.field(validator=_check_operation)
-    prepare_inputs: Callable[[], Any]
-    capture: Callable[[PersistentInputs], Any]
+    prepare_inputs: Callable[[], object]
+    capture: Callable[[PersistentInputs], TraceOutputs]
     refresh_policy: InputRefreshPolicy = InputRefreshPolicy()
-    schema_fingerprint: Any = None
-    prepare_workspace: Callable[[], Any] | None = None
-    workspace_fingerprint: Any = None
-    prime: Callable[[PersistentInputs], Any] | None = None
-    release_prime_output: Callable[[Any], list[BaseException]] | None = None
+    schema_fingerprint: object = None
+    prepare_workspace: Callable[[], object] | None = None
+    workspace_fingerprint: object = None
+    prime: Callable[[PersistentInputs], object] | None = None
+    release_prime_output: Callable[[object], list[BaseException]] | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.prime is None) != (self.release_prime_output is None):
@@ -139,9 +143,9 @@ class TraceCapturePlan:
 class TraceArtifact:
     """A captured trace: its device handle, persistent inputs and trace-owned outputs."""
 
-    handle: Any
+    handle: TraceHandle
     persistent_inputs: PersistentInputs
-    outputs: Any
+    outputs: TraceOutputs
     refresh_policy: InputRefreshPolicy
     trace_released: bool = False
     deallocated_tensor_ids: set[int] = attrs.field(factory=set)
@@ -152,7 +156,7 @@ class TraceRecord:
     """One trace key: the plan that captures it and, once captured, its artifact."""
 
     key: TraceKey
-    signature: Any
+    signature: object
     operation: TraceOperation
     plan: TraceCapturePlan
     persistent: PersistentInputs | None = None
@@ -166,9 +170,9 @@ class TraceAliasRecord:
     """One program's association with a trace, and its own post-processing workspace."""
 
     trace_key: TraceKey
-    workspace_fingerprint: Any
-    prepare_workspace: Callable[[], Any] | None
-    workspace: Any = None
+    workspace_fingerprint: object
+    prepare_workspace: Callable[[], object] | None
+    workspace: object = None
 
 
 class TraceCompiler:
@@ -253,7 +257,7 @@ class TraceCompiler:
         """
         return len(self._orphans) + len(self._unreleased_traces)
 
-    def registered_coverage(self, operation: str) -> tuple[tuple[TraceKey, Any], ...]:
+    def registered_coverage(self, operation: str) -> tuple[tuple[TraceKey, object], ...]:
         """(trace key, signature) of every registered trace of `operation`."""
         if operation not in _OPERATIONS:
             raise ValueError(f"operation must be 'prefill' or 'decode', got {operation!r}")
@@ -282,7 +286,7 @@ class TraceCompiler:
         record = self._records.get(alias.trace_key)
         return record is not None and record.artifact is not None
 
-    def workspace_for_program(self, program_key: ProgramKey) -> Any:
+    def workspace_for_program(self, program_key: ProgramKey) -> object:
         """The alias-local workspace of a program."""
         alias = self._aliases.get(program_key)
         if alias is None:
@@ -382,7 +386,7 @@ class TraceCompiler:
         serves them all, each program keeping its own post-processing workspace.
         """
         leaders: list[TraceRecord] = []
-        by_schema: dict[tuple[Any, ...], TraceRecord] = {}
+        by_schema: dict[tuple[object, ...], TraceRecord] = {}
         for record in self._records.values():
             plan = record.plan
             record.shares = None
@@ -473,7 +477,7 @@ class TraceCompiler:
         device_feedback_enabled: bool = False,
         feedback_compatible: bool = False,
         page_table_changed: bool = False,
-    ) -> Any:
+    ) -> TraceOutputs:
         """Refresh what the decision says, replay without blocking, return trace outputs."""
         self._lifecycle.require("replay", frozenset({TraceState.ACTIVE}))
         if self._capture_failed:
