@@ -21,12 +21,12 @@ positions in place) is used only by compile and traced replay, as in the referen
 from __future__ import annotations
 
 import logging
-from typing import Any, Unpack
+from typing import Unpack
 
 import torch
 
 from lifecycle.errors import attach_cleanup_failures
-from runtime.backends.base import Device
+from runtime.backends.base import Device, DeviceTensor, TraceOutputs, as_torch
 from runtime.config import PageTableLayout
 from runtime.decode_batch import (
     DecodeOptions,
@@ -65,6 +65,7 @@ from runtime.decode_staging import (
 from runtime.output_reader import ReadState
 from runtime.sampling import (
     PreparedSamplingParams,
+    SamplerPlan,
     SamplingParams,
     SamplingPath,
 )
@@ -354,10 +355,10 @@ class DecodeRuntime:
                 "(sampling_params and a model with increment_positions)"
             )
         self._refuse_while_orphaned()
-        created: list[Any] = []
+        created: list[DeviceTensor] = []
         try:
             inputs = stage_inputs(self._device, prepared, created)
-            plan = None
+            plan: SamplerPlan | None = None
             if prepared.prepared_sampling is not None:
                 sampler = ready_sampler(self._config.model, self._device)
                 plan = sampler.stage(prepared.prepared_sampling)
@@ -407,7 +408,7 @@ class DecodeRuntime:
 
     # -- external (asynchronous) reads --------------------------------------------------------
 
-    def read_decode_output(self, raw: Any, *, async_read: bool = False) -> Any:
+    def read_decode_output(self, raw: object, *, async_read: bool = False) -> object:
         """Read a raw decode output: the host value now, or `(host_value, events)` to wait on."""
         require_bool("async_read", async_read)
         lease = self._lease_for(raw)
@@ -501,7 +502,7 @@ class DecodeRuntime:
         def prepare_inputs() -> DecodePersistentInputs:
             return self._prepare_persistent(prepared)
 
-        def capture(persistent: PersistentInputs | DecodePersistentInputs) -> Any:
+        def capture(persistent: PersistentInputs | DecodePersistentInputs) -> TraceOutputs:
             values = unwrap_persistent(persistent)
             with torch.inference_mode():
                 if values.sampling is not None and values.sampler_buffers is not None:
@@ -561,7 +562,7 @@ class DecodeRuntime:
     # -- internals ----------------------------------------------------------------------------
 
     def _prepare_persistent(self, prepared: PreparedDecode) -> DecodePersistentInputs:
-        created: list[Any] = []
+        created: list[DeviceTensor] = []
         try:
             inputs = stage_inputs(self._device, prepared, created)
             values = DecodePersistentInputs(inputs, device_feedback=prepared.device_feedback)
@@ -570,11 +571,11 @@ class DecodeRuntime:
                 sampler = ready_sampler(self._config.model, self._device)
                 buffers = sampler_buffers(sampler)
                 rows = self._config.lane_capacity
-                copies: dict[str, Any] = {}
+                copies: dict[str, torch.Tensor] = {}
                 for name, buffer in buffers.items():
                     copy = self._device.allocate((rows, *buffer.shape[1:]), buffer.dtype)
                     created.append(copy)
-                    copies[name] = copy
+                    copies[name] = as_torch(copy, f"sampling copy {name!r}")
                 values.sampling = copies
                 values.sampler_buffers = buffers
                 values.captured_sampling = sampling
@@ -598,7 +599,7 @@ class DecodeRuntime:
             raw_value=result.value, owned_values=result.owned, is_tokens=result.is_tokens
         )
 
-    def _lease_for(self, raw: Any) -> DecodeOutputLease | None:
+    def _lease_for(self, raw: object) -> DecodeOutputLease | None:
         lease = self._leases.get(id(raw))
         return lease if lease is not None and lease.raw_value is raw else None
 
@@ -609,7 +610,7 @@ class DecodeRuntime:
         lease.move("release")
         return self._release_owned(lease.owned_values)
 
-    def _release_owned(self, owned: Any) -> list[BaseException]:
+    def _release_owned(self, owned: object) -> list[BaseException]:
         if owned is None:
             return []
         orphan, failures = release_or_orphan(owned, self._device)

@@ -8,12 +8,11 @@ decode runtime and its batches trust it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from runtime.backends.base import Device
 from runtime.config import PageTableLayout, RuntimePolicy
+from runtime.model_contract import DecodeModel
 from runtime.output_reader import OutputReader
 from runtime.validation import positive_int, require_bool
 
@@ -30,7 +29,7 @@ class _SamplerFacts:
     vocab_size: int
 
 
-def _sampler_facts(model: Any) -> _SamplerFacts:
+def _sampler_facts(model: object) -> _SamplerFacts:
     """Check that `model.sampling` is a usable device sampler and read its static facts."""
     sampler = getattr(model, "sampling", None)
     if not (callable(getattr(sampler, "stage", None)) and callable(getattr(sampler, "run", None))):
@@ -187,7 +186,7 @@ class DecodeRuntimeConfig:
     the layout later only within them and with the same block size.
     """
 
-    model: Any
+    model: DecodeModel
     device: Device
     output_reader: OutputReader
     lane_capacity: int
@@ -214,7 +213,7 @@ class DecodeRuntimeConfig:
     def resolve(
         cls,
         *,
-        model: Any,
+        model: DecodeModel,
         device: Device,
         output_reader: OutputReader,
         lane_capacity: int,
@@ -236,7 +235,7 @@ class DecodeRuntimeConfig:
                 f"{type(page_table_layout).__name__}"
             )
         facts = _sampler_facts(model) if device_sampling_enabled else None
-        vocab_size: Any = getattr(model, "vocab_size", None)  # checked by __attrs_post_init__
+        vocab_size = positive_int("model.vocab_size", getattr(model, "vocab_size", None))
         return cls(
             model=model,
             device=device,

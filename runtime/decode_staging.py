@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Literal, Protocol, TypeAlias, overload
 
 import attrs
 import torch
 
-from runtime.backends.base import Device
+from runtime.backends.base import Device, DeviceTensor, TraceOutputs, as_torch
 from runtime.config import PageTableLayout
 from runtime.decode_batch import PreparedDecode
 from runtime.identity import ProgramKey
+from runtime.model_contract import DecodeModel
 from runtime.output_reader import OUTPUT_READ_TABLE, PendingRead, ReadState
-from runtime.sampling import PreparedSamplingParams
+from runtime.sampling import PreparedSamplingParams, SampleOutput, SamplerPlan
 from runtime.trace_compiler import (
     InputRefreshPolicy,
     PersistentInputs,
@@ -34,6 +35,23 @@ logger = logging.getLogger(__name__)
 DecodeHostOutput: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A read decode step: float32 logits `[lane, 1, vocab]`, int64 tokens `[lane]`, or
 `(tokens, float32 log_probs [lane])`."""
+
+
+class DecodeSampler(Protocol):
+    """What decode asks of `model.sampling` (`runtime.sampling.DeviceSampler` is one)."""
+
+    def stage(self, prepared: PreparedSamplingParams) -> SamplerPlan: ...
+
+    def run(
+        self,
+        logits: torch.Tensor,
+        plan: SamplerPlan,
+        *,
+        positions: torch.Tensor | None = None,
+        prompt_tokens: torch.Tensor | None = None,
+        output_tokens: torch.Tensor | None = None,
+    ) -> SampleOutput: ...
+
 
 DECODE_REFRESH_POLICY = InputRefreshPolicy(every_replay=("sampling",))
 """Decode replays refresh sampling inputs every time; everything else per the decision."""
@@ -48,13 +66,13 @@ DECODE_REFRESH_POLICY = InputRefreshPolicy(every_replay=("sampling",))
 class DecodeDeviceInputs:
     """Device copies of one step's inputs; history tensors exist only with penalties."""
 
-    tokens: Any
-    positions: Any
-    page_table: Any
-    prompt_tokens: Any = None
-    output_tokens: Any = None
+    tokens: DeviceTensor
+    positions: DeviceTensor
+    page_table: DeviceTensor
+    prompt_tokens: DeviceTensor | None = None
+    output_tokens: DeviceTensor | None = None
 
-    def owned_tensor_values(self) -> tuple[Any, ...]:
+    def owned_tensor_values(self) -> tuple[DeviceTensor | None, ...]:
         """What a release walks (leaves the device does not own are skipped)."""
         return (
             self.tokens,
@@ -73,8 +91,8 @@ class DecodeInvocationResult:
     trace-owned and come with `owned=None` (never released by the decode runtime).
     """
 
-    value: Any
-    owned: Any
+    value: object
+    owned: object
     is_tokens: bool
 
 
@@ -103,10 +121,10 @@ class DecodeOutputLease:
     `process_decode_output_host`) or drained; only then are `owned_values` released.
     """
 
-    raw_value: Any
-    owned_values: Any
+    raw_value: object
+    owned_values: object
     is_tokens: bool
-    host_value: Any = None
+    host_value: object = None
     pending: PendingRead | None = None
     _record: _LeaseRecord = attrs.field(factory=_LeaseRecord, repr=False)
 
@@ -143,13 +161,13 @@ class DecodePersistentInputs:
 
     device_inputs: DecodeDeviceInputs
     captured_sampling: PreparedSamplingParams | None = None
-    sampler_plan: Any = None
-    sampling: dict[str, Any] | None = None
+    sampler_plan: SamplerPlan | None = None
+    sampling: dict[str, torch.Tensor] | None = None
     sampling_signature: PreparedSamplingParams | None = None
     sampler_buffers: dict[str, torch.Tensor] | None = None
     device_feedback: bool = False
 
-    def owned_tensor_values(self) -> tuple[Any, ...]:
+    def owned_tensor_values(self) -> tuple[object, ...]:
         """What a release walks: the device inputs and the sampling copies."""
         return (self.device_inputs, self.sampling)
 
@@ -163,7 +181,7 @@ class DecodeCapturePlan:
     """
 
     prepare_inputs: Callable[[], DecodePersistentInputs]
-    capture: Callable[[PersistentInputs | DecodePersistentInputs], Any]
+    capture: Callable[[PersistentInputs | DecodePersistentInputs], TraceOutputs]
     refresh_policy: InputRefreshPolicy = DECODE_REFRESH_POLICY
 
     def to_trace_capture_plan(
@@ -324,19 +342,25 @@ def unwrap_persistent(value: object) -> DecodePersistentInputs:
     return value
 
 
-def ready_sampler(model: Any, device: Device) -> Any:
+def model_sampler(model: object) -> DecodeSampler:
+    """`model.sampling`: the device sampler `DecodeRuntimeConfig` checked (stage and run)."""
+    sampler: DecodeSampler = getattr(model, "sampling")  # noqa: B009 - optional model attribute
+    return sampler
+
+
+def ready_sampler(model: object, device: Device) -> DecodeSampler:
     """`model.sampling` with its buffers materialised on `device` (idempotent).
 
     The sampler owns its buffers; they are released by the executor's cleanup, not here.
     """
-    sampler = model.sampling
+    sampler = model_sampler(model)
     materialize = getattr(sampler, "materialize", None)
     if callable(materialize) and not getattr(sampler, "materialized", False):
         materialize(device)
     return sampler
 
 
-def sampler_buffers(sampler: Any) -> dict[str, torch.Tensor]:
+def sampler_buffers(sampler: object) -> dict[str, torch.Tensor]:
     """The sampler's persistent per-row buffers (what a traced replay must refresh)."""
     buffers = getattr(sampler, "buffers", None)
     if buffers is None or not hasattr(buffers, "items"):
@@ -348,14 +372,14 @@ def sampler_buffers(sampler: Any) -> dict[str, torch.Tensor]:
 
 
 def stage_inputs(
-    device: Device, prepared: PreparedDecode, created: list[Any]
+    device: Device, prepared: PreparedDecode, created: list[DeviceTensor]
 ) -> DecodeDeviceInputs:
     """Copy host inputs to new owned device tensors; `created` collects them as they come.
 
     Penalty history is staged only when penalties are enabled (the sampler reads it only then).
     """
 
-    def put(host: torch.Tensor) -> Any:
+    def put(host: torch.Tensor) -> DeviceTensor:
         tensor = device.from_host(host)
         created.append(tensor)
         return tensor
@@ -374,38 +398,78 @@ def stage_inputs(
     return inputs
 
 
+@overload
 def run_decode_body(
-    model: Any, inputs: DecodeDeviceInputs, plan: Any, *, device_feedback: bool, traced: bool
-) -> Any:
+    model: DecodeModel,
+    inputs: DecodeDeviceInputs,
+    plan: SamplerPlan | None,
+    *,
+    device_feedback: bool,
+    traced: Literal[True],
+) -> TraceOutputs: ...
+
+
+@overload
+def run_decode_body(
+    model: DecodeModel,
+    inputs: DecodeDeviceInputs,
+    plan: SamplerPlan | None,
+    *,
+    device_feedback: bool,
+    traced: Literal[False],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def run_decode_body(
+    model: DecodeModel,
+    inputs: DecodeDeviceInputs,
+    plan: SamplerPlan | None,
+    *,
+    device_feedback: bool,
+    traced: bool,
+) -> TraceOutputs | tuple[torch.Tensor, torch.Tensor | None]:
     """The decode computation: logits `[lane, vocab]`, or sampled tokens.
 
     Eager sampled output is `(tokens, log_probs | None)`; a traced one is `tokens` or
     `(tokens, log_probs)` (trace outputs hold tensors only). With `device_feedback` the sampled
     tokens become the next token input and `model.increment_positions` advances positions.
     """
-    logits = model.decode(inputs.tokens, positions=inputs.positions, page_table=inputs.page_table)
+    token_input = as_torch(inputs.tokens, "decode tokens")
+    positions = as_torch(inputs.positions, "decode positions")
+    logits = model.decode(
+        token_input, positions=positions, page_table=as_torch(inputs.page_table, "page table")
+    )
     if plan is None:
         return logits
-    out = model.sampling.run(
+    out = model_sampler(model).run(
         logits,
         plan,
-        positions=inputs.positions,
-        prompt_tokens=inputs.prompt_tokens,
-        output_tokens=inputs.output_tokens,
+        positions=positions,
+        prompt_tokens=_optional_torch(inputs.prompt_tokens, "prompt tokens"),
+        output_tokens=_optional_torch(inputs.output_tokens, "output tokens"),
     )
     tokens = out.tokens
     log_probs = out.log_probs
     if device_feedback:
-        inputs.tokens.copy_(tokens)
-        model.increment_positions(inputs.positions)
+        token_input.copy_(tokens)
+        # DecodeRuntimeConfig enables feedback only for a model with increment_positions.
+        increment: Callable[[torch.Tensor], object] = getattr(model, "increment_positions")  # noqa: B009
+        increment(positions)
     if traced:
         return tokens if log_probs is None else (tokens, log_probs)
     return tokens, log_probs
 
 
+def _optional_torch(tensor: DeviceTensor | None, what: str) -> torch.Tensor | None:
+    return None if tensor is None else as_torch(tensor, what)
+
+
 def snapshot_sampling(
-    sampler: Any, values: DecodePersistentInputs, sampling: PreparedSamplingParams, rows: int
-) -> Any:
+    sampler: DecodeSampler,
+    values: DecodePersistentInputs,
+    sampling: PreparedSamplingParams,
+    rows: int,
+) -> SamplerPlan:
     """Stage `sampling` into the shared sampler buffers and copy them into the trace's copies.
 
     Returns the sampler plan. Refuses when the sampler's buffers are not the ones the trace

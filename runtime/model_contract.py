@@ -7,7 +7,7 @@ and binds through `set_kv_cache`; prefill/decode staging calls `prefill` and `de
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -59,8 +59,16 @@ class PrefillModel(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DecodeModel(Protocol):
+    """The part of the contract the decode body calls: `decode` (see `PagedModel`)."""
+
+    def decode(
+        self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 @runtime_checkable
-class PagedModel(PrefillModel, Protocol):
+class PagedModel(PrefillModel, DecodeModel, Protocol):
     """The tensor-model contract.
 
     `prefill(tokens, *, page_table, prompt_lens, chunk_start)`:
@@ -87,8 +95,4 @@ class PagedModel(PrefillModel, Protocol):
 
     def set_kv_cache(self, cache: Sequence[Sequence[DeviceTensor]] | None) -> None: ...
 
-    def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]: ...
-
-    def decode(
-        self, tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
-    ) -> torch.Tensor: ...
+    def iter_executor_named_modules(self) -> Iterator[tuple[str, torch.nn.Module]]: ...
