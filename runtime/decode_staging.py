@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Literal, Protocol, TypeAlias, overload
+from typing import Literal, TypeAlias, overload
 
 import attrs
 import torch
@@ -22,7 +22,7 @@ from runtime.decode_batch import PreparedDecode
 from runtime.identity import ProgramKey
 from runtime.model_contract import DecodeModel
 from runtime.output_reader import OUTPUT_READ_TABLE, PendingRead, ReadState
-from runtime.sampling import PreparedSamplingParams, SampleOutput, SamplerPlan
+from runtime.sampling import PreparedSamplingParams, Sampler, SamplerPlan
 from runtime.trace_compiler import (
     InputRefreshPolicy,
     PersistentInputs,
@@ -35,22 +35,6 @@ logger = logging.getLogger(__name__)
 DecodeHostOutput: TypeAlias = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A read decode step: float32 logits `[lane, 1, vocab]`, int64 tokens `[lane]`, or
 `(tokens, float32 log_probs [lane])`."""
-
-
-class DecodeSampler(Protocol):
-    """What decode asks of `model.sampling` (`runtime.sampling.DeviceSampler` is one)."""
-
-    def stage(self, prepared: PreparedSamplingParams) -> SamplerPlan: ...
-
-    def run(
-        self,
-        logits: torch.Tensor,
-        plan: SamplerPlan,
-        *,
-        positions: torch.Tensor | None = None,
-        prompt_tokens: torch.Tensor | None = None,
-        output_tokens: torch.Tensor | None = None,
-    ) -> SampleOutput: ...
 
 
 DECODE_REFRESH_POLICY = InputRefreshPolicy(every_replay=("sampling",))
@@ -342,13 +326,13 @@ def unwrap_persistent(value: object) -> DecodePersistentInputs:
     return value
 
 
-def model_sampler(model: object) -> DecodeSampler:
+def model_sampler(model: object) -> Sampler:
     """`model.sampling`: the device sampler `DecodeRuntimeConfig` checked (stage and run)."""
-    sampler: DecodeSampler = getattr(model, "sampling")  # noqa: B009 - optional model attribute
+    sampler: Sampler = getattr(model, "sampling")  # noqa: B009 - optional model attribute
     return sampler
 
 
-def ready_sampler(model: object, device: Device) -> DecodeSampler:
+def ready_sampler(model: object, device: Device) -> Sampler:
     """`model.sampling` with its buffers materialised on `device` (idempotent).
 
     The sampler owns its buffers; they are released by the executor's cleanup, not here.
@@ -465,7 +449,7 @@ def _optional_torch(tensor: DeviceTensor | None, what: str) -> torch.Tensor | No
 
 
 def snapshot_sampling(
-    sampler: DecodeSampler,
+    sampler: Sampler,
     values: DecodePersistentInputs,
     sampling: PreparedSamplingParams,
     rows: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import TypeVar
 
 import attrs
 import torch
@@ -76,12 +76,12 @@ class OutputSpec:
     """The output contract of a compiled program: what every later run must return."""
 
     shape: tuple[int, ...]
-    dtype: Any
+    dtype: torch.dtype
     layout: str | None = None
     memory_config: str | None = None
 
     @classmethod
-    def from_value(cls, value: Any) -> OutputSpec:
+    def from_value(cls, value: object) -> OutputSpec:
         """The contract of an output value; a tuple is described by its first element."""
         if isinstance(value, tuple):
             if not value:
@@ -100,11 +100,15 @@ class CompiledProgram:
     """One registered program: its key, the signature it came from, its output contract."""
 
     key: ProgramKey
-    signature: Any
+    signature: object
     output_spec: OutputSpec
 
 
-def _no_owned(output: Any) -> Any:
+_Output = TypeVar("_Output")
+"""What a compile run's `invoke` returns."""
+
+
+def _no_owned(output: object) -> object:
     return output
 
 
@@ -114,7 +118,7 @@ class ProgramCompiler:
     def __init__(
         self,
         device: Device,
-        bound_cache_context: Callable[[], Any],
+        bound_cache_context: Callable[[], object],
         *,
         journal: Journal | None = None,
         owner_name: str = "ProgramCompiler",
@@ -231,10 +235,10 @@ class ProgramCompiler:
     def compile(
         self,
         signature: object,
-        invoke: Callable[[Any], Any],
+        invoke: Callable[[object], _Output],
         *,
-        output_spec: Callable[[Any], OutputSpec] = OutputSpec.from_value,
-        release_output: Callable[[Any], Any] = _no_owned,
+        output_spec: Callable[[_Output], OutputSpec] = OutputSpec.from_value,
+        release_output: Callable[[_Output], object] = _no_owned,
         expected_output_spec: OutputSpec | None = None,
     ) -> CompiledProgram:
         """Compile `signature` once: run `invoke(context)`, keep its contract, free its output.
@@ -303,9 +307,9 @@ class ProgramCompiler:
     def _contract_of(
         self,
         key: ProgramKey,
-        output: Any,
-        output_spec: Callable[[Any], OutputSpec],
-        release_output: Callable[[Any], Any],
+        output: _Output,
+        output_spec: Callable[[_Output], OutputSpec],
+        release_output: Callable[[_Output], object],
         expected_output_spec: OutputSpec | None,
     ) -> OutputSpec:
         """Read (and check) the contract of a compile run's `output`, then release what it owns.
@@ -335,7 +339,7 @@ class ProgramCompiler:
         self._device.synchronize()
         return spec
 
-    def _release(self, owned: Any) -> list[BaseException]:
+    def _release(self, owned: object) -> list[BaseException]:
         """Release `owned`; what fails to release is kept as an orphan."""
         orphan, failures = release_or_orphan(owned, self._device)
         if orphan is not None:

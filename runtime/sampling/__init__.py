@@ -30,7 +30,13 @@ from runtime.sampling.prepared import (
     place_prepared_sampling_params,
     slice_prepared_sampling_params,
 )
-from runtime.sampling.sampler import DeviceSampler, SampleOutput, SamplerConfig, SamplerPlan
+from runtime.sampling.sampler import (
+    DeviceSampler,
+    SampleOutput,
+    Sampler,
+    SamplerConfig,
+    SamplerPlan,
+)
 
 __all__ = [
     "MAX_SEED",
@@ -39,6 +45,7 @@ __all__ = [
     "LogProbRowPayload",
     "PreparedSamplingParams",
     "SampleOutput",
+    "Sampler",
     "SamplerConfig",
     "SamplerPlan",
     "SamplingParams",

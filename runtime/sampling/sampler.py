@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
 import torch
@@ -118,6 +118,22 @@ class SampleOutput:
     log_probs: torch.Tensor | None = attrs.field(default=None, eq=False)
     top_tokens: torch.Tensor | None = attrs.field(default=None, eq=False)
     top_log_probs: torch.Tensor | None = attrs.field(default=None, eq=False)
+
+
+class Sampler(Protocol):
+    """What prefill and decode ask of `model.sampling`; `DeviceSampler` implements it."""
+
+    def stage(self, prepared: PreparedSamplingParams) -> SamplerPlan: ...
+
+    def run(
+        self,
+        logits: torch.Tensor,
+        plan: SamplerPlan,
+        *,
+        positions: torch.Tensor | None = None,
+        prompt_tokens: torch.Tensor | None = None,
+        output_tokens: torch.Tensor | None = None,
+    ) -> SampleOutput: ...
 
 
 _BUFFER_DTYPES: tuple[tuple[str, torch.dtype], ...] = (
