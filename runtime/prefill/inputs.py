@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import overload
 
 import attrs
 import torch
 
 from lifecycle.errors import attach_cleanup_failures
-from runtime.backends.base import Device
+from runtime.backends.base import Device, DeviceTensor
 from runtime.prefill.request import PrefillChunk, PrefillRequest, chunk_tokens
 
 logger = logging.getLogger(__name__)
 
-ReleaseTransient = Callable[[Any], list[BaseException]]
+ReleaseTransient = Callable[[object], list[BaseException]]
 """Release an owned value tree best-effort; failures are returned (and retried later)."""
 
 INPUT_FIELDS: tuple[str, ...] = ("tokens", "page_table", "prompt_lens", "chunk_start")
@@ -52,16 +52,16 @@ class PrefillHostInputs:
 class PrefillDeviceInputs:
     """Device copies of `PrefillHostInputs` (owned transients, or trace-owned persistents)."""
 
-    tokens: Any
-    page_table: Any
-    prompt_lens: Any
-    chunk_start: Any
+    tokens: DeviceTensor
+    page_table: DeviceTensor
+    prompt_lens: DeviceTensor
+    chunk_start: DeviceTensor
 
-    def values(self) -> tuple[Any, ...]:
+    def values(self) -> tuple[DeviceTensor, ...]:
         """In `INPUT_FIELDS` order."""
         return (self.tokens, self.page_table, self.prompt_lens, self.chunk_start)
 
-    def owned_tensor_values(self) -> tuple[Any, ...]:
+    def owned_tensor_values(self) -> tuple[DeviceTensor, ...]:
         """What a release walks."""
         return self.values()
 
@@ -120,15 +120,27 @@ def host_inputs(request: PrefillRequest, chunk: PrefillChunk | None = None) -> P
     )
 
 
+@overload
+def allocate_device_tensors(
+    device: Device, hosts: Sequence[torch.Tensor], release: ReleaseTransient
+) -> tuple[DeviceTensor, ...]: ...
+
+
+@overload
 def allocate_device_tensors(
     device: Device, hosts: Sequence[torch.Tensor | None], release: ReleaseTransient
-) -> tuple[Any, ...]:
+) -> tuple[DeviceTensor | None, ...]: ...
+
+
+def allocate_device_tensors(
+    device: Device, hosts: Sequence[torch.Tensor | None], release: ReleaseTransient
+) -> tuple[DeviceTensor | None, ...]:
     """Copy each host tensor to a new owned device tensor; `None` stays `None`.
 
     On failure, what was already allocated is released through `release` and its failures
     are attached to the primary error.
     """
-    created: list[Any] = []
+    created: list[DeviceTensor | None] = []
     try:
         for host in hosts:
             created.append(None if host is None else device.from_host(host))
@@ -138,14 +150,14 @@ def allocate_device_tensors(
     return tuple(created)
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if value is None:
         return "None"
     return f"{tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '?')}"
 
 
 def copy_into_device_tensors(
-    device: Device, hosts: Sequence[torch.Tensor | None], devices: Sequence[Any | None]
+    device: Device, hosts: Sequence[torch.Tensor | None], devices: Sequence[DeviceTensor | None]
 ) -> None:
     """Refresh persistent device tensors in place from `hosts`, all or nothing.
 
@@ -169,7 +181,7 @@ def copy_into_device_tensors(
                 f"persistent {_describe(target)}; a persistent input keeps its shape and dtype"
             )
     for host, target in zip(hosts, devices, strict=True):
-        if host is not None:
+        if host is not None and target is not None:  # the structure check matched the Nones
             device.from_host(host, into=target)
 
 

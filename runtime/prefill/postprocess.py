@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import MutableSequence, Sequence
-from typing import Any
 
 import attrs
 import torch
@@ -21,6 +20,7 @@ from runtime.prefill.sampling_helpers import fit_sampling_logits
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.sampling import (
     PreparedSamplingParams,
+    Sampler,
     SamplingParams,
     SamplingPath,
     broadcast_active_row,
@@ -41,7 +41,7 @@ def classify_sampling_path(
     return prepared_sampling.sampling_path
 
 
-def retain_owned(owned: MutableSequence[Any], value: Any) -> None:
+def retain_owned(owned: MutableSequence[object], value: object) -> None:
     """Append `value` to `owned` unless it is None or already there (by identity)."""
     if value is None or any(existing is value for existing in owned):
         return
@@ -52,12 +52,12 @@ def retain_owned(owned: MutableSequence[Any], value: Any) -> None:
 class SampledOutput:
     """Sampler results of one request, plus intermediates the caller owns."""
 
-    tokens: Any
-    log_probs: Any | None
-    intermediates: tuple[Any, ...]
+    tokens: torch.Tensor
+    log_probs: torch.Tensor | None
+    intermediates: tuple[torch.Tensor, ...]
 
     @property
-    def value(self) -> Any:
+    def value(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """What the result collector reads: tokens, or `(tokens, log_probs)`."""
         return self.tokens if self.log_probs is None else (self.tokens, self.log_probs)
 
@@ -146,8 +146,8 @@ class PrefillPostprocessor:
         assert isinstance(raw, SamplingParams)
         return self.prepare_request_sampling(prepared.request, raw)
 
-    def _sampler(self, *, materialize: bool) -> Any:
-        sampling = getattr(self._config.model, "sampling", None)
+    def _sampler(self, *, materialize: bool) -> Sampler:
+        sampling: Sampler | None = getattr(self._config.model, "sampling", None)
         if sampling is None:
             raise RuntimeError(
                 "device sampling needs model.sampling, which is no longer attached to the model"
@@ -209,7 +209,9 @@ class PrefillPostprocessor:
         )
         return SampledOutput(tokens, log_probs, intermediates)
 
-    def finish(self, prepared: PreparedPrefill, logits: Any, owned: MutableSequence[Any]) -> Any:
+    def finish(
+        self, prepared: PreparedPrefill, logits: torch.Tensor, owned: MutableSequence[object]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The request's value: its logits, or the sampled tokens (and log-probs).
 
         Every intermediate created here is appended to `owned` (identity de-duplicated).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import attrs
 import torch
@@ -29,7 +28,7 @@ PrefillOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
 """Logits `[batch, 1, vocab]` float32, or `(tokens int64 [batch], log_probs float32 | None)`."""
 
 
-def _owned_tuple(value: object) -> tuple[Any, ...]:
+def _owned_tuple(value: object) -> tuple[object, ...]:
     if not isinstance(value, tuple):
         raise TypeError(f"owned must be a tuple, got {type(value).__name__}")
     return value
@@ -39,8 +38,9 @@ def _owned_tuple(value: object) -> tuple[Any, ...]:
 class InvocationResult:
     """One invoked request: the value to read and the transients the reader must release."""
 
-    value: Any
-    owned: tuple[Any, ...] = attrs.field(default=(), converter=_owned_tuple)
+    value: object
+    """A device output: logits, tokens, or `(tokens, log_probs)`."""
+    owned: tuple[object, ...] = attrs.field(default=(), converter=_owned_tuple)
 
 
 def _host_rows(name: str, value: object, request: PrefillRequest, minimum: int) -> torch.Tensor:
@@ -126,7 +126,9 @@ class PrefillResultAssembler:
             )
         return item[0], item[1]
 
-    def _read(self, prepared: PreparedPrefill, result: InvocationResult, *, sampled: bool) -> Any:
+    def _read(
+        self, prepared: PreparedPrefill, result: InvocationResult, *, sampled: bool
+    ) -> object:
         """Read one result to host, then release its owned values (also when reading failed)."""
         try:
             if (prepared.sampling_path != "logits") != sampled:
@@ -153,7 +155,7 @@ class PrefillResultAssembler:
     def _local_rows(self, request: PrefillRequest) -> range | list[int]:
         return range(request.active_batch_size) if request.kind == "batched" else [0]
 
-    def _logit_rows(self, prepared: PreparedPrefill, host: Any) -> list[torch.Tensor]:
+    def _logit_rows(self, prepared: PreparedPrefill, host: object) -> list[torch.Tensor]:
         request = prepared.request
         vocab = self._config.model.vocab_size
         logits = _host_rows("prefill logits", host, request, request.active_batch_size)
@@ -164,8 +166,8 @@ class PrefillResultAssembler:
         return [logits[local, :vocab].to(torch.float32) for local in self._local_rows(request)]
 
     def _sampled_rows(
-        self, prepared: PreparedPrefill, host: Any
-    ) -> tuple[list[torch.Tensor], Any | None]:
+        self, prepared: PreparedPrefill, host: object
+    ) -> tuple[list[torch.Tensor], object]:
         request = prepared.request
         tokens, log_probs = host if isinstance(host, tuple) else (host, None)
         tokens = _host_rows("sampled tokens", tokens, request, request.active_batch_size)

@@ -10,10 +10,12 @@ release failures travel on the primary error as `cleanup_failures`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+import torch
 
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
-from runtime.model_contract import PagedModel
+from runtime.backends.base import as_torch
+from runtime.model_contract import PrefillModel
 from runtime.prefill.inputs import PrefillDeviceInputs, PrefillInputStager, ReleaseTransient
 from runtime.prefill.postprocess import PrefillPostprocessor
 from runtime.prefill.result_collector import InvocationResult
@@ -23,13 +25,16 @@ from runtime.prefill.signatures import PreparedPrefill
 logger = logging.getLogger(__name__)
 
 
-def run_prefill_body(model: PagedModel, inputs: PrefillDeviceInputs) -> Any:
-    """One model invocation over staged (or persistent) inputs: last-token logits `[B, V]`."""
+def run_prefill_body(model: PrefillModel, inputs: PrefillDeviceInputs) -> torch.Tensor:
+    """One model invocation over staged (or persistent) inputs: last-token logits `[B, V]`.
+
+    The model contract computes with torch, so the device inputs are narrowed here, once.
+    """
     return model.prefill(
-        inputs.tokens,
-        page_table=inputs.page_table,
-        prompt_lens=inputs.prompt_lens,
-        chunk_start=inputs.chunk_start,
+        as_torch(inputs.tokens, "prefill tokens"),
+        page_table=as_torch(inputs.page_table, "prefill page table"),
+        prompt_lens=as_torch(inputs.prompt_lens, "prefill prompt lengths"),
+        chunk_start=as_torch(inputs.chunk_start, "prefill chunk starts"),
     )
 
 
@@ -39,7 +44,7 @@ class PrefillSequenceRunner:
     def __init__(
         self,
         *,
-        model: PagedModel,
+        model: PrefillModel,
         input_stager: PrefillInputStager,
         postprocessor: PrefillPostprocessor,
         release_transient: ReleaseTransient,
@@ -57,7 +62,7 @@ class PrefillSequenceRunner:
         With `shared` (compile runs only), a sibling program's forward is reused.
         """
         request = prepared.request
-        owned: list[Any] = []
+        owned: list[object] = []
         reused = None if shared is None else shared.lookup(request)
         if reused is not None:
             try:
@@ -68,7 +73,7 @@ class PrefillSequenceRunner:
                 attach_cleanup_failures(error, self._release(tuple(owned)))
                 raise
         try:
-            final: Any = None
+            final: torch.Tensor | None = None
             for index, chunk in enumerate(request.chunks):
                 inputs = self._stager.stage(self._stager.host_inputs(request, chunk))
                 owned.append(inputs)

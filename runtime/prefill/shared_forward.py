@@ -10,15 +10,13 @@ each other). Serving never reads this memo.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import torch
 
 from runtime.prefill.request import PrefillRequest
 
 
-def _geometry(request: PrefillRequest) -> tuple[Any, ...]:
+def _geometry(request: PrefillRequest) -> tuple[object, ...]:
     return (
         request.kind,
         request.padded_batch_size,
@@ -33,7 +31,7 @@ def _geometry(request: PrefillRequest) -> tuple[Any, ...]:
 
 @attrs.define
 class _Entry:
-    geometry: tuple[Any, ...]
+    geometry: tuple[object, ...]
     tokens: torch.Tensor
     page_table: torch.Tensor
     logits: torch.Tensor
@@ -59,7 +57,7 @@ class SharedCompileForward:
         self.hits += 1
         return entry.logits.clone()
 
-    def remember(self, request: PrefillRequest, logits: Any) -> None:
+    def remember(self, request: PrefillRequest, logits: object) -> None:
         """Keep `logits` (a copy) for a sibling compile; non-torch outputs are not kept."""
         if not isinstance(logits, torch.Tensor):
             self._entry = None

@@ -14,13 +14,12 @@ allocated inside the captured function.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 import torch
 
 from lifecycle.errors import attach_cleanup_failures
-from runtime.backends.base import Device
+from runtime.backends.base import Device, DeviceTensor, TraceOutputs
 from runtime.identity import ProgramKey
 from runtime.prefill.config import PrefillRuntimeConfig
 from runtime.prefill.inputs import (
@@ -56,10 +55,10 @@ class PrefillReplayWorkspace:
     """
 
     sampling_path: SamplingPath
-    sampled_tokens: Any | None = None
-    sampled_log_probs: Any | None = None
+    sampled_tokens: DeviceTensor | None = None
+    sampled_log_probs: DeviceTensor | None = None
 
-    def owned_tensor_values(self) -> tuple[Any, ...]:
+    def owned_tensor_values(self) -> tuple[DeviceTensor, ...]:
         """What the trace compiler releases with the workspace."""
         return tuple(v for v in (self.sampled_tokens, self.sampled_log_probs) if v is not None)
 
@@ -70,13 +69,13 @@ class PrefillCapturePlan:
 
     signature: PrefillTraceSignature
     prepare_inputs: Callable[[], PrefillDeviceInputs]
-    capture: Callable[[Any], Any]
+    capture: Callable[[PersistentInputs], TraceOutputs]
     prepare_workspace: Callable[[], PrefillReplayWorkspace]
     schema_fingerprint: CaptureSchema
     workspace_fingerprint: WorkspaceFingerprint
     refresh_fields: tuple[str, ...] = INPUT_FIELDS
-    prime: Callable[[Any], Any] | None = None
-    release_prime_output: Callable[[Any], list[BaseException]] | None = None
+    prime: Callable[[PersistentInputs], TraceOutputs] | None = None
+    release_prime_output: Callable[[object], list[BaseException]] | None = None
 
     def trace_capture_plan(
         self, program_key: ProgramKey, *, refresh_policy: InputRefreshPolicy | None = None
@@ -157,14 +156,14 @@ class PrefillTraceLifecycle:
         def prepare_inputs() -> PrefillDeviceInputs:
             return self._stager.stage(host)
 
-        def capture(persistent: Any) -> Any:
+        def capture(persistent: object) -> TraceOutputs:
             return run_prefill_body(model, persistent_device_inputs(persistent))
 
         def prepare_workspace() -> PrefillReplayWorkspace:
             return self._allocate_workspace(path, rows, logprobs)
 
-        prime: Callable[[Any], Any] | None = None
-        release_prime: Callable[[Any], list[BaseException]] | None = None
+        prime: Callable[[PersistentInputs], TraceOutputs] | None = None
+        release_prime: Callable[[object], list[BaseException]] | None = None
         primed = self._config.trace_capture_prime_sequence_lengths
         if request.kind == "batched" and request.padded_sequence_length in primed:
             prime, release_prime = capture, self._release
@@ -227,7 +226,7 @@ class PrefillTraceLifecycle:
         self._stager.refresh(self._stager.host_inputs(prepared.request, chunk), inputs)
 
     def finish(
-        self, prepared: PreparedPrefill, output: Any, workspace: PrefillReplayWorkspace
+        self, prepared: PreparedPrefill, output: object, workspace: PrefillReplayWorkspace
     ) -> InvocationResult:
         """Finish the request's final replay: its logits, or sampled into the workspace.
 
@@ -237,10 +236,15 @@ class PrefillTraceLifecycle:
         assert prepared.trace_signature is not None, "check_replay refuses untraced requests"
         if prepared.sampling_path == "logits":
             return InvocationResult(output, ())
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"a prefill trace replay must return the logits torch.Tensor, got "
+                f"{type(output).__name__}"
+            )
         sampled = self._postprocessor.sample(prepared, output)
         assert workspace.sampled_tokens is not None
         self._device.from_host(sampled.tokens, into=workspace.sampled_tokens)
-        value: Any = workspace.sampled_tokens
+        value: object = workspace.sampled_tokens
         if sampled.log_probs is not None:
             assert workspace.sampled_log_probs is not None
             self._device.from_host(sampled.log_probs, into=workspace.sampled_log_probs)
