@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Unpack
+from typing import Unpack
 
 import attrs
 import torch
@@ -36,12 +36,16 @@ from runtime.config import (
     PagedKVCacheConfig,
 )
 from runtime.decode_batch import DecodeArguments
+from runtime.decode_staging import DecodeHostOutput
 from runtime.execution import EagerExecutor, TracedExecutor
+from runtime.json_types import JSONValue
+from runtime.model_contract import PagedModel
+from runtime.paged_kv_cache import KVCacheHandle
 from runtime.prefill.batch import IntVector, PrefillArguments
 from runtime.prefill.result_collector import PrefillOutput
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.program_compiler import CompiledProgram
-from runtime.sampling import SamplingParams
+from runtime.sampling import BufferedSampler, SamplingParams
 from runtime.steps import DecodeStep
 from runtime.validation import require_bool
 from runtime.warmup_manifest import CoverageManifest
@@ -87,7 +91,7 @@ class ModelExecutor(LifecycleHost):
 
     def __init__(
         self,
-        model: Any,
+        model: PagedModel,
         config: ModelExecutorConfig,
         *,
         device: Device,
@@ -137,7 +141,7 @@ class ModelExecutor(LifecycleHost):
         self.trace_compiler = components.trace_compiler
         self.traced_executor = components.traced_executor
         self.warmup = components.warmup
-        self._kv_handle: list[list[Any]] | None = None
+        self._kv_handle: KVCacheHandle | None = None
         traced = self.traced_executor if config.trace.decode_enabled else None
         self._decode_target: EagerExecutor | TracedExecutor = traced or self.eager_executor
 
@@ -159,7 +163,7 @@ class ModelExecutor(LifecycleHost):
         return self.config.max_batch_size
 
     @property
-    def kv_cache(self) -> list[list[Any]] | None:
+    def kv_cache(self) -> KVCacheHandle | None:
         """The borrowed KV handle once allocated."""
         return self._kv_handle
 
@@ -238,7 +242,7 @@ class ModelExecutor(LifecycleHost):
         kv_cache_shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         num_layers: int | None = None,
-    ) -> list[list[Any]]:
+    ) -> KVCacheHandle:
         """Resolve (if needed), seal and allocate: three journaled transitions.
 
         A server may pass its physical cache spec (all three arguments or none).
@@ -265,11 +269,16 @@ class ModelExecutor(LifecycleHost):
                 "allocate_kv_cache()"
             )
 
+    def _sampler(self) -> BufferedSampler:
+        """`model.sampling`, which construction required when device sampling is enabled."""
+        sampler: BufferedSampler = getattr(self.model, "sampling")  # noqa: B009
+        return sampler
+
     def ensure_sampling_buffers(self) -> None:
         """Materialise device-sampling buffers; refused once traces are active."""
         if not self.config.device_sampling_enabled:
             return
-        sampler = self.model.sampling
+        sampler = self._sampler()
         if getattr(sampler, "materialized", False):
             return
         if self.program_compiler.gate_closed:
@@ -308,7 +317,7 @@ class ModelExecutor(LifecycleHost):
         """A warmup's `can_sample_on_device`: the caller's choice, else the lane's policy."""
         return self.config.device_sampling_enabled if sampling is None else sampling
 
-    def _prefill_warmup(self, kv_cache: Any, sampling: bool | None, trace: bool | None) -> None:
+    def _prefill_warmup(self, kv_cache: object, sampling: bool | None, trace: bool | None) -> None:
         try:
             self.warmup.warmup_prefill(
                 kv_cache=kv_cache,
@@ -320,7 +329,7 @@ class ModelExecutor(LifecycleHost):
 
     def _decode_warmup(
         self,
-        kv_cache: Any,
+        kv_cache: object,
         sampling: bool | None,
         trace: bool | None,
         max_batch_size: int | None = None,
@@ -366,7 +375,7 @@ class ModelExecutor(LifecycleHost):
     def warmup_prefill(
         self,
         *,
-        kv_cache: Any = None,
+        kv_cache: object = None,
         can_sample_on_device: bool | None = None,
         enable_trace: bool | None = None,
     ) -> None:
@@ -379,7 +388,7 @@ class ModelExecutor(LifecycleHost):
     def warmup_decode(
         self,
         *,
-        kv_cache: Any = None,
+        kv_cache: object = None,
         max_batch_size: int | None = None,
         num_blocks: int | None = None,
         can_sample_on_device: bool | None = None,
@@ -397,7 +406,7 @@ class ModelExecutor(LifecycleHost):
         self._after_warmup()
 
     @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED, *_SETUP)
-    def choose_kernels(self) -> Any:
+    def choose_kernels(self) -> JSONValue:
         """Choose this lane's kernels now (measured or replayed); their JSON, or None.
 
         A lane group asks one lane and hands the answer to the others (`adopt_kernels`), so
@@ -406,7 +415,7 @@ class ModelExecutor(LifecycleHost):
         return self.warmup.choose_kernels()
 
     @guarded(P.CONSTRUCTED, P.CAPACITY_RESOLVED, P.SEALED, *_SETUP)
-    def adopt_kernels(self, plan: Any) -> None:
+    def adopt_kernels(self, plan: JSONValue) -> None:
         """Use `plan` (another lane's `choose_kernels` JSON) at warmup instead of choosing."""
         adopt = getattr(self.model, "adopt_kernels", None)
         if plan is not None and callable(adopt) and self.warmup.kernel_choice is None:
@@ -459,7 +468,13 @@ class ModelExecutor(LifecycleHost):
                 )
             self.ensure_sampling_buffers()
 
-    def _target(self, operation: str, execution: str | None) -> Any:
+    def _traced_target(self, operation: str) -> TracedExecutor:
+        """The traced executor for `operation` (ValueError when the trace mode skips it)."""
+        target = self._target(operation, "traced")
+        assert isinstance(target, TracedExecutor), "_target('traced') returns the traced one"
+        return target
+
+    def _target(self, operation: str, execution: str | None) -> EagerExecutor | TracedExecutor:
         if execution is None and operation == "decode":
             return self._decode_target  # the per-step case: decided once, at construction
         if execution not in (None, "eager", "traced"):
@@ -493,7 +508,7 @@ class ModelExecutor(LifecycleHost):
         """
         self._validate_cache_argument(kv_cache)
         self._check_sampling(arguments.get("sampling_params"))
-        target: EagerExecutor | TracedExecutor = self._target("prefill", execution)
+        target = self._target("prefill", execution)
         try:
             batch = self.eager_executor.prefill_batch("prefill_forward", arguments)
             return target.prefill_forward_batch(batch)
@@ -509,7 +524,7 @@ class ModelExecutor(LifecycleHost):
         read_from_device: bool = True,
         execution: str | None = None,
         **arguments: Unpack[DecodeArguments],
-    ) -> Any:
+    ) -> DecodeHostOutput | object:
         """One decode step over the whole lane (negative positions are inactive rows).
 
         The step is checked once, by `DecodeRuntime.prepare`, before any device work; the
@@ -548,7 +563,7 @@ class ModelExecutor(LifecycleHost):
             raise
 
     @guarded(P.SERVING)
-    def read_decode_output(self, raw: Any, *, async_read: bool = False) -> Any:
+    def read_decode_output(self, raw: object, *, async_read: bool = False) -> object:
         """Read a raw decode output (async: `(host_value, events)` to complete later)."""
         try:
             return self.decode_runtime.read_decode_output(raw, async_read=async_read)
@@ -557,7 +572,9 @@ class ModelExecutor(LifecycleHost):
             raise
 
     @guarded(P.SERVING)
-    def process_decode_output_host(self, host_value: Any, *, is_tokens: bool = False) -> Any:
+    def process_decode_output_host(
+        self, host_value: object, *, is_tokens: bool = False
+    ) -> DecodeHostOutput:
         """Complete an asynchronous read and normalise it."""
         try:
             return self.decode_runtime.process_decode_output_host(host_value, is_tokens=is_tokens)
@@ -572,7 +589,7 @@ class ModelExecutor(LifecycleHost):
         """Prepare a traced prefill and check its traces; nothing runs (lane-group preflight)."""
         self._validate_cache_argument(kv_cache)
         self._check_sampling(arguments.get("sampling_params"))
-        traced: TracedExecutor = self._target("prefill", "traced")
+        traced = self._traced_target("prefill")
         batch = self.eager_executor.prefill_batch("preflight_prefill", arguments)
         prepared = traced.preflight_prefill(self.eager_executor.prepare_prefill(batch))
         return PreflightedPrefill(prepared, batch.batch_size, batch.sampling_params, lane)
@@ -584,7 +601,7 @@ class ModelExecutor(LifecycleHost):
             raise TypeError(
                 f"preflighted must come from preflight_prefill(), got {type(preflighted).__name__}"
             )
-        traced: TracedExecutor = self._target("prefill", "traced")
+        traced = self._traced_target("prefill")
         return traced.execute_prepared_prefill(
             preflighted.prepared,
             batch_size=preflighted.batch_size,
@@ -602,7 +619,7 @@ class ModelExecutor(LifecycleHost):
             tokens=tokens, prompt_lens=prompt_lens, start_pos=start_pos
         )
 
-    def runtime_summary(self) -> dict[str, Any]:
+    def runtime_summary(self) -> dict[str, JSONValue]:
         """Counters from the execution objects."""
         target = self.traced_executor or self.eager_executor
         return target.runtime_summary()
@@ -614,7 +631,7 @@ class ModelExecutor(LifecycleHost):
         return self.components.held_resources()
 
     def _do_close(self) -> Sequence[BaseException]:
-        sampling = self.model.sampling.release if self.config.device_sampling_enabled else None
+        sampling = self._sampler().release if self.config.device_sampling_enabled else None
         steps = self.components.cleanup_steps(sampling)
         failures: list[BaseException] = []
         for name, step in steps:

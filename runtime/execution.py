@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, Protocol, Unpack
+from typing import NoReturn, Protocol, Unpack
 
 import torch
 
@@ -21,6 +21,7 @@ from runtime.decode_batch import PreparedDecode
 from runtime.decode_dispatch import DecodeDispatcher
 from runtime.decode_staging import DecodeHostOutput, DecodeInvocationResult
 from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of, signature_digest
+from runtime.json_types import JSONValue
 from runtime.prefill.batch import PrefillArguments, PrefillBatch
 from runtime.prefill.replay import PrefillReplayEvidence, replay_prepared
 from runtime.prefill.result_collector import InvocationResult, PrefillOutput
@@ -312,7 +313,7 @@ class EagerExecutor(_DecodeEntry):
         self._eager_decode_count += 1
         return result
 
-    def runtime_summary(self) -> dict[str, Any]:
+    def runtime_summary(self) -> dict[str, JSONValue]:
         """Counters for bring-up logs."""
         return {
             "eager_prefill_executions": self._eager_prefill_count,
@@ -542,7 +543,7 @@ class TracedExecutor(_DecodeEntry):
             f"{_REMEDIES}"
         )
 
-    def runtime_summary(self) -> dict[str, Any]:
+    def runtime_summary(self) -> dict[str, JSONValue]:
         """Eager counters plus replay and coverage counters."""
         summary = self.eager_executor.runtime_summary()
         summary.update(

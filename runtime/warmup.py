@@ -15,15 +15,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import attrs
 import torch
 
 from lifecycle.journal import Journal, Outcome
 from runtime.config import PageTableLayout, TraceConfig, WarmupConfig
+from runtime.decode import DecodeRuntime
+from runtime.decode_config import DecodeRuntimeConfig
 from runtime.execution import EagerExecutor, TracedExecutor
-from runtime.prefill.runtime import STATIC_Q128_TOPK_SUPPORTED
+from runtime.json_types import JSONValue
+from runtime.prefill.config import PrefillRuntimeConfig
+from runtime.prefill.runtime import STATIC_Q128_TOPK_SUPPORTED, PrefillRuntime
 from runtime.program_compiler import CompiledProgram
 from runtime.validation import is_int, positive_int
 from runtime.warmup_coverage import (
@@ -74,7 +77,7 @@ def _unique_positive(name: str, values: object) -> tuple[int, ...]:
     return values
 
 
-def _check_runtimes_agree(prefill: Any, decode: Any) -> None:
+def _check_runtimes_agree(prefill: PrefillRuntimeConfig, decode: DecodeRuntimeConfig) -> None:
     """Prefill and decode of one lane share model, layout, capacity and sampling policy."""
     if prefill.model is not decode.model:
         raise ValueError("prefill and decode runtimes must share one model")
@@ -102,7 +105,8 @@ class WarmupCoordinatorConfig:
 
     warmup: WarmupConfig
     trace: TraceConfig
-    model: Any
+    model: object
+    """The lane's model (compared by identity; its optional `choose_kernels` is read)."""
     page_table_layout: PageTableLayout
     prefill_sequence_lengths: tuple[int, ...]
     batched_sequence_lengths: tuple[int, ...] | None
@@ -121,8 +125,8 @@ class WarmupCoordinatorConfig:
         *,
         warmup: WarmupConfig,
         trace: TraceConfig,
-        prefill: Any,
-        decode: Any,
+        prefill: PrefillRuntime,
+        decode: DecodeRuntime,
         prefill_sequence_lengths: tuple[int, ...],
         batched_sequence_lengths: tuple[int, ...] | None = None,
         max_seq_len: int | None = None,
@@ -196,7 +200,9 @@ class WarmupCoordinatorConfig:
             return capacity
         return min(self.max_prompt_length, capacity)
 
-    def plan(self, *, can_sample_on_device: bool, prefill: Any, decode: Any) -> WarmupPlan:
+    def plan(
+        self, *, can_sample_on_device: bool, prefill: PrefillRuntime, decode: DecodeRuntime
+    ) -> WarmupPlan:
         """The derived coverage for one sampling decision (see `runtime.warmup_coverage`)."""
         recipes = self.recipes(can_sample_on_device)
         prefill_cases = derive_prefill_cases(
@@ -226,7 +232,7 @@ class WarmupCoordinator:
         config: WarmupCoordinatorConfig,
         execution: EagerExecutor | TracedExecutor,
         ensure_sampling_buffers: Callable[[], None],
-        validate_bound_cache: Callable[[Any], None],
+        validate_bound_cache: Callable[[object], None],
         progress: Progress | None = None,
         auto_capture: bool = True,
         journal: Journal | None = None,
@@ -273,9 +279,9 @@ class WarmupCoordinator:
         self._plans: dict[tuple[bool, PageTableLayout], WarmupPlan] = {}
         self.derivation_seconds = 0.0
         """Seconds spent deriving coverage from the planner (not compiling)."""
-        self.kernel_choice: Any = None
+        self.kernel_choice: JSONValue = None
 
-    def choose_kernels(self) -> Any:
+    def choose_kernels(self) -> JSONValue:
         """The model's kernel choice for this lane (made once, before anything compiles)."""
         if self.kernel_choice is None:
             self.kernel_choice = choose_model_kernels(self.config, self._progress)
@@ -352,7 +358,7 @@ class WarmupCoordinator:
     # -- warmup calls ---------------------------------------------------------------------------
 
     def warmup_prefill(
-        self, *, kv_cache: Any, can_sample_on_device: bool, enable_trace: bool
+        self, *, kv_cache: object, can_sample_on_device: bool, enable_trace: bool
     ) -> None:
         """Compile (and register for capture) every declared prefill case not yet covered."""
         self._check_hints("prefill", can_sample_on_device, enable_trace)
@@ -362,7 +368,7 @@ class WarmupCoordinator:
     def warmup_decode(
         self,
         *,
-        kv_cache: Any,
+        kv_cache: object,
         max_batch_size: int,
         num_blocks: int,
         can_sample_on_device: bool,
@@ -443,7 +449,12 @@ class WarmupCoordinator:
     def _compile_case(
         self, case: WarmupCase, *, trace: bool, num_blocks: int | None
     ) -> tuple[CompiledProgram, ...]:
-        target: Any = self._traced if trace else self._eager
+        target = self._traced if trace else self._eager
+        if target is None:
+            raise RuntimeError(
+                f"cannot compile traced {case.operation} warmup: this coordinator was built "
+                "with an EagerExecutor; pass a TracedExecutor"
+            )
         top_k = self.config.max_device_top_k
         if case.operation == "prefill":
             request = case.prefill_request(
@@ -545,7 +556,7 @@ class WarmupCoordinator:
         return manifest
 
 
-def choose_model_kernels(config: WarmupCoordinatorConfig, progress: object = None) -> Any:
+def choose_model_kernels(config: WarmupCoordinatorConfig, progress: object = None) -> JSONValue:
     """Let the model pick its kernels for this lane's row counts before anything compiles.
 
     A model may offer `choose_kernels(decode_rows=, prefill_rows=, progress=)` returning a
@@ -560,6 +571,9 @@ def choose_model_kernels(config: WarmupCoordinatorConfig, progress: object = Non
         "decode_rows": config.lane_batch_size,
         "prefill_rows": max(config.prefill_sequence_lengths),
     }
-    if callable(getattr(progress, "step", None)):
-        return choose(**rows, progress=progress)
-    return choose(**rows)
+    chosen: JSONValue = (
+        choose(**rows, progress=progress)
+        if callable(getattr(progress, "step", None))
+        else choose(**rows)
+    )
+    return chosen

@@ -31,6 +31,7 @@ from runtime.sampling.prepared import (
     slice_prepared_sampling_params,
 )
 from runtime.sampling.sampler import (
+    BufferedSampler,
     DeviceSampler,
     SampleOutput,
     Sampler,
@@ -41,6 +42,7 @@ from runtime.sampling.sampler import (
 __all__ = [
     "MAX_SEED",
     "NO_SEED",
+    "BufferedSampler",
     "DeviceSampler",
     "LogProbRowPayload",
     "PreparedSamplingParams",

@@ -136,6 +136,17 @@ class Sampler(Protocol):
     ) -> SampleOutput: ...
 
 
+class BufferedSampler(Sampler, Protocol):
+    """A `Sampler` owning persistent buffers an executor materialises and releases."""
+
+    @property
+    def materialized(self) -> bool: ...
+
+    def materialize(self, device: Device | torch.device | str) -> None: ...
+
+    def release(self) -> None: ...
+
+
 _BUFFER_DTYPES: tuple[tuple[str, torch.dtype], ...] = (
     ("top_k", torch.int64),
     ("top_p", torch.float32),
