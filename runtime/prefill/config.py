@@ -9,7 +9,6 @@ instead of surfacing as a wrong shape in the middle of a prefill.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import attrs
 import torch
@@ -167,10 +166,10 @@ class PrefillRuntimeConfig:
     def resolve(
         cls,
         *,
-        model: Any,
-        device: Any,
-        output_reader: Any,
-        page_table_layout: Any,
+        model: PagedModel,
+        device: Device,
+        output_reader: OutputReader,
+        page_table_layout: PageTableLayout,
         max_batch_size: int,
         max_prefill_chunk_size: int,
         policy: RuntimePolicy,

@@ -23,12 +23,15 @@ are kept and stay readable.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 import attrs
 import torch
+from attrs import AttrsInstance
 
 _T = TypeVar("_T")
+_Owner = TypeVar("_Owner", bound=AttrsInstance)
+"""The class a `DeferredField` is installed on."""
 
 Shape = tuple[int, int]
 """(rows, columns) of a built tensor."""
@@ -283,7 +286,7 @@ class TableGroup:
         return built[local]
 
 
-class DeferredField(Generic[_T]):
+class DeferredField(Generic[_Owner, _T]):
     """A non-data descriptor for an attrs field the planner may leave out of an instance.
 
     Python consults a non-data descriptor only when the instance dict lacks the name, so
@@ -291,11 +294,19 @@ class DeferredField(Generic[_T]):
     value is built once by `build(instance)` and stored in the instance dict.
     """
 
-    def __init__(self, name: str, build: Callable[[Any], _T]) -> None:
+    def __init__(self, name: str, build: Callable[[_Owner], _T]) -> None:
         self._name = name
         self._build = build
 
-    def __get__(self, instance: object, owner: type | None = None) -> Any:
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> DeferredField[_Owner, _T]: ...
+
+    @overload
+    def __get__(self, instance: _Owner, owner: type | None = None) -> _T: ...
+
+    def __get__(
+        self, instance: _Owner | None, owner: type | None = None
+    ) -> _T | DeferredField[_Owner, _T]:
         if instance is None:
             return self
         value = self._build(instance)
@@ -303,7 +314,7 @@ class DeferredField(Generic[_T]):
         return value
 
 
-def install_deferred_fields(cls: type, **builders: Callable[[Any], object]) -> None:
+def install_deferred_fields(cls: type[_Owner], **builders: Callable[[_Owner], object]) -> None:
     """Make each named field of the dict-based attrs class `cls` buildable on first read.
 
     attrs removes field names from the class body, so the descriptors go in afterwards.
