@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
-def load_executor(model: Any, **kwargs: Any) -> Any:
+def load_executor(model: str | Path, **kwargs: Any) -> Any:
     """Build a `ModelExecutor` for `model` in CONSTRUCTED (see `models.llama.executor`).
 
     With `lanes=N > 1` it builds a `LaneGroupExecutor` of N lanes instead (see

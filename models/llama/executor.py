@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -115,7 +114,7 @@ def load_executor(
     device_sampling: bool = True,
     warmup: WarmupConfig | None = None,
     faults: str | None = None,
-    progress: Any = None,
+    progress: object = None,
     seed: int = 0,
     kernels: str | Path | KernelPlan | None = None,
     cpu_features: CpuFeatures | None = None,

@@ -8,8 +8,8 @@ is in `kernels`. A plan also picks how the dynamic decode attends (`decode_atten
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from models.llama.kernels import (
 from models.llama.layers import Projection
 from models.progress import ProgressSink
 from runtime.backends import native_kernels
+from runtime.json_types import JSONObject, JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,13 @@ class KernelPlanHooks:
         self._check_fused_runs(plan, where)
         self._replay_plan = plan
 
-    def adopt_kernels(self, data: Mapping[str, Any]) -> None:
+    def adopt_kernels(self, data: JSONObject) -> None:
         """Replay another lane's kernel plan (its JSON), checked against this model now."""
         self.replay_kernels(parse_kernel_plan(data, where="lane 0's kernel plan"))
 
     def choose_kernels(
         self, *, decode_rows: int, prefill_rows: int, progress: ProgressSink | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, JSONValue]:
         """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.
 
         Measures each projection at the row buckets of a lane of `decode_rows` slots and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,13 @@ class Projection(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, layout={self.layout}"
 
 
+class _Placement(TypedDict):
+    """Where a layer's parameters are created (the torch factory keywords)."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, projections fused (qkv and gate/up)."""
 
@@ -132,7 +139,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         q_out = args.n_heads * args.head_dim
         kv_out = args.n_kv_heads * args.head_dim
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        kw: _Placement = {"dtype": dtype, "device": device}
         self.input_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
         self.wqkv = Projection(args.dim, q_out + 2 * kv_out, parts=(q_out, kv_out, kv_out), **kw)
         self.wo = Projection(q_out, args.dim, **kw)

@@ -63,7 +63,7 @@ _T = TypeVar("_T")
 def batched_prefill_disabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether `DISABLE_BATCHED_PREFILL` turns batching off; read on every call.
 
-    Only `1`, `true` or `yes` (any case) disable batching. Any other non-empty value is
+    Only `1`, `true` or `yes` (any case) disable batching. Every other non-empty value is
     ignored with a warning, because the reference runtime would have treated it (even `0`)
     as "disable".
     """

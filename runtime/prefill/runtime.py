@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any, Unpack
+from typing import Unpack
 
 import attrs
 import torch
@@ -132,7 +132,7 @@ class PrefillRuntime:
         """Transient value trees whose release failed; `cleanup()` retries them."""
         return len(self._orphans)
 
-    def _release_transient(self, value: Any) -> list[BaseException]:
+    def _release_transient(self, value: object) -> list[BaseException]:
         orphan, failures = release_or_orphan(value, self._config.device)
         if orphan is not None:
             logger.warning(

@@ -198,7 +198,7 @@ class PreparedSamplingParams:
 
     @property
     def penalties_enabled(self) -> bool:
-        """Any active row with a non-neutral presence, frequency or repetition penalty."""
+        """Whether some active row has a non-neutral presence, frequency or repetition penalty."""
         return any(
             self.presence_penalty[r] != 0.0
             or self.frequency_penalty[r] != 0.0
@@ -208,7 +208,7 @@ class PreparedSamplingParams:
 
     @property
     def log_probs_enabled(self) -> bool:
-        """Any active row that asked for log-probabilities."""
+        """Whether some active row asked for log-probabilities."""
         return any(self.logprob_modes[r] != "none" for r in self._active())
 
     @property
@@ -221,7 +221,7 @@ class PreparedSamplingParams:
 
     @property
     def seeded(self) -> bool:
-        """Any active row with an explicit seed (the sampler then needs positions)."""
+        """Whether some active row has an explicit seed (the sampler then needs positions)."""
         return any(self.seeds[r] is not None for r in self._active())
 
     @property
