@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.cli.errors import EXIT_INTERRUPTED, EXIT_OK, PROG, UsageError, one_line
 from models.cli.generate_output import Printer, consume_finished, consume_streaming
@@ -22,6 +22,9 @@ from models.cli.loading import (
 )
 from models.cli.options import MAX_TOP_K
 from models.cli.prompt_capacity import check_prompt_capacity, encode_prompts, prompt_tokenizer
+
+if TYPE_CHECKING:
+    from models.generation.tokenizers import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +95,8 @@ def generate(args: argparse.Namespace) -> int:
     _check_sampling_arguments(args)
     model, found = model_args_and_tokenizer(args.model)
     check_lane_arguments(args, model)
-    tokenizer = prompt_tokenizer(found, model)
-    prompt_ids = encode_prompts(args, prompts, tokenizer, model)
+    tokenizer = prompt_tokenizer(found, model.vocab_size)
+    prompt_ids = encode_prompts(args, prompts, tokenizer, model.vocab_size)
     check_prompt_capacity(args, prompt_ids, model.max_seq_len)
     params = GenerationParams(
         temperature=args.temperature,
@@ -131,7 +134,7 @@ def _run_generation(
     executor: Any,
     encoded: tuple[list[str], list[list[int]]],
     params: Any,
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
 ) -> int:
     """Size the KV pool to the prompts (already encoded and checked with `tokenizer`), start
     the executor, generate and print."""

@@ -9,9 +9,13 @@ functions so `--help` and argument errors stay fast.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.cli.errors import UsageError, one_line
+
+if TYPE_CHECKING:
+    from models.llama.config import LlamaArgs
+    from models.llama.tokenizer import LlamaTokenizer
 
 
 def model_args(model: str) -> Any:
@@ -27,7 +31,7 @@ def model_args(model: str) -> Any:
         raise UsageError(f"--model {model}: {one_line(error)}") from error
 
 
-def model_args_and_tokenizer(model: str) -> tuple[Any, Any]:
+def model_args_and_tokenizer(model: str) -> tuple[LlamaArgs, LlamaTokenizer | None]:
     """`model_args` and the model's tokenizer (None: it has none), still without weights."""
     from models.llama.sources import ModelNotAvailableError
     from models.llama.sources import model_args_and_tokenizer as read_model
@@ -51,7 +55,7 @@ def check_block_geometry(args: argparse.Namespace) -> None:
         raise UsageError(problem)
 
 
-def check_lane_arguments(args: argparse.Namespace, model: Any = None) -> Any:
+def check_lane_arguments(args: argparse.Namespace, model: LlamaArgs | None = None) -> Any:
     """Block size, chunk, lanes and context checked together, before anything loads.
 
     `model` is the model's architecture when the caller has read it already."""

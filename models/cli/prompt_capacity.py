@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from models.cli.errors import UsageError
 
@@ -17,18 +17,18 @@ if TYPE_CHECKING:
     from models.generation.tokenizers import TextTokenizer
 
 
-def prompt_tokenizer(tokenizer: TextTokenizer | None, model: Any) -> TextTokenizer:
+def prompt_tokenizer(tokenizer: TextTokenizer | None, vocab_size: int) -> TextTokenizer:
     """What the Generator will encode with: the model's tokenizer, else UTF-8 bytes."""
     from models.generation.prompt_ids import text_tokenizer  # torch: not for --help
 
     try:
-        return text_tokenizer(tokenizer, int(model.vocab_size))
+        return text_tokenizer(tokenizer, vocab_size)
     except ValueError as error:
         raise UsageError(f"--model: {error}") from error
 
 
 def encode_prompts(
-    args: argparse.Namespace, prompts: Sequence[str], tokenizer: TextTokenizer, model: Any
+    args: argparse.Namespace, prompts: Sequence[str], tokenizer: TextTokenizer, vocab_size: int
 ) -> list[list[int]]:
     """Every prompt's token ids, exactly as the Generator will see them."""
     from models.generation.prompt_ids import prompt_token_ids
@@ -37,7 +37,7 @@ def encode_prompts(
     for index, prompt in enumerate(prompts):
         try:
             ids = prompt_token_ids(
-                index, prompt, args.chat, tokenizer=lambda: tokenizer, vocab_size=model.vocab_size
+                index, prompt, args.chat, tokenizer=lambda: tokenizer, vocab_size=vocab_size
             )
         except (ValueError, TypeError) as error:
             raise UsageError(error) from error
