@@ -162,6 +162,8 @@ def test_smollm2_serves_a_3000_token_prompt() -> None:
             text,
             "--max-new-tokens",
             "2",
+            "--max-batch",
+            "1",
             "--json",
         ],
         capture_output=True,
