@@ -266,6 +266,9 @@ class PageTableLayout:
     alignment: int = attrs.field(
         default=PAGE_TABLE_WIDTH_ALIGNMENT, validator=_check_layout_positive, kw_only=True
     )
+    num_blocks: int | None = attrs.field(default=None, kw_only=True, eq=False)
+    """The KV pool a page-table entry may name (None: a hand-built layout, entries unchecked).
+    Not part of equality: the widths are what programs and traces are built for."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("prefill_width", "decode_width"):
@@ -305,4 +308,5 @@ class PageTableLayout:
             prefill_width=_round_up(raw + padding_blocks, alignment),
             decode_width=_round_up(raw, alignment),
             alignment=alignment,
+            num_blocks=physical_num_blocks,
         )

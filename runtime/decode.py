@@ -69,7 +69,7 @@ from runtime.sampling import (
 )
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
-from runtime.validation import require_bool
+from runtime.validation import check_block_ids, require_bool
 
 __all__ = [
     "DecodeCapturePlan",
@@ -193,6 +193,8 @@ class DecodeRuntime:
             layout=config.page_table_layout,
             device_feedback=device_feedback,
         )
+        if config.page_table_layout.num_blocks is not None:
+            check_block_ids(lane.page_table, config.page_table_layout.num_blocks, read=counts)
         return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
 
     def _checked_step(

@@ -55,16 +55,38 @@ def integer_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
-def check_block_ids(page_table: torch.Tensor, num_blocks: int, *, note: str = "") -> None:
-    """Every page-table entry is -1 (unmapped) or a block id of a pool of `num_blocks` (a host
-    read: the model's own check and the lane group's boundary both apply this one rule)."""
+def check_block_ids(
+    page_table: torch.Tensor,
+    num_blocks: int,
+    *,
+    read: torch.Tensor | None = None,
+    note: str = "",
+) -> None:
+    """Every page-table entry the step reads is -1 (unmapped) or a block id of a pool of
+    `num_blocks` (one rule for the model, the lane boundaries and the group's).
+
+    `read` (int64 `[rows]`) counts the leading entries of each row the step reads; the rest
+    (a scheduler's stale tail, an inactive row) is never copied, so it is not judged. One
+    host reduction when every entry is in range.
+    """
     if not page_table.numel():
         return
-    low, high = int(page_table.min()), int(page_table.max())
-    if low < -1 or high >= num_blocks:
-        row, column = ((page_table < -1) | (page_table >= num_blocks)).nonzero()[0].tolist()
-        raise ValueError(
-            f"page_table has entries in [{low}, {high}] (page_table[{row}, {column}] is "
-            f"{int(page_table[row, column])}): allowed are -1 (unmapped) and block ids in "
-            f"[0, {num_blocks}){note}"
-        )
+    bounds = torch.aminmax(page_table)
+    if int(bounds.min) >= -1 and int(bounds.max) < num_blocks:
+        return
+    bad = (page_table < -1) | (page_table >= num_blocks)
+    low, high = int(bounds.min), int(bounds.max)
+    if read is not None:
+        columns = torch.arange(page_table.shape[1], device=page_table.device)
+        judged = columns < read.to(page_table.device).unsqueeze(1)
+        bad &= judged
+        if not bool(bad.any()):
+            return
+        region = page_table[judged]
+        low, high = int(region.min()), int(region.max())
+    row, column = bad.nonzero()[0].tolist()
+    raise ValueError(
+        f"page_table has entries in [{low}, {high}] (page_table[{row}, {column}] is "
+        f"{int(page_table[row, column])}): allowed are -1 (unmapped) and block ids in "
+        f"[0, {num_blocks}){note}"
+    )

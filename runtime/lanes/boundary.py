@@ -149,9 +149,11 @@ def check_group_prefill(arguments: PrefillArguments, geometry: GroupGeometry) ->
             lanes=geometry.lanes,
         )
     limits = geometry.prefill_limits()
+    read = None
     if limits is not None:
-        batch = check_batch(arguments, limits, arguments)
+        batch = check_batch(arguments, attrs.evolve(limits, num_blocks=None), arguments)
         rows = batch.batch_size
+        read = batch.blocks_read(limits.block_size)
     else:
         rows = _rows_of("tokens", tokens, rank=2)
     _check_sampling(
@@ -160,7 +162,7 @@ def check_group_prefill(arguments: PrefillArguments, geometry: GroupGeometry) ->
         active=[True] * rows,
         kind="prefill",
     )
-    check_block_ids(arguments["page_table"], geometry.num_blocks)
+    check_block_ids(arguments["page_table"], geometry.num_blocks, read=read)
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -194,14 +196,15 @@ def check_group_decode(
     )
     if geometry.vocab_size is not None:
         check_token_ids(lane, geometry.vocab_size)
+    read = None
     if geometry.page_table_layout is not None:
-        page_table_copy_counts(
+        read = page_table_copy_counts(
             lane.page_table,
             lane.positions,
             layout=geometry.page_table_layout,
             device_feedback=False,
         )
-    check_block_ids(lane.page_table, geometry.num_blocks)
+    check_block_ids(lane.page_table, geometry.num_blocks, read=read)
     if params is not None:
         _check_decode_sampling(geometry, params, lane.active, sampling)
 
@@ -275,14 +278,16 @@ def _check_sampling(
     )
 
 
-def check_block_ids(page_table: object, num_blocks: int | None) -> None:
+def check_block_ids(
+    page_table: object, num_blocks: int | None, *, read: torch.Tensor | None = None
+) -> None:
     """The pool rule (`runtime.validation.check_block_ids`) against each lane's own pool."""
     if num_blocks is None or not isinstance(page_table, torch.Tensor):
         return
     note = (
         f" (each DP lane's KV pool holds num_blocks={num_blocks} blocks; block ids are lane-local)"
     )
-    validation.check_block_ids(page_table, num_blocks, note=note)
+    validation.check_block_ids(page_table, num_blocks, read=read, note=note)
 
 
 def check_traced_executions(

@@ -17,7 +17,7 @@ import torch
 
 from runtime.config import RuntimePolicy
 from runtime.sampling import SamplingParams
-from runtime.validation import is_int, plain_bool, positive_int
+from runtime.validation import check_block_ids, is_int, plain_bool, positive_int
 
 IntVector = torch.Tensor | Sequence[int] | None
 """A per-row int vector as callers pass it: a rank-1 integer tensor, a sequence, or None."""
@@ -88,6 +88,7 @@ class PlanLimits:
     max_actual_width: int | None
     canonical_width: int | None
     policy: RuntimePolicy
+    num_blocks: int | None = None
 
     @classmethod
     def checked(
@@ -169,6 +170,17 @@ class PrefillBatch:
         """Caller rows (fully cached rows included)."""
         return len(self.prompt_lens)
 
+    def blocks_read(self, block_size: int) -> torch.Tensor:
+        """Leading page-table entries each row's plan copies (int64 `[rows]`): the prompt's
+        blocks for a row with uncached tokens, none for a fully cached row (it does not run)."""
+        return torch.tensor(
+            [
+                0 if cached == prompt else -(-prompt // block_size)
+                for prompt, cached in zip(self.prompt_lens, self.cached_tokens, strict=True)
+            ],
+            dtype=torch.int64,
+        )
+
 
 def check_batch(
     arguments: PrefillRowArguments, limits: PlanLimits, sampling: SamplingArguments | None = None
@@ -199,6 +211,8 @@ def check_batch(
     _check_positions(prompts, cached, width, limits.block_size)
     _check_capacity(prompts, cached, int(table.shape[1]), limits)
     rows = PrefillBatch(tokens, table, prompts, cached, slots)
+    if limits.num_blocks is not None:
+        check_block_ids(table, limits.num_blocks, read=rows.blocks_read(limits.block_size))
     if sampling is None or sampling.get("sampling_params") is None:
         return rows
     return _with_sampling(rows, sampling, lane)

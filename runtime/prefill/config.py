@@ -237,6 +237,7 @@ class PrefillRuntimeConfig:
             max_actual_width=layout.raw_capacity_width,
             canonical_width=layout.prefill_width,
             policy=self.policy,
+            num_blocks=layout.num_blocks,
         )
 
     def with_page_table_layout(self, layout: PageTableLayout) -> PrefillRuntimeConfig:

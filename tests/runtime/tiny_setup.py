@@ -123,6 +123,10 @@ def build_tiny_setup(
         physical_num_blocks=num_blocks,
         max_prefill_chunk_size=max_prefill_chunk_size,
     )
+    # Unchecked against the pool: these unit tests prepare tables of distinct blocks per row,
+    # wider than this small pool, without running them; the pool rule is tested on executors
+    # (`test_single_lane_refusal_machine`) and on the model.
+    layout = attrs.evolve(layout, num_blocks=None)
     policy = RuntimePolicy.torch_default(decode_lane_capacity_limit=decode_lane_capacity_limit)
     return TinySetup(
         model=model,
