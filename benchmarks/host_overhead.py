@@ -7,12 +7,20 @@
 2. One decode step's host work at lane capacity 32 (`DecodeRuntime.prepare` + staging +
    consume), with a model whose `decode` returns a preallocated logits tensor, so the model
    body costs nothing: target under 200 us.
+3. With `--batch`: one whole public decode step (`decode_forward`, logits path, every row
+   active) at each batch size, through a single lane (`tiny-random`, eager `--trace none` and
+   traced `decode_only`) and an in-process lane group of 2 lanes (batch >= 2), each lane's
+   `model.decode` replaced by a preallocated logits tensor so only host work is timed. This is
+   the decode host overhead per step a serving loop pays.
 
-Run: `.venv/bin/python benchmarks/host_overhead.py`. Prints medians of repeated runs.
+Run: `.venv/bin/python benchmarks/host_overhead.py [--batch 1 32] [--repeat N] [--skip-plan]`.
+Prints medians of repeated runs. To compare two commits, run this file with `PYTHONPATH` set
+to each checkout in turn (it only uses public calls), alternating, in the same minutes.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -163,17 +171,100 @@ def decode_case() -> tuple[Callable[[], object], Callable[[], None]]:
     return step, manager.release
 
 
+def _null_decode(model: Any, rows: int) -> None:
+    """Replace `model.decode` by one that returns preallocated logits (no model body)."""
+    logits = torch.zeros(rows, int(model.vocab_size))
+
+    def decode(tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor) -> Any:
+        return logits
+
+    model.decode = decode
+
+
+def _step_inputs(batch: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Every row active at position 100 + row, 5 distinct blocks per row."""
+    width = 5
+    return {
+        "tokens": torch.arange(batch, dtype=torch.long) % vocab,
+        "start_pos": torch.arange(100, 100 + batch, dtype=torch.long),
+        "page_table": torch.arange(batch * width, dtype=torch.int32).reshape(batch, width),
+    }
+
+
+def executor_case(batch: int, trace_mode: str, lanes: int) -> tuple[Callable[[], object], Any]:
+    """One `decode_forward` of a started executor (one lane, or an in-process lane group)."""
+    if lanes == 1:
+        from models.llama.executor import load_executor
+
+        executor: Any = load_executor("tiny-random", max_batch_size=batch, trace_mode=trace_mode)
+        executor.start()
+        models = [executor.model]
+    else:
+        from models.lane_loading import load_lane_group
+
+        executor = load_lane_group(
+            "tiny-random",
+            lanes=lanes,
+            lane_transport="inprocess",
+            max_batch_size=batch,
+            trace_mode=trace_mode,
+        )
+        executor.start()
+        models = [lane.executor.model for lane in executor.lanes]
+    for model in models:
+        _null_decode(model, batch // lanes)
+    inputs = _step_inputs(batch, int(models[0].vocab_size))
+
+    def step() -> object:
+        return executor.decode_forward(**inputs)
+
+    return step, executor
+
+
+def executor_rows(batches: list[int], repeat: int) -> list[tuple[str, float]]:
+    """Median microseconds per `decode_forward` for each batch, single lane and group."""
+    rows: list[tuple[str, float]] = []
+    for batch in batches:
+        cases = [(f"lane, trace {mode}", mode, 1) for mode in ("none", "decode_only")]
+        if batch >= 2 and batch % 2 == 0:
+            cases += [(f"group 2 lanes, trace {mode}", mode, 2) for mode in ("none", "decode_only")]
+        for name, mode, lanes in cases:
+            step, executor = executor_case(batch, mode, lanes)
+            for _ in range(20):
+                step()
+            seconds = median_seconds(step, repeat=repeat)
+            executor.close()
+            rows.append((f"decode_forward batch {batch:>3}, {name}", seconds * 1e6))
+    return rows
+
+
 def main() -> None:
-    plan = planning_case()
-    plan_s = median_seconds(plan, repeat=7)
-    stage_s = median_seconds(staging_case(plan), repeat=7)
-    step, close = decode_case()
-    step_s = median_seconds(step, repeat=200)
-    close()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="*",
+        default=[],
+        help="batch sizes of the whole-step decode_forward rows (e.g. 1 32); none: skip them",
+    )
+    parser.add_argument("--repeat", type=int, default=300, help="timed steps per row (300)")
+    parser.add_argument(
+        "--skip-plan", action="store_true", help="skip the planning and lane-32 runtime rows"
+    )
+    options = parser.parse_args()
     print("host-side overhead (median, this machine, torch threads:", torch.get_num_threads(), ")")
-    print(f"  plan 1,000 mixed prefill rows        {plan_s * 1e3:9.2f} ms   (target < 5 ms)")
-    print(f"  ... plus every chunk's host inputs   {stage_s * 1e3:9.2f} ms   (no target)")
-    print(f"  decode host step at lane 32          {step_s * 1e6:9.1f} us   (target < 200 us)")
+    if not options.skip_plan:
+        plan = planning_case()
+        plan_s = median_seconds(plan, repeat=7)
+        stage_s = median_seconds(staging_case(plan), repeat=7)
+        step, close = decode_case()
+        step_s = median_seconds(step, repeat=200)
+        close()
+        print(f"  plan 1,000 mixed prefill rows        {plan_s * 1e3:9.2f} ms   (target < 5 ms)")
+        print(f"  ... plus every chunk's host inputs   {stage_s * 1e3:9.2f} ms   (no target)")
+        print(f"  decode host step at lane 32          {step_s * 1e6:9.1f} us   (target < 200 us)")
+    for name, micros in executor_rows(options.batch, options.repeat):
+        print(f"  {name:<52} {micros:9.1f} us")
 
 
 if __name__ == "__main__":

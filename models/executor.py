@@ -42,6 +42,7 @@ from runtime.prefill.result_collector import PrefillOutput
 from runtime.prefill.signatures import PreparedPrefill
 from runtime.program_compiler import CompiledProgram
 from runtime.sampling import SamplingParams
+from runtime.steps import DecodeStep
 from runtime.validation import require_bool
 from runtime.warmup_manifest import CoverageManifest
 
@@ -137,6 +138,8 @@ class ModelExecutor(LifecycleHost):
         self.traced_executor = components.traced_executor
         self.warmup = components.warmup
         self._kv_handle: list[list[Any]] | None = None
+        traced = self.traced_executor if config.trace.decode_enabled else None
+        self._decode_target: EagerExecutor | TracedExecutor = traced or self.eager_executor
 
     # -- geometry ---------------------------------------------------------------------------------
 
@@ -253,7 +256,7 @@ class ModelExecutor(LifecycleHost):
 
     # -- compile and warm ------------------------------------------------------------------------
 
-    def _validate_cache_argument(self, kv_cache: Any) -> None:
+    def _validate_cache_argument(self, kv_cache: object) -> None:
         if kv_cache is not None:
             self.kv_cache_manager.validate_borrowed_handle(kv_cache)
         elif self.kv_cache_manager.bound_context is None:
@@ -447,7 +450,7 @@ class ModelExecutor(LifecycleHost):
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _check_sampling(self, sampling_params: Any) -> None:
+    def _check_sampling(self, sampling_params: object) -> None:
         if sampling_params is not None:
             if not self.config.device_sampling_enabled:
                 raise ValueError(
@@ -457,6 +460,8 @@ class ModelExecutor(LifecycleHost):
             self.ensure_sampling_buffers()
 
     def _target(self, operation: str, execution: str | None) -> Any:
+        if execution is None and operation == "decode":
+            return self._decode_target  # the per-step case: decided once, at construction
         if execution not in (None, "eager", "traced"):
             raise ValueError(f"execution must be None, 'eager' or 'traced', got {execution!r}")
         traced = (
@@ -517,6 +522,27 @@ class ModelExecutor(LifecycleHost):
         try:
             prepared = self.decode_runtime.prepare(**arguments)
             return target.decode_forward(prepared, read_from_device=read_from_device)
+        except BaseException as error:  # inline: this is the per-step path
+            self._fault_if_holding("decode_forward", error)
+            raise
+
+    @guarded(P.SERVING)
+    def decode_step(self, step: DecodeStep) -> object:
+        """`decode_forward` of a typed step (what a lane group sends its lanes).
+
+        A step whose `checked` stamp is this lane's own geometry was checked by the group's
+        boundary and is not checked again; any other step is checked as `decode_forward`
+        checks its keywords (`DecodeRuntime.prepare_step`).
+        """
+        if not isinstance(step, DecodeStep):
+            raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
+        self._validate_cache_argument(step.kv_cache)
+        self._check_sampling(step.sampling_params)
+        require_bool("read_from_device", step.read_from_device)
+        target = self._target("decode", step.execution)
+        try:
+            prepared = self.decode_runtime.prepare_step(step)
+            return target.decode_forward(prepared, read_from_device=step.read_from_device)
         except BaseException as error:  # inline: this is the per-step path
             self._fault_if_holding("decode_forward", error)
             raise

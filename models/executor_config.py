@@ -57,7 +57,7 @@ class ModelExecutorConfig:
     @property
     def traced(self) -> bool:
         """Whether any operation is traced (the lane captures before serving)."""
-        return self.trace.mode != "none"
+        return self.trace.enabled
 
     def default_prefill_lengths(self) -> tuple[int, ...]:
         """Every padded length a prompt can take, up to the chunk size (warmup coverage)."""

@@ -146,7 +146,7 @@ def build_lane_components(
         prefill=prefill,
         decode=decode,
         program_compiler=program_compiler,
-        trace_mode=config.trace.mode,
+        trace=config.trace,
     )
     trace_compiler, traced = (
         _traced_parts(config, eager, program_compiler, journal, owner_name)
@@ -187,9 +187,7 @@ def _traced_parts(
     trace_compiler = TraceCompiler(
         program_compiler, journal=journal, owner_name=f"{owner_name}.trace-compiler"
     )
-    traced = TracedExecutor(
-        eager=eager, trace_compiler=trace_compiler, trace_mode=config.trace.mode
-    )
+    traced = TracedExecutor(eager=eager, trace_compiler=trace_compiler, trace=config.trace)
     return trace_compiler, traced
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 from lifecycle.errors import attach_cleanup_failures
-from models.progress import as_progress
+from models.lane_progress import LaneWorkerProgress
+from models.progress import ConsoleProgress, as_progress
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
 
@@ -102,21 +104,31 @@ def load_lane_group(
             attach_cleanup_failures(error, failures, note="closing the lanes already built")
             raise
         return LaneGroupExecutor(built, call_timeout_s=call_timeout_s)
-    # A callback of this process cannot run in a worker: it shows the lanes starting instead.
+    # A sink of this process cannot run in a worker: this one shows the lanes starting, and
+    # a console's workers print their own lines (load, kernels, warmup) prefixed by lane.
     sink = as_progress(kwargs.pop("progress", None))
+    shown = isinstance(sink, ConsoleProgress) and sink.enabled
     cuda = device.startswith("cuda")
-    factory = functools.partial(
-        load_executor,
-        str(model),
-        max_batch_size=per_lane,
-        device="cuda:0" if cuda else device,
-        **kwargs,
-    )
+    factories = [
+        functools.partial(
+            load_executor,
+            str(model),
+            max_batch_size=per_lane,
+            device="cuda:0" if cuda else device,
+            progress=LaneWorkerProgress(index) if shown and index == 0 else None,
+            **kwargs,
+        )
+        for index in range(lanes)
+    ]
     envs = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(lanes)] if cuda else None
+    sink.announce(
+        f"start {lanes} lane processes: each worker imports torch and loads {model} "
+        f"({os.cpu_count() or 1} CPU cores for {lanes} x {threads_per_lane or 1} threads)"
+    )
     started = sink.step(f"start {lanes} lane processes", total=lanes, each=True, estimate=False)
     with started as step:
         process_lanes = spawn_process_lanes(
-            [factory] * lanes,
+            factories,
             threads=threads_per_lane or 1,
             envs=envs,
             call_timeout_s=call_timeout_s or 600.0,

@@ -118,13 +118,16 @@ class _Step:
         left = (time.perf_counter() - self.started) / finished * (self.total - finished)
         return f"; about {_seconds(left)} left" if left >= 1.0 else ""
 
-    def finish(self) -> None:
+    def finish(self, *, stopped: bool = False) -> None:
+        """The step's last line: `done in`, or `stopped after` when it raised (or was
+        interrupted), so a pipe never reads an unfinished step as done."""
         seconds = time.perf_counter() - self.started
         if self.task is not None:
             self.owner._bars.remove_task(self.task)
         count = f" {self.done}/{self.total}" if self.total else ""
         detail = f"; {self.detail}" if self.detail and not self.each else ""
-        self.owner._line(f"{self.name}{count}: done in {seconds:.1f} s{detail}")
+        ended = "stopped after" if stopped else "done in"
+        self.owner._line(f"{self.name}{count}: {ended} {seconds:.1f} s{detail}")
 
 
 class ConsoleProgress:
@@ -194,11 +197,13 @@ class ConsoleProgress:
             self._start_bars()
         self._depth += 1
         step = _Step(self, name, total, each=each, estimate=estimate)
+        stopped = True
         try:
             yield step
+            stopped = False
         finally:
             self._depth -= 1
-            step.finish()
+            step.finish(stopped=stopped)
             self._stop_bars()
 
     def __call__(self, label: str, index: int, total: int) -> None:

@@ -129,6 +129,19 @@ class TraceConfig:
 
     mode: TraceMode = attrs.field(default="decode_only", validator=_check_trace_mode)
 
+    @classmethod
+    def of(cls, mode: object) -> TraceConfig:
+        """The config of a mode name from a flag or a settings file (refused unless known)."""
+        for known in TRACE_MODES:
+            if mode == known:
+                return cls(mode=known)
+        return cls(mode=mode)  # type: ignore[arg-type]  # the validator names what is allowed
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any operation is traced (the lane captures traces before serving)."""
+        return self.mode != "none"
+
     @property
     def prefill_enabled(self) -> bool:
         """Prefill is traced only in mode `all`."""

@@ -66,7 +66,9 @@ from runtime.output_reader import ReadState
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
+    SamplingPath,
 )
+from runtime.steps import DecodeCheck, DecodeStep
 from runtime.tensor_resources import TensorResourceOrphan, release_or_orphan, release_orphans
 from runtime.trace_compiler import PersistentInputs, RefreshDecision, TraceArtifact
 from runtime.validation import check_block_ids, require_bool
@@ -103,8 +105,10 @@ class DecodeRuntime:
             )
         self._config = config
         self._device: Device = config.device
+        self._check = _check_of(config)
         self._normalizer = PageTableNormalizer(config.page_table_layout)
         self._last_submitted: torch.Tensor | None = None
+        self._signatures: dict[tuple[SamplingPath, bool, bool, bool], DecodeSignature] = {}
         self._orphans: list[TensorResourceOrphan] = []
         self._leases: dict[int, DecodeOutputLease] = {}
         self._leases_by_host: dict[int, DecodeOutputLease] = {}
@@ -120,8 +124,10 @@ class DecodeRuntime:
         """Adopt late (smaller) physical geometry before serving; the runtime object stays."""
         config = self._config.with_page_table_layout(layout)
         self._config = config
+        self._check = _check_of(config)
         self._normalizer = PageTableNormalizer(config.page_table_layout)
         self._last_submitted = None
+        self._signatures.clear()
 
     @property
     def transient_orphan_count(self) -> int:
@@ -193,9 +199,58 @@ class DecodeRuntime:
             layout=config.page_table_layout,
             device_feedback=device_feedback,
         )
-        if config.page_table_layout.num_blocks is not None:
-            check_block_ids(lane.page_table, config.page_table_layout.num_blocks, read=counts)
-        return self._checked_step(lane, params, sampling, counts, reset_batch, device_feedback)
+        pool = config.page_table_layout.num_blocks
+        cached = self._normalizer.cached(lane.page_table, counts, device_feedback=device_feedback)
+        if pool is not None and cached is None:  # an unchanged table was judged when it came
+            check_block_ids(lane.page_table, pool, read=counts)
+        return self._checked_step(
+            lane, params, sampling, counts, reset_batch, device_feedback, cached
+        )
+
+    def prepare_step(self, step: DecodeStep) -> PreparedDecode:
+        """`prepare` of a typed step; one a group boundary checked against this lane's own
+        geometry (`step.checked`, see `runtime.steps`) is not checked again."""
+        if step.checked is None or step.checked != self._check:
+            return self.prepare(
+                step.tokens,
+                step.start_pos,
+                step.page_table,
+                sampling_params=step.sampling_params,
+                prompt_tokens=step.prompt_tokens,
+                output_tokens=step.output_tokens,
+                slot_remap=step.slot_remap,
+                reset_batch=step.reset_batch,
+            )
+        self._refuse_while_orphaned()
+        config = self._config
+        lane = LaneInputs(
+            tokens=step.tokens.to(device="cpu", dtype=torch.int64, copy=True),
+            positions=step.start_pos.to(device="cpu", dtype=torch.int64, copy=True),
+            page_table=step.page_table,
+        )
+        params = step.sampling_params
+        sampling = None
+        if params is not None:
+            sampling = prepare_lane_sampling(
+                config,
+                params,
+                lane,
+                prompt_tokens=step.prompt_tokens,
+                output_tokens=step.output_tokens,
+                slot_remap=step.slot_remap,
+            )
+        device_feedback = params is not None and config.position_feedback_capable
+        counts = page_table_copy_counts(
+            lane.page_table,
+            lane.positions,
+            layout=config.page_table_layout,
+            device_feedback=device_feedback,
+        )
+        pool = config.page_table_layout.num_blocks
+        if device_feedback and pool is not None:
+            # Feedback reads a look-ahead block the group's check (without it) did not judge.
+            check_block_ids(lane.page_table, pool, read=counts)
+        return self._checked_step(lane, params, sampling, counts, step.reset_batch, device_feedback)
 
     def _checked_step(
         self,
@@ -205,26 +260,59 @@ class DecodeRuntime:
         counts: torch.Tensor,
         reset_batch: bool,
         device_feedback: bool,
+        cached: torch.Tensor | None = None,
     ) -> PreparedDecode:
-        """The frozen step of checked inputs: nothing below here is the caller's fault."""
-        normalized = self._normalizer.normalize(
-            lane.page_table, counts, device_feedback=device_feedback
+        """The frozen step of checked inputs: nothing below here is the caller's fault.
+
+        `cached`: the normaliser's previous table, when the caller already found it equal.
+        """
+        normalized = (
+            cached
+            if cached is not None
+            else self._normalizer.normalize(
+                lane.page_table, counts, device_feedback=device_feedback
+            )
         )
         last = self._last_submitted
+        path: SamplingPath = "logits" if sampling is None else sampling.sampling_path
         prepared = PreparedDecode(
             tokens=lane.tokens,
             start_pos=lane.positions,
             page_table=normalized,
             sampling_params=params,
             prepared_sampling=sampling,
-            sampling_path="logits" if sampling is None else sampling.sampling_path,
+            sampling_path=path,
             reset_batch=reset_batch,
             device_feedback=device_feedback,
-            page_table_changed=last is None or not torch.equal(normalized, last),
+            # The normaliser hands back its cached table object for an unchanged one, and no
+            # normalised table is written after it is made: the same object is the same table.
+            page_table_changed=last is None
+            or (normalized is not last and not torch.equal(normalized, last)),
+            signature=self._signature(path, device_feedback, sampling),
         )
         config = self._config
         assert_lane_batch(prepared, config.lane_capacity, config.page_table_layout.decode_width)
         return prepared
+
+    def _signature(
+        self, path: SamplingPath, device_feedback: bool, sampling: PreparedSamplingParams | None
+    ) -> DecodeSignature:
+        """The step's program and trace identity: one per sampling facts, built once each."""
+        penalties = sampling is not None and sampling.penalties_enabled
+        logprobs = sampling is not None and sampling.log_probs_enabled
+        facts = (path, device_feedback, penalties, logprobs)
+        signature = self._signatures.get(facts)
+        if signature is None:
+            signature = DecodeSignature(
+                batch_size=self._config.lane_capacity,
+                page_table_width=self._config.page_table_layout.decode_width,
+                sampling_path=path,
+                device_feedback=device_feedback,
+                penalties_enabled=penalties,
+                logprobs_enabled=logprobs,
+            )
+            self._signatures[facts] = signature
+        return signature
 
     def _refuse_while_orphaned(self) -> None:
         if self._orphans:
@@ -233,25 +321,21 @@ class DecodeRuntime:
             )
 
     def program_signature(self, prepared: PreparedDecode) -> DecodeSignature:
-        """The eager program identity: lane capacity, normalised width, sampling facts."""
-        prepared = require_prepared(prepared)
-        return DecodeSignature(
-            batch_size=prepared.lane_capacity,
-            page_table_width=int(prepared.page_table.shape[1]),
-            sampling_path=prepared.sampling_path,
-            device_feedback=prepared.device_feedback,
-            penalties_enabled=prepared.penalties_enabled,
-            logprobs_enabled=prepared.logprobs_enabled,
-        )
+        """The eager program identity (lane capacity, normalised width, sampling facts): the
+        signature `prepare` built for the step."""
+        return require_prepared(prepared).signature
 
     def trace_signature(self, prepared: PreparedDecode) -> DecodeSignature:
         """The trace identity (same key material as the program)."""
         return DecodeSignature.for_program(self.program_signature(prepared))
 
     def note_submitted(self, prepared: PreparedDecode) -> None:
-        """Remember the page table a step was submitted with (traced replay calls this)."""
-        prepared = require_prepared(prepared)
-        self._last_submitted = prepared.page_table.clone()
+        """Remember the page table a step was submitted with (traced replay calls this).
+
+        The normalised table is the runtime's own and never written after `prepare` made it,
+        so it is kept, not copied.
+        """
+        self._last_submitted = require_prepared(prepared).page_table
 
     # -- eager execution ----------------------------------------------------------------------
 
@@ -289,7 +373,9 @@ class DecodeRuntime:
             value=value, owned=(value, inputs), is_tokens=prepared.sampling_path != "logits"
         )
 
-    def consume(self, result: DecodeInvocationResult, *, read_from_device: bool = True) -> Any:
+    def consume(
+        self, result: DecodeInvocationResult, *, read_from_device: bool = True
+    ) -> DecodeHostOutput | object:
         """Blocking: read, release owned values, normalise. Otherwise lease the raw output.
 
         Normalised output: logits float32 `[lane, 1, vocab]`; tokens int64 `[lane]`; with
@@ -305,7 +391,8 @@ class DecodeRuntime:
         if not read_from_device:
             if result.owned is not None:
                 self._register_lease(result)
-            return result.value
+            raw: object = result.value
+            return raw
         # Eager logits are a fresh model output this call owns and releases below, so the
         # reader may hand them over without a copy; trace outputs (owned=None) are overwritten
         # by the next replay and sampled tokens may live in sampler buffers: those are copied.
@@ -556,3 +643,14 @@ class DecodeRuntime:
         if failures:
             self._raise_release_failures(failures, operation)
         return out
+
+
+def _check_of(config: DecodeRuntimeConfig) -> DecodeCheck:
+    """The stamp of a step checked against this lane's geometry (`runtime.steps`)."""
+    return DecodeCheck(
+        lane_capacity=config.lane_capacity,
+        vocab_size=config.vocab_size,
+        page_table_layout=config.page_table_layout,
+        num_blocks=config.page_table_layout.num_blocks,
+        device_sampling_enabled=config.device_sampling_enabled,
+    )

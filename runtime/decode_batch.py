@@ -16,6 +16,7 @@ import torch
 
 from runtime.config import PageTableLayout
 from runtime.decode_config import DecodeRuntimeConfig
+from runtime.decode_signatures import DecodeSignature
 from runtime.sampling import (
     PreparedSamplingParams,
     SamplingParams,
@@ -80,7 +81,9 @@ class PreparedDecode:
 
     `tokens`/`start_pos` are int64 `[lane]` private copies; `page_table` is the normalised
     int32 `[lane, decode_width]` table (possibly the cached object of the previous step);
-    `prepared_sampling` is slot-indexed over the lane with inactive rows neutral.
+    `prepared_sampling` is slot-indexed over the lane with inactive rows neutral. `signature`
+    is the step's program and trace identity, built once by the boundary: the dispatcher's
+    key, never rebuilt below it.
     """
 
     tokens: torch.Tensor
@@ -92,6 +95,7 @@ class PreparedDecode:
     reset_batch: bool
     device_feedback: bool
     page_table_changed: bool
+    signature: DecodeSignature
 
     @property
     def lane_capacity(self) -> int:
@@ -133,6 +137,7 @@ def assert_lane_batch(prepared: PreparedDecode, lane_capacity: int, decode_width
     assert prepared.page_table.shape == (lane_capacity, decode_width)
     assert prepared.page_table.dtype == torch.int32
     assert (prepared.prepared_sampling is None) == (prepared.sampling_path == "logits")
+    assert prepared.signature.sampling_path == prepared.sampling_path
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,8 +153,9 @@ def _host_tensor(name: str, value: object, rank: int, shape_text: str) -> torch.
         raise ValueError(
             f"{name} must be a rank-{rank} tensor {shape_text}, got shape {tuple(value.shape)}"
         )
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    dtype = value.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {dtype}")
     return value
 
 
@@ -161,11 +167,10 @@ class LaneInputs:
     tokens: torch.Tensor
     positions: torch.Tensor
     page_table: torch.Tensor
-    active: torch.Tensor = attrs.field(init=False)
-    """bool `[lane]`: rows with a position >= 0 (computed once)."""
 
-    @active.default
-    def _active(self) -> torch.Tensor:
+    @property
+    def active(self) -> torch.Tensor:
+        """bool `[lane]`: rows with a position >= 0 (computed when a check needs it)."""
         return self.positions >= 0
 
 
@@ -184,9 +189,10 @@ def check_lane_inputs(
             f"decode tokens, start_pos and page_table batches must match: tokens {batch}, "
             f"start_pos {int(positions.shape[0])}, page_table {int(table.shape[0])}"
         )
+    # Integer tensors never require grad: a copy needs no detach.
     return LaneInputs(
-        tokens=host_tokens.detach().to(device="cpu", dtype=torch.int64, copy=True),
-        positions=positions.detach().to(device="cpu", dtype=torch.int64, copy=True),
+        tokens=host_tokens.to(device="cpu", dtype=torch.int64, copy=True),
+        positions=positions.to(device="cpu", dtype=torch.int64, copy=True),
         page_table=table,
     )
 
@@ -194,6 +200,11 @@ def check_lane_inputs(
 def check_token_ids(lane: LaneInputs, vocab_size: int) -> None:
     """Every active row's token is a vocabulary id (inactive rows may carry anything)."""
     tokens = lane.tokens
+    if not tokens.numel():
+        return
+    low, high = torch.aminmax(tokens)
+    if int(low) >= 0 and int(high) < vocab_size:
+        return  # every row holds an id: one reduction; active rows are looked at otherwise
     bad = (lane.active & ((tokens < 0) | (tokens >= vocab_size))).nonzero()
     if bad.numel():
         row = int(bad[0, 0])
@@ -236,10 +247,6 @@ def check_sampling_arguments(
     return sampling_params
 
 
-def _ceil_div(value: torch.Tensor, divisor: int) -> torch.Tensor:
-    return torch.div(value + (divisor - 1), divisor, rounding_mode="floor")
-
-
 def page_table_copy_counts(
     page_table: torch.Tensor,
     start_pos: torch.Tensor,
@@ -258,7 +265,25 @@ def page_table_copy_counts(
     raw = layout.raw_capacity_width
     width = int(page_table.shape[1])
     pos = start_pos.to(torch.int64)
-    used = _ceil_div((pos + 1).clamp(min=0), block)
+    # ceil((pos + 1) / block) == floor((pos + block) / block) for pos >= -1; below, 0 blocks.
+    used = (pos + block).div_(block, rounding_mode="floor")
+    if pos.numel():
+        low, high = torch.aminmax(pos)
+        if int(low) < -1:
+            used.clamp_(min=0)
+        if int(high) >= min(raw, width) * block:  # the blocks needed grow with the position
+            _refuse_positions(pos, used, block=block, raw=raw, width=width)
+    if not device_feedback:
+        return used
+    at_boundary = (pos >= 0) & ((pos + 1) % block == 0)
+    look_ahead = (used + 1).clamp(max=min(raw, width))
+    return torch.where(at_boundary, torch.maximum(look_ahead, used), used)
+
+
+def _refuse_positions(
+    pos: torch.Tensor, used: torch.Tensor, *, block: int, raw: int, width: int
+) -> None:
+    """The first row whose position the layout or the caller's table cannot hold."""
     over = (used > raw).nonzero()
     if over.numel():
         row = int(over[0, 0])
@@ -274,11 +299,6 @@ def page_table_copy_counts(
             f"page table is too narrow for decode row {row}: position {int(pos[row])} needs "
             f"{int(used[row])} block(s) of {block} tokens, the page table has {width} column(s)"
         )
-    if not device_feedback:
-        return used
-    at_boundary = (pos >= 0) & ((pos + 1) % block == 0)
-    look_ahead = (used + 1).clamp(max=min(raw, width))
-    return torch.where(at_boundary, torch.maximum(look_ahead, used), used)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,9 +22,13 @@ from runtime.signature_fields import (
 )
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class DecodeSignature:
-    """What a decode program and its trace depend on: lane shape, widths, sampling path."""
+    """What a decode program and its trace depend on: lane shape, widths, sampling path.
+
+    Frozen and hashable (the hash is computed once): the key a `DecodeDispatcher` looks a
+    step's program and trace up by, in one dict lookup.
+    """
 
     batch_size: int = attrs.field(validator=positive_field)
     page_table_width: int = attrs.field(validator=positive_field)

@@ -15,9 +15,11 @@ from typing import Any, NoReturn, Protocol, Unpack
 
 import torch
 
+from runtime.config import TraceConfig
 from runtime.decode import DecodeRuntime
 from runtime.decode_batch import PreparedDecode
-from runtime.decode_staging import DecodeInvocationResult
+from runtime.decode_dispatch import DecodeDispatcher
+from runtime.decode_staging import DecodeHostOutput, DecodeInvocationResult
 from runtime.identity import KEY_SCHEMA_VERSION, TRACE_KEY_DOMAIN, key_pairs_of, signature_digest
 from runtime.prefill.batch import PrefillArguments, PrefillBatch
 from runtime.prefill.replay import PrefillReplayEvidence, replay_prepared
@@ -53,7 +55,7 @@ class CompileGateClosedError(TraceCoverageError):
     """An eager call after capture needs a program warmup never compiled; nothing ran."""
 
 
-def _compact(signature: Any) -> str:
+def _compact(signature: object) -> str:
     """`name=value` pairs of a signature's key material (None values left out)."""
     pairs = key_pairs_of(signature)
     return ", ".join(f"{name}={value}" for name, value in pairs if value is not None)
@@ -90,29 +92,44 @@ def _model_name(model: object) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _result_spec(result: Any) -> OutputSpec:
+def _result_spec(result: InvocationResult | DecodeInvocationResult) -> OutputSpec:
     return OutputSpec.from_value(result.value)
 
 
-def _result_owned(result: Any) -> Any:
-    return result.owned
+def _result_owned(result: InvocationResult | DecodeInvocationResult) -> object:
+    owned: object = result.owned
+    return owned
 
 
-class _CompilesDecodeSteps(Protocol):
-    """What the warm-up decode entry needs of an executor."""
+class _DecodeExecution(Protocol):
+    """What the shared decode entry needs of an executor: its runtime, how it compiles a
+    checked step and how it launches one."""
 
     @property
     def decode(self) -> DecodeRuntime: ...
 
     def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram: ...
 
+    def launch_decode(self, prepared: PreparedDecode) -> DecodeInvocationResult: ...
 
-class _WarmupDecodeEntry:
-    """Warm-up builds its decode steps by keyword (`runtime.warmup`); both executors take
-    them the same way: the step is checked at the decode boundary, then compiled their way."""
+
+class _DecodeEntry:
+    """The decode calls both executors share: warm-up builds its steps by keyword
+    (`runtime.warmup`), checked at the decode boundary then compiled each executor's way;
+    a served step takes one path, `decode_forward`, that differs only in `launch_decode`
+    (eager: stage and run the program; traced: replay its trace), both finding the step's
+    program by one lookup on the signature the boundary built (`DecodeDispatcher`)."""
+
+    def decode_forward(
+        self: _DecodeExecution, prepared: PreparedDecode, *, read_from_device: bool = True
+    ) -> DecodeHostOutput | object:
+        """Run one checked decode step, then read it: the host output (`DecodeHostOutput`),
+        or with `read_from_device=False` the raw output, leased until it is read."""
+        result = self.launch_decode(prepared)
+        return self.decode.consume(result, read_from_device=read_from_device)
 
     def compile_decode(
-        self: _CompilesDecodeSteps,
+        self: _DecodeExecution,
         *,
         tokens: torch.Tensor,
         start_pos: torch.Tensor,
@@ -125,7 +142,7 @@ class _WarmupDecodeEntry:
         )
 
 
-class EagerExecutor(_WarmupDecodeEntry):
+class EagerExecutor(_DecodeEntry):
     """Compiles and runs eager requests over the prefill and decode runtimes."""
 
     def __init__(
@@ -134,7 +151,7 @@ class EagerExecutor(_WarmupDecodeEntry):
         prefill: PrefillRuntime,
         decode: DecodeRuntime,
         program_compiler: ProgramCompiler,
-        trace_mode: str = "none",
+        trace: TraceConfig | None = None,
     ) -> None:
         if not isinstance(program_compiler, ProgramCompiler):
             raise TypeError(
@@ -150,10 +167,16 @@ class EagerExecutor(_WarmupDecodeEntry):
         self.prefill = prefill
         self.decode = decode
         self.program_compiler = program_compiler
-        self.trace_mode = trace_mode
+        self.trace = trace if trace is not None else TraceConfig(mode="none")
+        self.dispatcher = DecodeDispatcher(program_compiler)
         self._gate_refusals = 0
         self._eager_prefill_count = 0
         self._eager_decode_count = 0
+
+    @property
+    def trace_mode(self) -> str:
+        """The lane's trace mode, as error messages name it."""
+        return self.trace.mode
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -232,7 +255,7 @@ class EagerExecutor(_WarmupDecodeEntry):
         """Eager calls refused because the closed gate lacked their program."""
         return self._gate_refusals
 
-    def _refuse(self, operation: str, signature: Any, request: str) -> None:
+    def _refuse(self, operation: str, signature: object, request: str) -> None:
         self._gate_refusals += 1
         compiler = self.program_compiler
         key = compiler.key_for(signature)
@@ -269,27 +292,25 @@ class EagerExecutor(_WarmupDecodeEntry):
 
     def compile_decode_batch(self, prepared: PreparedDecode) -> CompiledProgram:
         """Compile the program of a checked decode step (run once, outputs released)."""
-        signature = self.decode.program_signature(prepared)
         return self.program_compiler.compile(
-            signature,
+            prepared.signature,
             lambda context: self.decode.invoke(prepared, device_feedback=prepared.device_feedback),
             output_spec=_result_spec,
             release_output=_result_owned,
         )
 
-    def decode_forward(self, prepared: PreparedDecode, *, read_from_device: bool = True) -> Any:
-        """Run one checked decode step eagerly (only compiled signatures once the gate closed)."""
-        if self.program_compiler.gate_closed:
-            signature = self.decode.program_signature(prepared)
-            if not self.program_compiler.is_compiled(signature):
-                self._refuse(
-                    "decode",
-                    signature,
-                    f"active_rows={prepared.active_rows}, reset_batch={prepared.reset_batch}",
-                )
+    def launch_decode(self, prepared: PreparedDecode) -> DecodeInvocationResult:
+        """Stage and run one checked step (once the gate closed, only a compiled signature)."""
+        gate_closed = self.program_compiler.gate_closed
+        if gate_closed and self.dispatcher.program(prepared.signature) is None:
+            self._refuse(
+                "decode",
+                prepared.signature,
+                f"active_rows={prepared.active_rows}, reset_batch={prepared.reset_batch}",
+            )
         result = self.decode.invoke(prepared, device_feedback=False)
         self._eager_decode_count += 1
-        return self.decode.consume(result, read_from_device=read_from_device)
+        return result
 
     def runtime_summary(self) -> dict[str, Any]:
         """Counters for bring-up logs."""
@@ -304,11 +325,11 @@ class EagerExecutor(_WarmupDecodeEntry):
         }
 
 
-class TracedExecutor(_WarmupDecodeEntry):
+class TracedExecutor(_DecodeEntry):
     """Registers and replays traces over the exact eager executor; misses raise."""
 
     def __init__(
-        self, *, eager: EagerExecutor, trace_compiler: TraceCompiler, trace_mode: str = "all"
+        self, *, eager: EagerExecutor, trace_compiler: TraceCompiler, trace: TraceConfig
     ) -> None:
         if not isinstance(eager, EagerExecutor):
             raise TypeError(f"eager must be an EagerExecutor, got {type(eager).__name__}")
@@ -318,14 +339,14 @@ class TracedExecutor(_WarmupDecodeEntry):
             )
         if trace_compiler.program_compiler is not eager.program_compiler:
             raise ValueError("trace_compiler must compose eager.program_compiler")
-        if trace_mode not in ("decode_only", "all"):
+        if not isinstance(trace, TraceConfig) or not trace.enabled:
             raise ValueError(
-                f"trace_mode must be 'decode_only' or 'all' for a TracedExecutor, got "
-                f"{trace_mode!r} (trace mode 'none' uses the EagerExecutor alone)"
+                f"trace must be a TraceConfig of mode 'decode_only' or 'all' for a "
+                f"TracedExecutor, got {trace!r} (trace mode 'none' uses the EagerExecutor alone)"
             )
         self.eager_executor = eager
         self.trace_compiler = trace_compiler
-        self.trace_mode = trace_mode
+        self.trace = trace
         self._coverage_misses = 0
         self.recent_prefill_replay_evidence: tuple[PrefillReplayEvidence, ...] = ()
 
@@ -345,6 +366,11 @@ class TracedExecutor(_WarmupDecodeEntry):
         return self.eager_executor.decode
 
     @property
+    def trace_mode(self) -> str:
+        """The lane's trace mode, as error messages name it."""
+        return self.trace.mode
+
+    @property
     def coverage_miss_count(self) -> int:
         """Traced calls refused because coverage was missing."""
         return self._coverage_misses
@@ -352,7 +378,7 @@ class TracedExecutor(_WarmupDecodeEntry):
     @property
     def prefill_traced(self) -> bool:
         """Whether prefill is a traced operation in this mode."""
-        return self.trace_mode == "all"
+        return self.trace.prefill_enabled
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -478,13 +504,13 @@ class TracedExecutor(_WarmupDecodeEntry):
             )
         return program
 
-    def decode_forward(self, prepared: PreparedDecode, *, read_from_device: bool = True) -> Any:
+    def launch_decode(self, prepared: PreparedDecode) -> DecodeInvocationResult:
         """Replay the captured decode trace of a checked step, or raise `TraceCoverageError`."""
-        signature = self.decode.program_signature(prepared)
-        key = self.program_compiler.key_for(signature)
-        if not self.program_compiler.is_compiled(signature) or not self.trace_compiler.is_captured(
-            key
-        ):
+        program = self.eager_executor.dispatcher.program(prepared.signature)
+        if program is None:
+            self._miss_decode(prepared, self.program_compiler.key_for(prepared.signature).digest)
+        key = program.key
+        if not self.trace_compiler.is_captured(key):
             self._miss_decode(prepared, key.digest)
 
         def refresh(artifact: TraceArtifact, decision: RefreshDecision) -> None:
@@ -499,10 +525,9 @@ class TracedExecutor(_WarmupDecodeEntry):
             page_table_changed=prepared.page_table_changed,
         )
         self.decode.note_submitted(prepared)
-        result = DecodeInvocationResult(
+        return DecodeInvocationResult(
             value=outputs, owned=None, is_tokens=prepared.sampling_path != "logits"
         )
-        return self.decode.consume(result, read_from_device=read_from_device)
 
     def _miss_decode(self, prepared: PreparedDecode, program_key: str) -> NoReturn:
         self._coverage_misses += 1

@@ -21,6 +21,7 @@ import torch
 from lifecycle import LifecycleHost, Phase, PhaseError, guarded
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
+from runtime.config import TraceConfig
 from runtime.decode_batch import DecodeArguments
 from runtime.lane_routing import (
     LaneOutput,
@@ -191,9 +192,9 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
     ) -> list[DecodeStep]:
         """The boundary: check one global decode step, then split it into lane steps."""
         caches, executions = self._placement("decode", kv_cache, execution)
-        self._boundary.check_decode(arguments, self.facts)
+        checked = self._boundary.check_decode(arguments, self.facts)
         return split_decode(
-            DecodeStep.of(arguments, read_from_device=read),
+            DecodeStep.of(arguments, read_from_device=read, checked=checked),
             per_lane=self.per_lane_max_batch_size,
             lanes=len(self.lanes),
             kv_caches=caches,
@@ -419,7 +420,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self._guard("compile", lambda: super(LaneGroupExecutor, self).compile())
 
     def _requires_capture(self) -> bool:
-        return self.trace_mode != "none"
+        return TraceConfig.of(self.trace_mode).enabled
 
     def _do_capture(self) -> str:
         """The lane barrier: every lane must be pending, then all capture together."""

@@ -226,8 +226,7 @@ def split_decode(
     for lane in range(lanes):
         rows = range(lane * per_lane, (lane + 1) * per_lane)
         split.append(
-            attrs.evolve(
-                step,
+            DecodeStep(
                 tokens=step.tokens[rows.start : rows.stop],
                 start_pos=step.start_pos[rows.start : rows.stop],
                 page_table=step.page_table[rows.start : rows.stop],
@@ -235,8 +234,11 @@ def split_decode(
                 prompt_tokens=_lane_history(step.prompt_tokens, rows, per_lane * lanes),
                 output_tokens=_lane_history(step.output_tokens, rows, per_lane * lanes),
                 slot_remap=remap_for_lane(step.slot_remap, lane, per_lane=per_lane, lanes=lanes),
+                reset_batch=step.reset_batch,
                 kv_cache=kv_caches[lane],
                 execution=executions[lane],
+                read_from_device=step.read_from_device,
+                checked=step.checked,
             )
         )
     return split

@@ -192,12 +192,15 @@ class ProgramCompiler:
 
     def is_compiled(self, signature: object) -> bool:
         """Whether `signature` has a compiled program; a digest collision raises (2.16)."""
+        return self.program_for(signature) is not None
+
+    def program_for(self, signature: object) -> CompiledProgram | None:
+        """The compiled program of `signature`, or None; a digest collision raises (2.16)."""
         key = self.key_for(signature)
         program = self._programs.get(key)
-        if program is None:
-            return False
-        self._check_collision(key, signature, program)
-        return True
+        if program is not None:
+            self._check_collision(key, signature, program)
+        return program
 
     @staticmethod
     def _check_collision(key: ProgramKey, signature: object, program: CompiledProgram) -> None:

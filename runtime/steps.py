@@ -6,6 +6,11 @@ through the lane protocol (the process transport pickles it); the executing side
 step's keywords to the lane executor. `ExecutionTarget` names what a lane group, an eager
 executor's host (`ModelExecutor`) and a traced one each offer a caller. `page_table` keeps
 that name from the boundary to the model.
+
+A decode step the group's boundary checked carries a `DecodeCheck`: the lane geometry it was
+checked against. A lane whose own geometry is that one trusts the step and does not check it
+again (`DecodeRuntime.prepare_step`); any other step, or one without the stamp, is checked by
+the lane's own boundary as every public call is. Only `runtime.lanes.boundary` stamps steps.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from typing import Protocol, Unpack, runtime_checkable
 import attrs
 import torch
 
+from runtime.config import PageTableLayout
 from runtime.decode_batch import DecodeArguments, SlotRemap
 from runtime.prefill.batch import IntVector, PrefillArguments
 from runtime.sampling import SamplingParams
 
-__all__ = ["DecodeStep", "ExecutionTarget", "LaneStep", "PrefillStep"]
+__all__ = ["DecodeCheck", "DecodeStep", "ExecutionTarget", "LaneStep", "PrefillStep"]
 
 
 @attrs.frozen(eq=False)
@@ -78,9 +84,27 @@ class PrefillStep:
         )
 
 
+@attrs.frozen
+class DecodeCheck:
+    """The lane geometry a group boundary checked a decode step against: the rows of one lane,
+    the vocabulary, the page-table layout, the KV pool's blocks (None: not judged) and whether
+    sampling parameters are accepted. Every caller error of `DecodeRuntime.prepare` depends on
+    these and on the step alone."""
+
+    lane_capacity: int
+    vocab_size: int
+    page_table_layout: PageTableLayout
+    num_blocks: int | None
+    """Compared on its own: a layout's pool is not part of the layout's equality."""
+    device_sampling_enabled: bool
+
+
 @attrs.frozen(eq=False)
 class DecodeStep:
-    """One decode step over a lane (or the whole group): `DecodeArguments` plus placement."""
+    """One decode step over a lane (or the whole group): `DecodeArguments` plus placement.
+
+    `checked` is set by the group boundary only (see the module docstring).
+    """
 
     tokens: torch.Tensor
     start_pos: torch.Tensor
@@ -93,6 +117,7 @@ class DecodeStep:
     kv_cache: object = None
     execution: str | None = None
     read_from_device: bool = True
+    checked: DecodeCheck | None = None
 
     @classmethod
     def of(
@@ -102,6 +127,7 @@ class DecodeStep:
         kv_cache: object = None,
         execution: str | None = None,
         read_from_device: bool = True,
+        checked: DecodeCheck | None = None,
     ) -> DecodeStep:
         """The step of checked keyword arguments (the boundary built and checked them)."""
         return cls(
@@ -116,6 +142,7 @@ class DecodeStep:
             kv_cache=kv_cache,
             execution=execution,
             read_from_device=read_from_device,
+            checked=checked,
         )
 
     def keywords(self, *, with_read: bool = True) -> dict[str, object]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, MutableSequence
 from typing import Any
 
 import attrs
+import torch
 
 from lifecycle.errors import (
     CLEANUP_NOTE_PREFIX,
@@ -82,10 +83,18 @@ def _iter_owned_leaves(
     stack: list[Any] = [value]
     while stack:
         item = stack.pop()
-        if id(item) in visited:
+        if item is None:
+            continue  # an absent optional value: nothing to walk or release
+        key = id(item)
+        if key in visited:
             continue
-        visited.add(id(item))
+        visited.add(key)
         keepalive.append(item)
+        if isinstance(item, torch.Tensor):
+            # A tensor is always a leaf (it never owns values): skip the owner lookup.
+            if key not in completed and device.is_owned(item):
+                yield item
+            continue
         if isinstance(item, dict):
             stack.extend(reversed(list(item.values())))
             continue
@@ -145,9 +154,11 @@ def release_or_orphan(
     value: Any, device: Device
 ) -> tuple[TensorResourceOrphan | None, list[BaseException]]:
     """Release `value` best-effort; on failure return an orphan that a later retry can finish."""
-    orphan = TensorResourceOrphan(values=value, device=device)
-    failures = orphan.release()
-    return (orphan if failures else None), failures
+    done: set[int] = set()
+    failures = best_effort_deallocate_owned_tensors(value, device, done)
+    if not failures:
+        return None, failures  # the per-step case: no orphan record is built
+    return TensorResourceOrphan(values=value, device=device, deallocated_tensor_ids=done), failures
 
 
 def release_orphans(orphans: MutableSequence[TensorResourceOrphan]) -> list[BaseException]:

@@ -110,6 +110,8 @@ def _check_kv_memory(executor: Any, blocks: int) -> None:
 
 def _steps(executor: Any, num_blocks: int | None) -> list[Step]:
     """The phase calls in lifecycle order (capture only for a traced executor)."""
+    from runtime.config import TraceConfig
+
     steps: list[Step] = [
         ("resolve_capacity", lambda: executor.resolve_capacity(num_blocks)),
         ("seal", executor.seal),
@@ -117,7 +119,7 @@ def _steps(executor: Any, num_blocks: int | None) -> list[Step]:
         ("warmup_prefill", executor.warmup_prefill),
         ("warmup_decode", executor.warmup_decode),
     ]
-    if executor.trace_mode != "none":
+    if TraceConfig.of(executor.trace_mode).enabled:
         steps.append(("capture", executor.capture))
     steps.append(("serve", executor.serve))
     steps.append(("request", lambda: _bringup_request(executor)))

@@ -12,6 +12,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from models.cli.errors import UsageError, one_line
+from models.cli.lane_bounds import check_lane_memory
 
 if TYPE_CHECKING:
     from models.llama.config import LlamaArgs
@@ -77,6 +78,8 @@ def check_lane_arguments(args: argparse.Namespace, model: LlamaArgs | None = Non
         )
     if hasattr(args, "max_batch"):
         check_slot_capacity(args, model)
+    if hasattr(args, "lane_transport"):
+        check_lane_memory(args, model)
     return model
 
 
@@ -187,12 +190,13 @@ def warmup_config(args: argparse.Namespace) -> Any:
 
     Sampling (temperature > 0) decodes on the top-k path, so a traced lane must capture it too.
     """
-    from runtime.config import WarmupConfig
+    from runtime.config import TraceConfig, WarmupConfig
 
     sampling = getattr(args, "temperature", 0.0) > 0
-    if args.warmup == "full" or (args.warmup == "auto" and args.trace != "none"):
+    traced = TraceConfig.of(args.trace).enabled
+    if args.warmup == "full" or (args.warmup == "auto" and traced):
         return WarmupConfig(include_decode_top_k=True) if sampling else None
-    if args.trace != "none":
+    if traced:
         raise UsageError(
             f"--warmup minimal needs --trace none (got --trace {args.trace}): traced lanes "
             "close the compile gate at capture, so every shape must be warmed; use --warmup full"

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import select
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -152,5 +153,15 @@ def _stdout_closed() -> bool:
 
 
 def run() -> None:
-    """Console-script wrapper: exit with `main`'s status."""
-    sys.exit(main())
+    """Console-script wrapper: exit with `main`'s status.
+
+    A Ctrl-C that lands after `main` handled its own (while it returns, or while lane
+    workers are joined at exit) still ends with status 130 and one line, not a traceback.
+    """
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        status = EXIT_INTERRUPTED
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rest is interpreter teardown
+    sys.exit(status)

@@ -132,7 +132,7 @@ def load_executor(
     sink = as_progress(progress)
     _check_dtype(dtype, device, cpu_features)
     plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
-    trace = TraceConfig(mode=trace_mode)  # type: ignore[arg-type]
+    trace = TraceConfig.of(trace_mode)
     _check_geometry(block_size, num_blocks, max_batch_size, max_prefill_chunk_size, max_seq_len)
     target = make_device(device, faults=faults)
     with sink.step(f"load model {model}"):

@@ -112,7 +112,7 @@ class LlamaVLLMModel:
         self.options = options
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.trace = TraceConfig(mode=options.trace_mode)  # type: ignore[arg-type]
+        self.trace = TraceConfig.of(options.trace_mode)
         blocks_per_seq = -(-max_seq_len // options.block_size)
         target = self._build_target(
             block_size=options.block_size,
@@ -393,7 +393,7 @@ class LlamaVLLMModel:
         if phase in (Phase.SERVING, Phase.CAPTURED):
             return
         if phase is Phase.COMPILED:
-            if self.trace.mode == "none":
+            if not self.trace.enabled:
                 return
             missing = [
                 f"warmup_model_{kind}"

@@ -69,7 +69,7 @@ class VLLMFacadeOptions:
     def __attrs_post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise TypeError(f"model must be a non-empty model name or path, got {self.model!r}")
-        TraceConfig(mode=self.trace_mode)  # type: ignore[arg-type]
+        TraceConfig.of(self.trace_mode)
         require_positive_int("block_size", self.block_size)
         require_positive_int("max_prefill_chunk_size", self.max_prefill_chunk_size)
         if self.max_prefill_chunk_size % self.block_size:

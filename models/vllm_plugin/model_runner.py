@@ -157,7 +157,7 @@ class LLMRuntimeModelRunner:
             self.sampling_policy = DeviceSamplingPolicy(
                 vocab_size=self.vocab_size,
                 max_top_k=getattr(self.model, "max_device_top_k", None),
-                penalties=self.settings.trace_mode == "none",
+                penalties=not self.settings.trace.enabled,
             )
         logger.info(
             "llm-runtime facade %s loaded in %.1f s; sampling: %s",
@@ -220,8 +220,8 @@ class LLMRuntimeModelRunner:
     def warm_up(self) -> None:
         """The two-phase warmup: compile every shape, then capture traces where the mode says."""
         for enable_trace in (False, True):
-            trace_prefill = self.settings.trace_mode == "all"
-            trace_decode = self.settings.trace_mode != "none"
+            trace_prefill = self.settings.trace.prefill_enabled
+            trace_decode = self.settings.trace.decode_enabled
             if not enable_trace or trace_prefill:
                 self.model.warmup_model_prefill(
                     enable_trace=enable_trace,
@@ -480,7 +480,7 @@ class LLMRuntimeModelRunner:
             tokens=batch.tokens,
             page_table=batch.page_table,
             kv_cache=self.kv_cache,
-            enable_trace=self.settings.trace_mode == "all",
+            enable_trace=self.settings.trace.prefill_enabled,
             prompt_lens=batch.prompt_lens,
             start_pos=batch.start_pos,
             empty_slots=list(batch.empty_slots),
@@ -505,7 +505,7 @@ class LLMRuntimeModelRunner:
             "page_table": batch.page_table,
             "kv_cache": self.kv_cache,
             "start_pos": batch.start_pos,
-            "enable_trace": self.settings.trace_mode != "none",
+            "enable_trace": self.settings.trace.decode_enabled,
         }
         if sampling is not None:
             arguments.update(sampling.keywords(), reset_batch=self._lane_changed(batch))

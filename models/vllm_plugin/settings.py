@@ -12,8 +12,9 @@ from typing import Any
 
 import attrs
 
+from runtime.config import TRACE_MODES, TraceConfig
+
 SECTION = "llm_runtime"
-TRACE_MODES = ("none", "decode_only", "all")
 
 
 @attrs.frozen
@@ -25,6 +26,11 @@ class PluginSettings:
     device_sampling: bool | None = None
     """None: sample on the device where the facade declares it; False: always vLLM's sampler
     on host logits; True: require the facade's device sampling (refused where it has none)."""
+
+    @property
+    def trace(self) -> TraceConfig:
+        """What `trace_mode` traces (only `TraceConfig` reads the mode names)."""
+        return TraceConfig.of(self.trace_mode)
 
     @classmethod
     def from_additional_config(cls, additional: Any) -> PluginSettings:

@@ -29,6 +29,7 @@ from runtime.lane_routing import route_prefill_rows
 from runtime.lanes.protocol import LaneFacts
 from runtime.prefill.batch import PlanLimits, PrefillArguments, check_batch, check_prefill_keywords
 from runtime.sampling import SamplingParams, prepare_sampling_params, slice_sampling_params
+from runtime.steps import DecodeCheck
 from runtime.validation import require_bool
 
 __all__ = [
@@ -58,6 +59,8 @@ class GroupGeometry:
     vocab_size: int | None
     device_sampling_enabled: bool
     max_device_top_k: int | None
+    decode_check: DecodeCheck | None = None
+    """The stamp of a decode step checked against this geometry (None: a fact is missing)."""
 
     @property
     def capacity(self) -> int:
@@ -67,19 +70,36 @@ class GroupGeometry:
     @classmethod
     def of(cls, owner: str, facts: Sequence[LaneFacts], per_lane: int) -> GroupGeometry:
         first = facts[0]
-        layout = first.page_table_layout
+        layout = (
+            first.page_table_layout
+            if isinstance(first.page_table_layout, PageTableLayout)
+            else None
+        )
         limits = first.plan_limits
+        vocab = first.vocab_size
+        check = (
+            None
+            if vocab is None or layout is None
+            else DecodeCheck(
+                lane_capacity=per_lane,
+                vocab_size=vocab,
+                page_table_layout=layout,
+                num_blocks=first.num_blocks,
+                device_sampling_enabled=first.device_sampling_enabled,
+            )
+        )
         return cls(
             operation_owner=owner,
             lanes=len(facts),
             per_lane=per_lane,
             num_blocks=first.num_blocks,
             block_size=first.block_size,
-            page_table_layout=layout if isinstance(layout, PageTableLayout) else None,
+            page_table_layout=layout,
             plan_limits=limits,
-            vocab_size=first.vocab_size,
+            vocab_size=vocab,
             device_sampling_enabled=first.device_sampling_enabled,
             max_device_top_k=first.max_device_top_k,
+            decode_check=check,
         )
 
     def prefill_limits(self) -> PlanLimits | None:
@@ -131,8 +151,10 @@ class GroupBoundary:
     def check_prefill(self, arguments: PrefillArguments, facts: Sequence[LaneFacts]) -> None:
         check_group_prefill(arguments, self.geometry(facts))
 
-    def check_decode(self, arguments: DecodeArguments, facts: Sequence[LaneFacts]) -> None:
-        check_group_decode(arguments, self.geometry(facts), sampling=self._sampling)
+    def check_decode(
+        self, arguments: DecodeArguments, facts: Sequence[LaneFacts]
+    ) -> DecodeCheck | None:
+        return check_group_decode(arguments, self.geometry(facts), sampling=self._sampling)
 
 
 def check_group_prefill(arguments: PrefillArguments, geometry: GroupGeometry) -> None:
@@ -170,8 +192,13 @@ def check_group_prefill(arguments: PrefillArguments, geometry: GroupGeometry) ->
 
 def check_group_decode(
     arguments: DecodeArguments, geometry: GroupGeometry, *, sampling: SamplingMemo | None = None
-) -> None:
-    """Refuse a decode step a lane would refuse (batch, dtypes, ids, positions, sampling)."""
+) -> DecodeCheck | None:
+    """Refuse a decode step a lane would refuse (batch, dtypes, ids, positions, sampling).
+
+    Returns the stamp the lanes' steps carry (`DecodeCheck`: what every lane boundary rule
+    was checked against), so a lane of that geometry does not check its part again; None
+    when a lane fact a rule needs was not reported (a small fake lane checks its own).
+    """
     operation = f"{geometry.operation_owner}.decode_forward"
     options = {
         name: value
@@ -207,6 +234,7 @@ def check_group_decode(
     check_block_ids(lane.page_table, geometry.num_blocks, read=read)
     if params is not None:
         _check_decode_sampling(geometry, params, lane.active, sampling)
+    return geometry.decode_check
 
 
 def _check_decode_sampling(

@@ -3,7 +3,9 @@
 `submit` runs the call at once: on CUDA the launches and replays it makes are asynchronous,
 so the group issuing a call to every lane before waiting on any overlaps the lane's device
 work. A blocking decode is split into launch, asynchronous read and completion, so only
-`wait` synchronizes with the lane's device (its events).
+`wait` synchronizes with the lane's device (its events). On a torch CPU device every call has
+finished when it returns, so there is nothing to overlap and the lane reads at once (the split
+would only add host work to every step).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
+from runtime.backends.torch_device import TorchDevice
 from runtime.lanes.protocol import (
     CompletedCall,
     JournalRow,
@@ -34,6 +37,7 @@ class InProcessLane(LaneBase):
         super().__init__(index)
         self.executor = executor
         self._target = LaneTarget(executor)
+        self._split_reads = not _synchronous(executor)
         self._last: CompletedCall | None = None
         self._facts = self._describe({"with_tokenizer": True}, None)
 
@@ -65,6 +69,7 @@ class InProcessLane(LaneBase):
                 method == "decode_forward"
                 and isinstance(step, DecodeStep)
                 and step.read_from_device
+                and self._split_reads
             ):
                 call = self._launch_decode(step)
             elif method == "describe":
@@ -104,3 +109,9 @@ class InProcessLane(LaneBase):
             return
         self._target.close()
         self._closed = True
+
+
+def _synchronous(executor: object) -> bool:
+    """Whether the lane's device finishes its work before a call returns (torch on CPU)."""
+    device = getattr(executor, "device", None)
+    return isinstance(device, TorchDevice) and device.torch_device.type == "cpu"

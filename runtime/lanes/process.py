@@ -7,15 +7,24 @@ the pipe), never as pickled copies of large buffers; objects whose identity matt
 the lane (raw decode outputs, pending reads, preflighted requests, the KV handle) stay in the
 worker and cross as `RemoteRef` tokens. Every wait is bounded, and a worker that died or did
 not answer in time is a `LaneFailure` naming the lane.
+
+A decode step arrives as a pickled `DecodeStep`. The worker answers only its parent group
+over a private pipe, so it trusts the group boundary's `DecodeCheck` stamp as an in-process
+lane does: a step stamped with the worker lane's own geometry is not checked again, and any
+other step (no stamp, or one checked against another geometry, e.g. facts gone stale) is
+checked in full by the lane's boundary (`DecodeRuntime.prepare_step`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 
 import attrs
@@ -132,6 +141,7 @@ def _worker_main(
     conn: Connection,
 ) -> None:
     """The worker loop: build the lane, then answer calls until told to close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.update(env)
     torch.set_num_threads(threads)
     parent = os.getppid()
@@ -205,6 +215,21 @@ class _ProcessCall:
         return self.lane._finish(self.method, timeout_s)
 
 
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    """Start a worker with SIGINT ignored (an ignored signal stays ignored across exec, and
+    Python keeps it so): Ctrl-C reaches the parent, which closes its workers in order, and no
+    worker prints a KeyboardInterrupt traceback of its own. Main thread only (signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class ProcessLane(LaneBase):
     """A lane executor in its own spawned worker process."""
 
@@ -230,7 +255,8 @@ class ProcessLane(LaneBase):
             name=f"llm-runtime-lane{index}",
             daemon=True,
         )
-        self.process.start()
+        with _interrupts_ignored():
+            self.process.start()
         child.close()
         self._facts: LaneFacts | None = None
         self._outstanding: str | None = None
@@ -351,7 +377,10 @@ class ProcessLane(LaneBase):
             return
         failure: BaseException | None = None
         answered = False
-        if self._broken is None and self.process.is_alive() and self._outstanding is None:
+        # A worker still building its lane (start-up interrupted) has nothing to close in
+        # order: its next message would be its start-up reply, so it is stopped instead.
+        started = self._facts is not None
+        if started and self._broken is None and self.process.is_alive() and not self._outstanding:
             try:
                 self._conn.send((_CLOSE, {}))
                 reply = self._receive("close", self.close_timeout_s)
@@ -364,6 +393,8 @@ class ProcessLane(LaneBase):
                 answered = True
             except LaneFailure as error:
                 failure = error
+        if not started and self.process.is_alive():
+            self.process.terminate()  # still importing or loading: nothing of it to keep
         self._stop_process(JOIN_TIMEOUT_S if answered else 0.5)
         if not answered:
             self.final_live_allocations = 0  # the worker's device memory ended with it
@@ -411,6 +442,6 @@ def spawn_process_lanes(
             try:
                 lane.close()
             except BaseException as failure:  # already reported through `error`
-                logger.warning("DP lane %d: cleanup after a failed start: %s", lane.index, failure)
+                logger.warning("DP lane %d: cleanup after a failed start: %r", lane.index, failure)
         raise error
     return lanes

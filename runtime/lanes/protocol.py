@@ -248,6 +248,11 @@ def invoke(target: object, method: str, kwargs: Mapping[str, object]) -> object:
         return None  # e.g. an executor without kernel choices shares nothing
     function: Callable[..., object] = getattr(target, method)
     step = kwargs.get("step")
+    if method == "decode_forward" and isinstance(step, DecodeStep) and len(kwargs) == 1:
+        # A lane executor that takes the typed step gets it whole, with the group's stamp.
+        decode_step: Callable[[DecodeStep], object] | None = getattr(target, "decode_step", None)
+        if callable(decode_step):
+            return decode_step(step)
     if isinstance(step, PrefillStep | DecodeStep):
         rest = {name: value for name, value in kwargs.items() if name != "step"}
         return function(**step_keywords(method, step), **rest)
@@ -359,8 +364,8 @@ class CompletedCall:
 
 def journal_rows(journal: Journal | None, seen: int) -> tuple[list[JournalRow], int]:
     """Entries of `journal` after the first `seen`, as plain dicts (picklable)."""
-    if journal is None:
-        return [], seen
+    if journal is None or len(journal) == seen:
+        return [], seen  # nothing new: no snapshot of the whole journal (the per-step case)
     entries = journal.entries
     rows = [
         JournalRow(
