@@ -40,6 +40,9 @@ class RuntimePolicy:
     """Device/model policy values the planner, decode staging and layout read.
 
     `padded_prefill_length(n)` is the smallest bucket `>= n`, else the next power of two.
+    `pad_within_page_table`: a chunked row whose padded length passes the canonical page
+    table is padded to the last whole chunk that fits instead (its chunks never reach past
+    the table); the reference (`ttnn()`) refuses such a row.
     """
 
     prefill_padding_buckets: tuple[int, ...] = attrs.field(validator=_check_buckets)
@@ -54,6 +57,9 @@ class RuntimePolicy:
     page_table_width_alignment: int = attrs.field(
         default=PAGE_TABLE_WIDTH_ALIGNMENT, validator=_check_positive
     )
+    pad_within_page_table: bool = attrs.field(
+        default=True, validator=attrs.validators.instance_of(bool)
+    )
 
     @classmethod
     def ttnn(cls) -> RuntimePolicy:
@@ -62,6 +68,7 @@ class RuntimePolicy:
             prefill_padding_buckets=(128, 1024),
             chunk_size_multiple=2048,
             decode_lane_capacity_limit=32,
+            pad_within_page_table=False,
         )
 
     @classmethod

@@ -1,5 +1,6 @@
-"""`llm-runtime generate`: check every input, load, size the KV pool to the prompts, generate
-and print (`models.cli.generate_output`); the executor is always closed."""
+"""`llm-runtime generate`: check every input (prompts are counted with the tokenizer alone,
+`models.cli.prompt_capacity`), load, size the KV pool to the prompts, generate and print
+(`models.cli.generate_output`); the executor is always closed."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from models.cli.loading import (
     check_lane_arguments,
     close_progress,
     load_from_args,
+    model_args_and_tokenizer,
     progress_from_args,
     resolve_capacity,
 )
 from models.cli.options import MAX_TOP_K
+from models.cli.prompt_capacity import check_prompt_capacity, encode_prompts, prompt_tokenizer
 from models.progress import ProgressSink
 
 if TYPE_CHECKING:
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
     from models.generation.generator import Generator
     from models.generation.params import GenerationParams
     from models.generation.stream import GenerationStream
+    from models.generation.tokenizers import TextTokenizer
     from runtime.config import PagedKVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -114,7 +118,11 @@ def generate(args: argparse.Namespace) -> int:
 
     prompts = _read_prompts(args)
     _check_sampling_arguments(args)
-    check_lane_arguments(args)
+    model, found = model_args_and_tokenizer(args.model)
+    check_lane_arguments(args, model)
+    tokenizer = prompt_tokenizer(found, model.vocab_size)
+    prompt_ids = encode_prompts(args, prompts, tokenizer, model.vocab_size)
+    check_prompt_capacity(args, prompt_ids, model.max_seq_len)
     params = GenerationParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -128,7 +136,7 @@ def generate(args: argparse.Namespace) -> int:
     try:
         executor = load_from_args(args, progress)
         try:
-            status = _run_generation(args, executor, prompts, params)
+            status = _run_generation(args, executor, (prompts, prompt_ids), params, tokenizer)
         except BaseException:
             _close_quietly(executor)  # a close failure never hides the first error
             raise
@@ -147,15 +155,22 @@ def _close_quietly(executor: CliExecutor) -> None:
 
 
 def _run_generation(
-    args: argparse.Namespace, executor: CliExecutor, prompts: list[str], params: GenerationParams
+    args: argparse.Namespace,
+    executor: CliExecutor,
+    encoded: tuple[list[str], list[list[int]]],
+    params: GenerationParams,
+    tokenizer: TextTokenizer,
 ) -> int:
-    """Size the KV pool to the prompts, start the executor, generate and print."""
+    """Size the KV pool to the prompts (already encoded and checked with `tokenizer`), start
+    the executor, generate and print."""
     from models.generation.generator import Generator
 
-    generator = Generator(executor, enable_prefix_cache=not args.no_prefix_cache)
+    prompts, prompt_ids = encoded
+    generator = Generator(
+        executor, enable_prefix_cache=not args.no_prefix_cache, tokenizer=tokenizer
+    )
     try:
         params.check("arguments", max_top_k=generator.max_top_k)
-        prompt_ids = generator.encode(prompts, chat=args.chat)
     except (ValueError, TypeError) as error:
         raise UsageError(error) from error
     _size_kv_pool(args, executor, generator, prompt_ids)
@@ -178,9 +193,6 @@ def _size_kv_pool(
 
     needed = _capacity(executor, generator, prompt_ids, args.max_new_tokens)
     blocks = args.num_blocks or needed
-    _check_prompt_lengths(args, prompt_ids, generator.max_seq_len)
-    if args.num_blocks:
-        _check_num_blocks(args, _block_size(executor), prompt_ids, generator.max_seq_len)
     resolve_capacity(executor, blocks, given=bool(args.num_blocks))
     if args.num_blocks and args.num_blocks > 4 * needed and hasattr(executor, "kv_cache_bytes"):
         logger.warning(
@@ -191,36 +203,6 @@ def _size_kv_pool(
             needed,
             format_bytes(executor.kv_cache_bytes(needed)),
         )
-
-
-def _check_prompt_lengths(
-    args: argparse.Namespace, prompt_ids: list[list[int]], limit: int
-) -> None:
-    """Every prompt leaves room for one generated token within the context."""
-    for index, ids in enumerate(prompt_ids):
-        if len(ids) >= limit:
-            source = "--max-seq-len" if args.max_seq_len else "the model's context"
-            raise UsageError(
-                f"request {index}: prompt has {len(ids)} tokens, too long for {source} of "
-                f"{limit} tokens; a prompt may have at most {limit - 1} so one token can be "
-                "generated"
-            )
-
-
-def _check_num_blocks(
-    args: argparse.Namespace, block: int, prompt_ids: list[list[int]], limit: int
-) -> None:
-    """A --num-blocks the user gave holds every request on its own."""
-    for index, ids in enumerate(prompt_ids):
-        tokens = min(len(ids) + args.max_new_tokens, limit) - 1
-        wanted = -(-tokens // block)
-        if wanted > args.num_blocks:
-            raise UsageError(
-                f"--num-blocks {args.num_blocks} is too small: request {index} (a "
-                f"{len(ids)}-token prompt + --max-new-tokens {args.max_new_tokens}) needs "
-                f"{wanted} KV blocks of {block} tokens; allowed is >= {wanted}, or omit "
-                "--num-blocks to size the cache to the prompts"
-            )
 
 
 def _print_completions(

@@ -17,6 +17,7 @@ from models.cli.lane_bounds import check_lane_memory
 if TYPE_CHECKING:
     from models.cli.executor_view import CliExecutor
     from models.llama.config import LlamaArgs
+    from models.llama.tokenizer import LlamaTokenizer
     from models.progress import ConsoleProgress, NullProgress, ProgressSink
     from runtime.config import WarmupConfig
 
@@ -34,6 +35,19 @@ def model_args(model: str) -> LlamaArgs:
         raise UsageError(f"--model {model}: {one_line(error)}") from error
 
 
+def model_args_and_tokenizer(model: str) -> tuple[LlamaArgs, LlamaTokenizer | None]:
+    """`model_args` and the model's tokenizer (None: it has none), still without weights."""
+    from models.llama.sources import ModelNotAvailableError
+    from models.llama.sources import model_args_and_tokenizer as read_model
+
+    try:
+        return read_model(model)
+    except ModelNotAvailableError as error:
+        raise UsageError(str(error)) from error
+    except (ValueError, OSError) as error:
+        raise UsageError(f"--model {model}: {one_line(error)}") from error
+
+
 def check_block_geometry(args: argparse.Namespace) -> None:
     """--block-size and --prefill-chunk fit together (every subcommand that loads a model)."""
     from models.llama.executor import geometry_problem
@@ -45,8 +59,10 @@ def check_block_geometry(args: argparse.Namespace) -> None:
         raise UsageError(problem)
 
 
-def check_lane_arguments(args: argparse.Namespace) -> LlamaArgs:
-    """Block size, chunk, lanes and context checked together, before anything loads."""
+def check_lane_arguments(args: argparse.Namespace, model: LlamaArgs | None = None) -> LlamaArgs:
+    """Block size, chunk, lanes and context checked together, before anything loads.
+
+    `model` is the model's architecture when the caller has read it already."""
     check_block_geometry(args)
     if getattr(args, "lanes", 1) != 1 or getattr(args, "threads_per_lane", None) is not None:
         from models.lane_loading import check_lane_arguments as check_lanes
@@ -55,7 +71,8 @@ def check_lane_arguments(args: argparse.Namespace) -> LlamaArgs:
             check_lanes(args.lanes, args.lane_transport, args.threads_per_lane, args.max_batch)
         except ValueError as error:
             raise UsageError(error) from error
-    model = model_args(args.model)
+    if model is None:
+        model = model_args(args.model)
     limit = getattr(args, "max_seq_len", None)
     if limit is not None and limit > model.max_seq_len:
         raise UsageError(

@@ -7,7 +7,6 @@ in a `GenerationStream` (`models.generation.stream`) as it is iterated.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
@@ -15,11 +14,12 @@ import torch
 
 from models.generation.block_manager import BlockManager
 from models.generation.params import DEFAULT_TOP_K, GenerationParams
+from models.generation.prompt_ids import prompt_token_ids, text_tokenizer
 from models.generation.results import Completion, GenerationStats
 from models.generation.scheduler import SequenceState
 from models.generation.stream import GenerationStream, StreamExecutor, TrackedRequest
 from models.generation.text import TextTracker
-from models.generation.tokenizers import ByteTokenizer, TextTokenizer
+from models.generation.tokenizers import TextTokenizer
 from models.progress import ProgressSink
 from runtime.sampling import SamplingParams
 
@@ -88,14 +88,7 @@ class Generator:
         """The executor's tokenizer, or UTF-8 bytes for a model without one."""
         if self._tokenizer is None:
             found = getattr(self.executor, "tokenizer", None)
-            if found is None:
-                if self.vocab_size < 256:
-                    raise ValueError(
-                        f"the model has no tokenizer and a vocabulary of {self.vocab_size} < 256 "
-                        "ids, so text prompts cannot be encoded; pass token-id lists"
-                    )
-                found = ByteTokenizer()
-            self._tokenizer = found
+            self._tokenizer = text_tokenizer(found, self.vocab_size)
         return self._tokenizer
 
     @property
@@ -199,32 +192,9 @@ class Generator:
         )
 
     def _prompt_ids(self, index: int, prompt: Prompt, chat: bool) -> list[int]:
-        where = f"request {index}"
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where}: prompt is empty; give at least one character")
-            if chat:
-                message = {"role": "user", "content": prompt}
-                return list(self.tokenizer.apply_chat_template([message]))
-            return list(self.tokenizer.encode(prompt))
-        tokens: object = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else prompt
-        if not isinstance(tokens, Sequence) or isinstance(tokens, bytes):
-            raise TypeError(
-                f"{where}: prompt must be a str or a list of token ids, got {type(tokens).__name__}"
-            )
-        if chat:
-            raise ValueError(f"{where}: chat=True needs a text prompt, got token ids")
-        ids: list[int] = []
-        for token in tokens:
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise TypeError(f"{where}: prompt token {token!r} is not an int")
-            if not 0 <= int(token) < self.vocab_size:
-                raise ValueError(
-                    f"{where}: prompt token id {int(token)} is invalid: allowed are ids in "
-                    f"[0, {self.vocab_size})"
-                )
-            ids.append(int(token))
-        return ids
+        return prompt_token_ids(
+            index, prompt, chat, tokenizer=lambda: self.tokenizer, vocab_size=self.vocab_size
+        )
 
     def _build_requests(
         self, prompts: Sequence[Prompt], sampling: Sampling, chat: bool

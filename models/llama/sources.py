@@ -146,6 +146,24 @@ def model_args(name: str | Path) -> LlamaArgs:
     return LlamaArgs.from_hf_config(source.path)
 
 
+def model_args_and_tokenizer(name: str | Path) -> tuple[LlamaArgs, LlamaTokenizer | None]:
+    """A model's architecture and tokenizer without its weights (one read of its files).
+
+    What a caller needs to count prompt tokens before it loads (and warms up) the model.
+    """
+    source = resolve_source(name)
+    if source.kind == "tiny_random":
+        return model_args(name), None
+    assert source.path is not None
+    if source.kind == "gguf":
+        gguf_file = GGUFFile.open(source.path)
+        tokens = "tokenizer.ggml.tokens" in gguf_file.metadata
+        return gguf_file.args(), LlamaTokenizer.from_gguf(gguf_file) if tokens else None
+    has_tokenizer = (source.path / "tokenizer.json").is_file()
+    tokenizer = LlamaTokenizer.from_hf_dir(source.path) if has_tokenizer else None
+    return LlamaArgs.from_hf_config(source.path), tokenizer
+
+
 def load_weights(
     name: str | Path,
     *,

@@ -243,7 +243,7 @@ def _padded_lengths(policy: RuntimePolicy, uncached: Sequence[int]) -> list[int]
 
 
 def _planned_chunks(
-    source: PlanSource, row: int, allocated: int, cached: int, uncached: int, padded: int, size: int
+    source: PlanSource, row: int, allocated: int, cached: int, uncached: int, size: int
 ) -> tuple[PrefillChunk, ...]:
     """A chunked row's `size`-token chunks up to the one holding its last token.
 
@@ -288,16 +288,20 @@ class _SharedPieces:
             chunks = self._whole[padded] = (whole_chunk(padded),)
         return chunks
 
-    def chunked(
-        self, row: int, allocated: int, cached: int, uncached: int, padded: int
-    ) -> tuple[PrefillChunk, ...]:
+    def chunk_size(self, padded: int) -> int:
+        """The chunk size of the policy's padded length `padded` (before any fitting)."""
         size = self._chunk_sizes.get(padded)
         if size is None:
             limits = self._limits
             size = self._chunk_sizes[padded] = prefill_chunk_size(
                 padded, limits.max_prefill_chunk_size, policy=limits.policy
             )
-        return _planned_chunks(self._source, row, allocated, cached, uncached, padded, size)
+        return size
+
+    def chunked(
+        self, row: int, allocated: int, cached: int, uncached: int, size: int
+    ) -> tuple[PrefillChunk, ...]:
+        return _planned_chunks(self._source, row, allocated, cached, uncached, size)
 
     def table_deferral(self, row: int, width: int, chunked: bool) -> _GroupDeferral:
         """The deferral of `row`'s page table (its group records the row)."""
@@ -308,6 +312,28 @@ class _SharedPieces:
             deferred = self._groups[chunked][width] = (self._source, width, group)
         deferred[2].rows.append(row)
         return deferred
+
+
+def _fitted_length(
+    row: int, lengths: tuple[int, int, int], size: int, width: int, limits: PlanLimits
+) -> int:
+    """A padded length that passes the `width`-block canonical page table, made to fit.
+
+    `lengths` is the row's (cached, uncached, padded) tokens and `size` its chunk size. The
+    padding beyond a row's last chunk is never run, so under `pad_within_page_table` a chunked
+    row is padded to the last whole chunk the table holds, keeping its chunk size (and so its
+    program signatures); a row whose tokens need more chunks than that is refused, as is
+    every such row under the reference policy.
+    """
+    cached, uncached, padded = lengths
+    capacity = width * limits.block_size
+    fitted = (capacity - cached) // size * size
+    if limits.policy.pad_within_page_table and fitted >= uncached:
+        return fitted
+    raise ValueError(
+        f"row {row}: cached {cached} + padded {padded} tokens exceeds the canonical "
+        f"page-table capacity of {width} blocks x {limits.block_size} tokens = {capacity}"
+    )
 
 
 def _single_requests(
@@ -333,16 +359,14 @@ def _single_requests(
     for row in order:
         prompt, cached, padded = prompt_lens[row], cached_of[row], padded_of[row]
         width = canonical or -(-(padded + cached) // block)
+        chunked = padded > limits.max_prefill_chunk_size or cached > 0
+        size = shared.chunk_size(padded) if chunked else padded
         if cached + padded > width * block:
-            raise ValueError(
-                f"row {row}: cached {cached} + padded {padded} tokens exceeds the canonical "
-                f"page-table capacity of {width} blocks x {block} tokens = {width * block}"
-            )
+            padded = _fitted_length(row, (cached, uncached[row], padded), size, width, limits)
         allocated = -(-prompt // block)
         assert allocated <= columns, "check_batch: the page table holds every planned row"
-        chunked = padded > limits.max_prefill_chunk_size or cached > 0
         chunks = (
-            shared.chunked(row, allocated, cached, uncached[row], padded)
+            shared.chunked(row, allocated, cached, uncached[row], size)
             if chunked
             else shared.whole(padded)
         )
