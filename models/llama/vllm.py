@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -564,6 +565,10 @@ class LlamaVLLMModel:
                 "is_tokens=True but this decode step ran without sampling_params and returned "
                 "logits; pass is_tokens=False"
             )
+
+    def runtime_summary(self) -> Mapping[str, object]:
+        """The execution target's counters (eager executions, trace replays, programs)."""
+        return self.executor.runtime_summary()
 
     # -- teardown ---------------------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from models.vllm_plugin.request_options import SUPPORTED_SAMPLING_OPTIONS
+
 VLLM_CPU_KV_BYTES = 1 << 30
 METRICS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 
@@ -126,19 +128,6 @@ def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, 
     return options
 
 
-SAMPLING_KEYS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-"""Per-request sampling options a request may carry (greedy when it gives none)."""
-
-
 def _timed_runs(
     llm: Any, requests: list[dict[str, Any]], has_tokenizer: bool, repeat: int
 ) -> list[dict[str, Any]]:
@@ -149,7 +138,7 @@ def _timed_runs(
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [
         SamplingParams(
-            **{"temperature": 0.0, **{k: r[k] for k in SAMPLING_KEYS if k in r}},
+            **{"temperature": 0.0, **{k: r[k] for k in SUPPORTED_SAMPLING_OPTIONS if k in r}},
             max_tokens=int(r["max_tokens"]),
             ignore_eos=bool(r.get("ignore_eos", False)),
             stop_token_ids=list(r.get("stop_token_ids") or []),

@@ -1,9 +1,8 @@
 """vLLM's own sampler over the host logits the facade returns.
 
 The facade's logits path hands back one row per request that finished its prompt (prefill)
-or decoded a token. This module builds vLLM's `SamplingMetadata` for exactly those rows and
-names the request options this worker does not implement, so a request that asks for one is
-refused when it arrives instead of being sampled differently from what it asked.
+or decoded a token. This module builds vLLM's `SamplingMetadata` for exactly those rows
+(the options it has no columns for are refused when a request arrives: `request_options`).
 """
 
 from __future__ import annotations
@@ -16,30 +15,6 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
 _EPS = 1e-5
-
-
-def unsupported_options(params: SamplingParams) -> list[str]:
-    """The options of `params` this worker cannot honour (empty when it can)."""
-    found: list[str] = []
-    if params.prompt_logprobs is not None:
-        found.append(f"prompt_logprobs={params.prompt_logprobs}")
-    if params.min_tokens:
-        found.append(f"min_tokens={params.min_tokens}")
-    if params.min_p > _EPS:
-        found.append(f"min_p={params.min_p}")
-    if params.logit_bias:
-        found.append("logit_bias")
-    if params.allowed_token_ids:
-        found.append("allowed_token_ids")
-    if params.bad_words:
-        found.append("bad_words")
-    if params.structured_outputs is not None:
-        found.append("structured_outputs")
-    if params.logprob_token_ids:
-        found.append("logprob_token_ids")
-    if params.thinking_token_budget is not None:
-        found.append("thinking_token_budget")
-    return found
 
 
 def sampling_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
