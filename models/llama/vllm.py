@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal, overload
 
 import attrs
 import torch
@@ -45,6 +45,7 @@ from models.llama.vllm_engine_args import (
 )
 from runtime.backends.base import Device
 from runtime.config import PagedKVCacheConfig, TraceConfig, require_positive_int
+from runtime.prefill.result_collector import PrefillOutput
 from runtime.vllm_adapter import VLLMAdapter, VLLMAdapterConfig
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class DecodeOutput:
     `process_decode_output_host`, which release the step's device resources.
     """
 
-    raw: Any
+    raw: object
     is_tokens: bool
     read: bool = False
 
@@ -67,7 +68,7 @@ class DecodeOutput:
 class HostDecodeOutput:
     """A decode step's host copy; valid once the events `read_decode_output` returned completed."""
 
-    host: Any
+    host: object
     is_tokens: bool
     processed: bool = False
 
@@ -76,7 +77,7 @@ class HostDecodeOutput:
 class _TargetHolder:
     """Owns the execution target; the facade's finalizer closes it without the facade."""
 
-    target: Any
+    target: LlamaExecutor
 
     def close(self) -> None:
         self.target.close()
@@ -140,13 +141,13 @@ class LlamaVLLMModel:
     @classmethod
     def initialize_vllm_model(
         cls,
-        hf_config: Any,
-        mesh_device: Any,
+        hf_config: object,
+        mesh_device: object,
         max_batch_size: int,
         max_seq_len: int | None = None,
         tt_data_parallel: int = 1,
         optimizations: str | None = None,
-        **options: Any,
+        **options: object,
     ) -> LlamaVLLMModel:
         """Load the weights `hf_config` names and build the facade in CONSTRUCTED.
 
@@ -226,14 +227,14 @@ class LlamaVLLMModel:
         return max_model_len * max_num_seqs
 
     @classmethod
-    def get_kv_cache_spec(cls, vllm_config: Any) -> None:
+    def get_kv_cache_spec(cls, vllm_config: object) -> None:
         """None: every layer is full attention with one geometry, the engine's default spec."""
         return None
 
     # -- the execution target --------------------------------------------------------------------
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> LlamaExecutor:
         """The execution target the facade drives (a lane executor)."""
         return self._holder.target
 
@@ -262,7 +263,9 @@ class LlamaVLLMModel:
 
     # -- allocate ---------------------------------------------------------------------------------
 
-    def allocate_kv_cache(self, kv_cache_shape: Any, dtype: Any, num_layers: Any) -> Any:
+    def allocate_kv_cache(
+        self, kv_cache_shape: Sequence[int], dtype: torch.dtype, num_layers: int
+    ) -> list[list[object]]:
         """Adopt the engine's KV spec and allocate it: CONSTRUCTED -> ALLOCATED.
 
         The engine fixes block size and capacity; a target built for another geometry is
@@ -284,7 +287,9 @@ class LlamaVLLMModel:
         self.adapter = VLLMAdapter(attrs.evolve(self.adapter.config, paged_kv_cache=kv_config))
         return handle
 
-    def _adopt_geometry(self, target: Any, kv_config: PagedKVCacheConfig) -> Any:
+    def _adopt_geometry(
+        self, target: LlamaExecutor, kv_config: PagedKVCacheConfig
+    ) -> LlamaExecutor:
         current = _kv_config(target)
         assert kv_config.num_blocks is not None
         if (
@@ -318,7 +323,7 @@ class LlamaVLLMModel:
     # -- warmup -----------------------------------------------------------------------------------
 
     def warmup_model_prefill(
-        self, *, kv_cache: Any, enable_trace: bool, can_sample_on_device: bool
+        self, *, kv_cache: object, enable_trace: bool, can_sample_on_device: bool
     ) -> None:
         """Phase 1 (enable_trace=False) compiles prefill; phase 2 registers its traces."""
         self.adapter.check_enable_trace("warmup_model_prefill", enable_trace)
@@ -333,7 +338,7 @@ class LlamaVLLMModel:
     def warmup_model_decode(
         self,
         *,
-        kv_cache: Any,
+        kv_cache: object,
         enable_trace: bool,
         max_batch_size: int,
         num_blocks: int,
@@ -356,7 +361,7 @@ class LlamaVLLMModel:
             enable_trace=enable_trace,
         )
 
-    def _warm(self, kind: str, traced: bool, **engine_arguments: Any) -> None:
+    def _warm(self, kind: str, traced: bool, **engine_arguments: object) -> None:
         """Forward one warmup with the engine's arguments; capture once all traced ones ran.
 
         While another statically traced operation still awaits its traced warmup, the
@@ -436,16 +441,16 @@ class LlamaVLLMModel:
     def prefill_forward(
         self,
         *,
-        tokens: Any,
-        page_table: Any,
-        kv_cache: Any = None,
+        tokens: object,
+        page_table: object,
+        kv_cache: object = None,
         enable_trace: bool,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        sampling_params: Any = None,
-        empty_slots: Any = None,
-        **compatibility: Any,
-    ) -> Any:
+        prompt_lens: object = None,
+        start_pos: object = None,
+        sampling_params: object = None,
+        empty_slots: object = None,
+        **compatibility: object,
+    ) -> PrefillOutput:
         """Prefill whole prompts from position 0; `start_pos > 0` skips a cached prefix.
 
         Returns sampled tokens `[B]` with sampling params, else logits, rows in source order.
@@ -463,21 +468,26 @@ class LlamaVLLMModel:
             compatibility_kwargs=compatibility,
         )
         self._serve_if_needed()
-        return self.executor.prefill_forward(**normalized, execution="traced" if trace else "eager")
+        # The forwarded compatibility values (typed `object` by the adapter) are checked by
+        # the executor's boundary (`check_sampling_arguments`), which takes any value.
+        return self.executor.prefill_forward(
+            **normalized,  # type: ignore[arg-type]
+            execution="traced" if trace else "eager",
+        )
 
     def decode_forward(
         self,
         *,
-        tokens: Any,
-        page_table: Any,
-        kv_cache: Any = None,
-        start_pos: Any,
-        sampling_params: Any = None,
+        tokens: object,
+        page_table: object,
+        kv_cache: object = None,
+        start_pos: object,
+        sampling_params: object = None,
         reset_batch: bool = False,
         enable_trace: bool,
         read_from_device: bool = True,
-        **compatibility: Any,
-    ) -> Any:
+        **compatibility: object,
+    ) -> torch.Tensor | DecodeOutput:
         """One decode step over every slot (`start_pos` -1 marks a padding row).
 
         `read_from_device=True` returns host tokens `[B]` / logits `[B, 1, V]`; False returns
@@ -496,16 +506,28 @@ class LlamaVLLMModel:
             compatibility_kwargs=compatibility,
         )
         self._serve_if_needed()
+        # Forwarded compatibility values: checked by the executor's boundary (see prefill).
         out = self.executor.decode_forward(
-            **normalized,
+            **normalized,  # type: ignore[arg-type]
             read_from_device=read_from_device,
             execution="traced" if trace else "eager",
         )
         if read_from_device:
-            return out
+            host: torch.Tensor = out  # host tokens [B] or logits [B, 1, V]
+            return host
         return DecodeOutput(raw=out, is_tokens=normalized["sampling_params"] is not None)
 
-    def read_decode_output(self, out: Any, async_read: bool = False) -> Any:
+    @overload
+    def read_decode_output(
+        self, out: object, async_read: Literal[True]
+    ) -> tuple[HostDecodeOutput, list[object]]: ...
+    @overload
+    def read_decode_output(
+        self, out: object, async_read: Literal[False] = False
+    ) -> HostDecodeOutput: ...
+    def read_decode_output(
+        self, out: object, async_read: bool = False
+    ) -> HostDecodeOutput | tuple[HostDecodeOutput, list[object]]:
         """Start reading a `DecodeOutput`: async -> `(HostDecodeOutput, events)`.
 
         The engine waits for the events, then calls `process_decode_output_host`.
@@ -529,7 +551,7 @@ class LlamaVLLMModel:
         out.read = True
         return HostDecodeOutput(host=host, is_tokens=out.is_tokens)
 
-    def process_decode_output_host(self, out: Any, is_tokens: bool = False) -> Any:
+    def process_decode_output_host(self, out: object, is_tokens: bool = False) -> torch.Tensor:
         """Finish a decode read: tokens int64 `[B]` (sampled) or logits float32 `[B, 1, V]`.
 
         Accepts a `HostDecodeOutput` (after the read's events) or an unread `DecodeOutput`
@@ -545,7 +567,10 @@ class LlamaVLLMModel:
             self._check_kind(out.is_tokens, is_tokens)
             host = self.executor.read_decode_output(out.raw, async_read=False)
             out.read = True
-            return self.executor.process_decode_output_host(host, is_tokens=out.is_tokens)
+            processed: torch.Tensor = self.executor.process_decode_output_host(
+                host, is_tokens=out.is_tokens
+            )
+            return processed
         if not isinstance(out, HostDecodeOutput):
             raise TypeError(
                 "process_decode_output_host expects a HostDecodeOutput from read_decode_output "
@@ -554,7 +579,9 @@ class LlamaVLLMModel:
         if out.processed:
             raise RuntimeError("this decode output was already processed")
         self._check_kind(out.is_tokens, is_tokens)
-        result = self.executor.process_decode_output_host(out.host, is_tokens=out.is_tokens)
+        result: torch.Tensor = self.executor.process_decode_output_host(
+            out.host, is_tokens=out.is_tokens
+        )
         out.processed = True
         return result
 
@@ -582,16 +609,16 @@ class LlamaVLLMModel:
         return bool(self.executor.is_terminal)
 
 
-def _kv_config(target: Any) -> PagedKVCacheConfig:
+def _kv_config(target: object) -> PagedKVCacheConfig:
     """The target's paged KV config (a lane group keeps one per lane, all alike)."""
     config = getattr(getattr(target, "config", None), "paged_kv_cache", None)
     if config is None:
-        config = target.paged_kv_cache_config[0]
+        config = getattr(target, "paged_kv_cache_config")[0]  # noqa: B009
     assert isinstance(config, PagedKVCacheConfig)
     return config
 
 
-def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:
+def _defer_capture(target: object) -> contextlib.AbstractContextManager[None]:
     """The target's capture deferral (a lane group defers every lane), if it has one."""
     defer = getattr(getattr(target, "warmup", None), "defer_capture", None)
     if defer is None:
@@ -599,7 +626,7 @@ def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:
     return defer() if callable(defer) else contextlib.nullcontext()
 
 
-def _capture_pending(target: Any) -> bool:
+def _capture_pending(target: object) -> bool:
     """Whether the target's warmup staged a capture (every traced operation registered)."""
     pending = getattr(target, "capture_pending", None)
     if pending is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Literal, Protocol, cast, overload
+from typing import TYPE_CHECKING, Literal, Protocol, cast, overload
 
 import torch
 
@@ -47,38 +47,38 @@ class VLLMFacade(Protocol):
     def warmup_model_decode(
         self,
         *,
-        kv_cache: object,
         enable_trace: bool,
+        can_sample_on_device: bool,
+        kv_cache: object,
         max_batch_size: int,
         num_blocks: int,
-        can_sample_on_device: bool,
     ) -> None: ...
 
     def prefill_forward(
         self,
         *,
+        enable_trace: bool,
         tokens: torch.Tensor,
         page_table: torch.Tensor,
-        kv_cache: object = None,
-        enable_trace: bool,
         prompt_lens: object = None,
         start_pos: object = None,
-        sampling_params: object = None,
         empty_slots: object = None,
+        kv_cache: object = None,
+        sampling_params: object = None,
         **compatibility: object,
     ) -> FacadeOutput: ...
 
     def decode_forward(
         self,
         *,
-        tokens: torch.Tensor,
-        page_table: torch.Tensor,
-        kv_cache: object = None,
-        start_pos: object,
-        sampling_params: object = None,
-        reset_batch: bool = False,
         enable_trace: bool,
         read_from_device: bool = True,
+        tokens: torch.Tensor,
+        start_pos: object,
+        page_table: torch.Tensor,
+        kv_cache: object = None,
+        sampling_params: object = None,
+        reset_batch: bool = False,
         **compatibility: object,
     ) -> object: ...
 
@@ -99,8 +99,6 @@ class VLLMFacade(Protocol):
 class VLLMFacadeClass(Protocol):
     """A facade class: its capabilities, capacity rule and loader (classmethods)."""
 
-    __name__: str
-
     @property
     def model_capabilities(self) -> Mapping[str, bool]: ...
 
@@ -111,9 +109,10 @@ class VLLMFacadeClass(Protocol):
         hf_config: object,
         mesh_device: object,
         max_batch_size: int,
+        *,
+        optimizations: str | None = None,
         max_seq_len: int | None = None,
         tt_data_parallel: int = 1,
-        optimizations: str | None = None,
         **options: object,
     ) -> VLLMFacade: ...
 
@@ -132,3 +131,13 @@ def facade_class(hf_config: HasArchitectures) -> VLLMFacadeClass:
         f"{sorted(FACADES)} (serve other models with vLLM's own platform: "
         "LLM_RUNTIME_VLLM_PLATFORM=0)"
     )
+
+
+if TYPE_CHECKING:  # mypy checks each family's facade against the contract here
+    from models.llama.vllm import LlamaVLLMModel
+
+    def _llama_class(cls: type[LlamaVLLMModel]) -> VLLMFacadeClass:
+        return cls
+
+    def _llama_facade(facade: LlamaVLLMModel) -> VLLMFacade:
+        return facade

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,7 +54,7 @@ from models.vllm_plugin.facades import FacadeOutput, VLLMFacade, facade_class
 from models.vllm_plugin.pending_step import IssuedDecode, IssuedStep, PendingStep
 from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
 from models.vllm_plugin.settings import PluginSettings
-from models.vllm_plugin.stats_report import StatsReporter
+from models.vllm_plugin.stats_report import StatsReporter, numeric_counters, stats_path
 from models.vllm_plugin.step_samples import StepSamples
 from runtime.sampling import DeviceSampler
 
@@ -90,6 +89,7 @@ class LLMRuntimeModelRunner:
         self.max_model_len = int(model_config.max_model_len)
         self.settings = PluginSettings.from_additional_config(vllm_config.additional_config)
         self.facade_cls = facade_class(model_config.hf_config)
+        self.facade_name = str(getattr(self.facade_cls, "__name__", self.facade_cls))
         capabilities = getattr(self.facade_cls, "model_capabilities", None) or {}
         self.supports_async_decode = bool(capabilities.get("supports_async_decode", False))
         # The platform turned vLLM's async scheduling on only where the facade declares it.
@@ -120,9 +120,7 @@ class LLMRuntimeModelRunner:
         self.sampler = Sampler()
         self.model: VLLMFacade | None = None
         self.kv_cache: object = None
-        self.reporter = StatsReporter(
-            self.settings.stats_interval_s, stats_path(self.settings.stats_file, vllm_config)
-        )
+        self.reporter = self._stats_reporter(vllm_config)
         self.stats: dict[str, float] = dict.fromkeys(
             (
                 "prefill_calls",
@@ -144,6 +142,16 @@ class LLMRuntimeModelRunner:
             ),
             0,
         )
+
+    def _stats_reporter(self, vllm_config: VllmConfig) -> StatsReporter:
+        """The counter reports the settings ask for (one file per data-parallel rank)."""
+        parallel = vllm_config.parallel_config
+        path = stats_path(
+            self.settings.stats_file,
+            data_parallel_size=int(parallel.data_parallel_size),
+            data_parallel_rank=int(parallel.data_parallel_rank),
+        )
+        return StatsReporter(self.settings.stats_interval_s, path)
 
     @property
     def facade(self) -> VLLMFacade:
@@ -168,7 +176,7 @@ class LLMRuntimeModelRunner:
         if wanted and not declared:
             raise ValueError(
                 "additional_config['llm_runtime']['device_sampling'] is true but the facade "
-                f"{self.facade_cls.__name__} does not declare supports_sample_on_device; set it "
+                f"{self.facade_name} does not declare supports_sample_on_device; set it "
                 "to false or leave it unset (vLLM's sampler on the host logits)"
             )
         return declared if wanted is None else wanted
@@ -195,7 +203,7 @@ class LLMRuntimeModelRunner:
             )
         logger.info(
             "llm-runtime facade %s loaded in %.1f s; sampling: %s",
-            self.facade_cls.__name__,
+            self.facade_name,
             time.perf_counter() - clock,
             "on the device where requests allow it" if self.device_sampling else "vLLM's sampler",
         )
@@ -603,29 +611,6 @@ class LLMRuntimeModelRunner:
         model, self.model, self.kv_cache = self.model, None, None
         if model is not None:
             model.close()
-
-
-def numeric_counters(summary: Mapping[str, object], prefix: str = "") -> dict[str, float]:
-    """A facade's counters as flat numbers: nested mappings become `outer.inner` names,
-    anything that is not a number is left out."""
-    found: dict[str, float] = {}
-    for name, value in summary.items():
-        if isinstance(value, Mapping):
-            found.update(numeric_counters(value, f"{prefix}{name}."))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            found[f"{prefix}{name}"] = float(value)
-    return found
-
-
-def stats_path(stats_file: str | None, vllm_config: VllmConfig) -> Path | None:
-    """Where this engine's worker writes its counters: `stats_file`, with `.rank<N>` added
-    when vLLM runs more than one data-parallel engine (each has its own worker)."""
-    if stats_file is None:
-        return None
-    parallel = vllm_config.parallel_config
-    if int(parallel.data_parallel_size) > 1:
-        return Path(f"{stats_file}.rank{int(parallel.data_parallel_rank)}")
-    return Path(stats_file)
 
 
 def _synchronize(model: VLLMFacade, event: object) -> None:

@@ -72,9 +72,9 @@ class UnsupportedOption:
     asked_as: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        """`min_p=0.1`, `logit_bias`, or `structured outputs (response_format, ...)`."""
+        """`min_p=0.1`, `logit_bias`, or `response_format/structured_outputs`."""
         if self.asked_as:
-            return f"{self.parameter.replace('_', ' ')} ({', '.join(self.asked_as)})"
+            return "/".join(self.asked_as)
         return self.parameter if self.value is None else f"{self.parameter}={self.value}"
 
 

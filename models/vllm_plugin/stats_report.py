@@ -36,6 +36,30 @@ def stats_line(stats: Mapping[str, float]) -> str:
     return " ".join(parts)
 
 
+def numeric_counters(summary: Mapping[str, object], prefix: str = "") -> dict[str, float]:
+    """A facade's counters as flat numbers: nested mappings become `outer.inner` names,
+    anything that is not a number is left out."""
+    found: dict[str, float] = {}
+    for name, value in summary.items():
+        if isinstance(value, Mapping):
+            found.update(numeric_counters(value, f"{prefix}{name}."))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            found[f"{prefix}{name}"] = float(value)
+    return found
+
+
+def stats_path(
+    stats_file: str | None, *, data_parallel_size: int, data_parallel_rank: int
+) -> Path | None:
+    """Where one engine's worker writes its counters: `stats_file`, with `.rank<N>` added
+    when vLLM runs more than one data-parallel engine (each has its own worker)."""
+    if stats_file is None:
+        return None
+    if data_parallel_size > 1:
+        return Path(f"{stats_file}.rank{data_parallel_rank}")
+    return Path(stats_file)
+
+
 @attrs.define
 class StatsReporter:
     """Reports the counters at most every `interval_s` seconds of serving (0: only at close).
