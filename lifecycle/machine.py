@@ -12,7 +12,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 from transitions import Machine
@@ -140,10 +140,6 @@ class StateMachine:
     def state(self) -> Enum:
         """The current state (an Enum member of the table)."""
         return self._holder.state
-
-    def is_in(self, *states: Enum) -> bool:
-        """Whether the current state is one of `states`."""
-        return self._holder.state in states
 
     def can(self, trigger: str) -> bool:
         """Whether `trigger` has a transition from the current state."""
@@ -301,12 +297,6 @@ def _ordered(table: MachineTable, states: Iterable[Enum]) -> list[Enum]:
     return [spec.state for spec in table.states if spec.state in wanted]
 
 
-class HasLifecycle(Protocol):
-    """An object whose public calls are guarded by its `_lifecycle` machine."""
-
-    _lifecycle: StateMachine
-
-
 GUARD_ATTRIBUTE = "__legal_states__"
 
 
@@ -348,8 +338,3 @@ def guard_table(cls: type) -> dict[str, frozenset[Enum]]:
                 name, legal_states = marker
                 table[name] = legal_states
     return table
-
-
-def legal_operations(table: Mapping[str, frozenset[Enum]], state: Enum) -> tuple[str, ...]:
-    """Operations of a guard table that are legal in `state`."""
-    return tuple(name for name, states in table.items() if state in states)

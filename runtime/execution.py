@@ -98,17 +98,6 @@ def _result_owned(result: Any) -> Any:
     return result.owned
 
 
-def _reject_kv_cache(kwargs: dict[str, Any], operation: str) -> None:
-    if "kv_cache" in kwargs:
-        raise TypeError(
-            f"{operation}() got an unexpected keyword argument 'kv_cache': executors use the "
-            "manager-owned cache; validate the borrowed handle at the model executor"
-        )
-    if kwargs:
-        name = next(iter(kwargs))
-        raise TypeError(f"{operation}() got an unexpected keyword argument {name!r}")
-
-
 class _CompilesDecodeSteps(Protocol):
     """What the warm-up decode entry needs of an executor."""
 
@@ -165,16 +154,6 @@ class EagerExecutor(_WarmupDecodeEntry):
         self._gate_refusals = 0
         self._eager_prefill_count = 0
         self._eager_decode_count = 0
-
-    @property
-    def eager_prefill_count(self) -> int:
-        """Eager prefill requests executed (compile runs not counted)."""
-        return self._eager_prefill_count
-
-    @property
-    def eager_decode_count(self) -> int:
-        """Eager decode steps executed (compile runs not counted)."""
-        return self._eager_decode_count
 
     # -- prefill --------------------------------------------------------------------------------
 

@@ -293,11 +293,6 @@ class WarmupCoordinator:
         """Whether capture is ready but deferred (lane-group barrier)."""
         return self._capture_pending
 
-    @property
-    def sealed(self) -> bool:
-        """Whether layout configuration is frozen (any warmup call seals it)."""
-        return self._sealed
-
     def seal_configuration(self) -> None:
         """Freeze the layout: warmup shapes are about to be compiled against it."""
         self._sealed = True
@@ -548,12 +543,6 @@ class WarmupCoordinator:
         manifest = self.coverage_manifest
         self._capture(manifest)
         return manifest
-
-    def activate_pending_capture(self) -> None:
-        """Capture the staged manifest (only inside `defer_capture` with something pending)."""
-        if not self._deferring or not self._capture_pending or self.coverage_manifest is None:
-            raise RuntimeError("no deferred capture is pending")
-        self._capture(self.coverage_manifest)
 
 
 def choose_model_kernels(config: WarmupCoordinatorConfig, progress: object = None) -> Any:

@@ -14,19 +14,30 @@ import numbers
 import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
 
+from models.generation.block_manager import BlockManager
 from models.generation.params import GenerationParams, rows_sampling
 from models.generation.results import Completion, GenerationStats, StreamEvent
 from models.generation.scheduler import Admission, Scheduler, SequenceState
 from models.generation.text import TextTracker
 from runtime.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from models.generation.generator import Generator
+
+class StreamHost(Protocol):
+    """What a stream reads of the `Generator` that started it (the generator imports the
+    stream; the stream names only this)."""
+
+    executor: Any
+    last_stats: GenerationStats
+
+    @property
+    def block_managers(self) -> tuple[BlockManager, ...]: ...
+
+    def reset_after_failure(self) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -59,7 +70,7 @@ class GenerationStream:
     them as they arrive); `completions` is the input-ordered list once the stream is done.
     """
 
-    def __init__(self, generator: Generator, requests: list[TrackedRequest]) -> None:
+    def __init__(self, generator: StreamHost, requests: list[TrackedRequest]) -> None:
         self.generator = generator
         self.executor = generator.executor
         self.requests = requests

@@ -14,16 +14,36 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import torch
 
-from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
+from models.llama.bound_cache import BoundCache
+from models.llama.fused_decode import FusedDecodeStack, StackSource, fused_unsupported_reason
 from models.llama.kernels import FUSED_MAX_ROWS, KernelPlan
+from runtime.model_contract import PagedAttentionConfig
 
-if TYPE_CHECKING:
-    from models.llama.model import LlamaModel
+
+class TimedDecoder(StackSource, Protocol):
+    """What timing the fused stack against the per-op path needs of the model (`LlamaModel`;
+    not imported here): its fused stack slot and its unchecked decode of active rows."""
+
+    fused_decode: FusedDecodeStack | None
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def paged_attention_config(self) -> PagedAttentionConfig | None: ...
+
+    def decode_rows(
+        self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
+    ) -> torch.Tensor: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +60,7 @@ _DEFAULT_BLOCK_SIZE = 32
 _CHOSEN: dict[int, tuple[KernelPlan, KernelPlan]] = {}
 
 
-def choose_fused_decode(model: LlamaModel, plan: KernelPlan) -> KernelPlan:
+def choose_fused_decode(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
     """`plan` (already applied to `model`) with the fused decode buckets chosen."""
     cached = _CHOSEN.get(id(plan))
     if cached is not None and cached[0] is plan:
@@ -50,7 +70,7 @@ def choose_fused_decode(model: LlamaModel, plan: KernelPlan) -> KernelPlan:
     return chosen
 
 
-def _choose(model: LlamaModel, plan: KernelPlan) -> KernelPlan:
+def _choose(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
     reason = fused_unsupported_reason(model)
     buckets = [bucket for bucket in plan.buckets if bucket <= FUSED_MAX_ROWS]
     if reason is None and not buckets:
@@ -73,10 +93,8 @@ def _choose(model: LlamaModel, plan: KernelPlan) -> KernelPlan:
     )
 
 
-def _time_bucket(model: LlamaModel, rows: int, block_size: int) -> tuple[float, float]:
+def _time_bucket(model: TimedDecoder, rows: int, block_size: int) -> tuple[float, float]:
     """Best seconds of one decode step of `rows` rows: fused, then per-op."""
-    from models.llama.model import BoundCache
-
     pages_per_row = (_CONTEXT + rows) // block_size + 1
     blocks = rows * pages_per_row
     shape = (blocks, model.args.n_kv_heads, block_size, model.args.head_dim)
@@ -97,7 +115,7 @@ def _time_bucket(model: LlamaModel, rows: int, block_size: int) -> tuple[float, 
             for fused in (True, False):
                 model.fused_decode = stack if fused else None
                 start = time.perf_counter()
-                model._decode_dynamic(cache, tokens, positions, pages)
+                model.decode_rows(cache, tokens, positions, pages)
                 seconds = time.perf_counter() - start
                 if round_index:
                     best[fused] = min(best[fused], seconds)

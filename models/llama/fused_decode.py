@@ -9,32 +9,55 @@ embedding lookup, the final norm and the LM head stay torch (the head keeps the 
 plan measured for it).
 
 Warmup decides, per row bucket, whether this path runs (`models.llama.fused_choice`); the
-model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `LlamaModel._decode_dynamic`).
+model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `LlamaModel.decode_rows`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import attrs
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from models.llama.attention import LayerCache
+from models.llama.config import LlamaArgs
 from models.llama.kernels import FUSED_MAX_ROWS
 from models.llama.layers import DecoderLayer, Projection
 from runtime.backends import native_kernels
 from runtime.backends.native_kernels import STACK_TABLE_WIDTH, DecodeStackGeometry
 
-if TYPE_CHECKING:
-    from models.llama.model import LlamaModel
+
+class StackSource(Protocol):
+    """What the fused stack reads of the model it runs (`LlamaModel`; not imported here)."""
+
+    @property
+    def args(self) -> LlamaArgs: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def layers(self) -> Iterable[nn.Module]: ...
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def embedding_matrix(self) -> torch.Tensor: ...
+
+    def uses_graph_safe_path(self) -> bool: ...
+
 
 _LAYOUT_CODES = {"out_in": 0, "in_out": 1}
 _PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def fused_unsupported_reason(model: LlamaModel) -> str | None:
+def fused_unsupported_reason(model: StackSource) -> str | None:
     """Why this model cannot decode through the fused stack, or None when it can."""
     if model.dtype != torch.float32:
         return f"the fused decode stack is float32 only, the model is {model.dtype}"
@@ -71,7 +94,7 @@ class FusedDecodeStack:
     cache stays bound.
     """
 
-    def __init__(self, model: LlamaModel, buckets: Sequence[int], rows: Sequence[int]) -> None:
+    def __init__(self, model: StackSource, buckets: Sequence[int], rows: Sequence[int]) -> None:
         args = model.args
         self._model = model
         self._buckets = tuple(sorted(buckets))
@@ -125,8 +148,9 @@ class FusedDecodeStack:
         `pages` `[rows, W]`, long, validated by the decode), their K/V written."""
         model = self._model
         x = F.embedding(tokens, model.embedding_matrix()).contiguous()
-        cos = model._rope_cos.index_select(0, pos)
-        sin = model._rope_sin.index_select(0, pos)
+        rope_cos, rope_sin = model.rope
+        cos = rope_cos.index_select(0, pos)
+        sin = rope_sin.index_select(0, pos)
         geometry = self._geometry
         if geometry.block_size != block_size:
             geometry = attrs.evolve(geometry, block_size=block_size)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from models.llama.fused_choice import choose_fused_decode
+from models.llama.fused_choice import TimedDecoder, choose_fused_decode
 from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.llama.kernels import (
     KernelPlan,
@@ -28,9 +28,6 @@ from models.llama.kernels import (
 from models.llama.layers import Projection
 from models.progress import ProgressSink
 from runtime.backends import native_kernels
-
-if TYPE_CHECKING:
-    from models.llama.model import LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +158,10 @@ class KernelPlanHooks:
         return attention == "paged_inplace"
 
     # ------------------------------------------------------------ fused decode stack
-    def _model(self) -> LlamaModel:
-        from models.llama.model import LlamaModel
-
-        assert isinstance(self, LlamaModel)
-        return self
+    def _model(self) -> TimedDecoder:
+        """This mixin as the model it is mixed into, seen through what the fused stack needs
+        (so the hooks do not import the model that imports them)."""
+        return cast(TimedDecoder, self)
 
     def _check_fused_runs(self, plan: KernelPlan, where: str) -> None:
         """Refuse a plan choosing the fused decode stack where it cannot run (named by

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import torch
@@ -27,9 +27,6 @@ import torch.nn.functional as F
 
 from models.progress import ProgressSink, as_progress
 from runtime.backends import native_kernels
-
-if TYPE_CHECKING:
-    from models.llama.kernel_hooks import KernelPlanHooks
 
 logger = logging.getLogger(__name__)
 
@@ -503,13 +500,37 @@ def _merge_buckets(forms: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], .
     return tuple(merged)
 
 
+class MeasuredProjection(Protocol):
+    """What measuring reads of one projection module (`layers.Projection`)."""
+
+    @property
+    def parts(self) -> tuple[int, ...]: ...
+
+    def hf_weight(self) -> torch.Tensor: ...
+
+
+class MeasuredModel(Protocol):
+    """What a kernel plan is measured (or defaulted) on: the model's projections by kind
+    (`kernel_hooks.KernelPlanHooks` provides them; this module does not import it)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def projection_shapes(self) -> Mapping[str, ProjectionShape]: ...
+
+    def projection_groups(self) -> Mapping[str, Sequence[MeasuredProjection]]: ...
+
+
 # Plans measured in this process, by what they depend on: lanes of one model in one process
 # (and an eager lane next to a traced one) compute with the same forms, bit for bit.
 _MEASURED: dict[tuple[Any, ...], KernelPlan] = {}
 
 
 def measure_kernel_plan(
-    model: KernelPlanHooks,
+    model: MeasuredModel,
     *,
     buckets: Sequence[int],
     attention: str,
@@ -529,7 +550,7 @@ def measure_kernel_plan(
 
 
 def _measure(
-    model: KernelPlanHooks,
+    model: MeasuredModel,
     *,
     buckets: Sequence[int],
     attention: str,
@@ -568,7 +589,7 @@ def _measure(
 
 
 def fixed_plan(
-    model: KernelPlanHooks,
+    model: MeasuredModel,
     *,
     buckets: Sequence[int],
     attention: str,

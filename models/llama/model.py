@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from models.llama import dynamic_addressing as dynamic
 from models.llama import input_checks as checks
 from models.llama.attention import AttentionPath, LayerCache, write_kv
 from models.llama.attention_layout import GROUP_COST_KEYS
+from models.llama.bound_cache import BoundCache
 from models.llama.config import LlamaArgs
 from models.llama.graph_safe import static_decode, static_prefill, stream_capturing
 from models.llama.kernel_hooks import KernelPlanHooks
@@ -55,17 +56,6 @@ from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionCon
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-
-
-class BoundCache(NamedTuple):
-    """The bound per-layer caches and their block size: what every forward call reads."""
-
-    layers: tuple[LayerCache, ...]
-    block_size: int
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.layers[0][0].shape[0])
 
 
 class LlamaModel(KernelPlanHooks, nn.Module):
@@ -179,6 +169,11 @@ class LlamaModel(KernelPlanHooks, nn.Module):
                 max_num_blocks=paged_attention.max_num_blocks,
             )
         return model
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary `cos` and signed `sin` tables `[max_seq_len, head_dim]` (`rope_tables`)."""
+        return self._rope_cos, self._rope_sin
 
     def embedding_matrix(self) -> torch.Tensor:
         """The `[vocab, dim]` token embeddings (a view of the head's matrix when tied)."""
@@ -504,19 +499,20 @@ class LlamaModel(KernelPlanHooks, nn.Module):
             return self._zero_logits(batch)
         if bool(active.all()):
             checks.decode_extent(pos, **extent)
-            return self._decode_dynamic(cache, tokens, pos, pages)
+            return self.decode_rows(cache, tokens, pos, pages)
         rows = active.nonzero().squeeze(1)
         checks.decode_extent(pos[rows], **extent)
         out = self._zero_logits(batch)
-        out[rows] = self._decode_dynamic(cache, tokens[rows], pos[rows], pages[rows])
+        out[rows] = self.decode_rows(cache, tokens[rows], pos[rows], pages[rows])
         return out
 
-    def _decode_dynamic(
+    def decode_rows(
         self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
     ) -> torch.Tensor:
-        """Active rows' decode: attention reads K/V pages in place (the native kernel) or,
-        rows sorted by position (undone on the last hidden state), gathers key tiles per
-        group of rows."""
+        """Every row's decode, all rows active and checked by the caller (`decode`, and
+        warmup's timing of the fused stack in `fused_choice`): attention reads K/V pages in
+        place (the native kernel) or, rows sorted by position (undone on the last hidden
+        state), gathers key tiles per group of rows."""
         # Fused decode stack (`models.llama.fused_decode`): chosen per row bucket at warmup.
         fused = self.fused_decode
         if fused is not None and fused.runs(tokens.shape[0]):

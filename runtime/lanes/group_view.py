@@ -77,11 +77,6 @@ class LaneGroupView:
         return tuple(getattr(lane, "executor", lane) for lane in self.lanes)
 
     @property
-    def lane_models(self) -> tuple[object, ...]:
-        """Each in-process lane's model (None for a process lane)."""
-        return tuple(getattr(getattr(lane, "executor", None), "model", None) for lane in self.lanes)
-
-    @property
     def model(self) -> LaneModelFacts:
         first = self.lanes[0].facts
         return LaneModelFacts(
@@ -143,15 +138,6 @@ class LaneGroupView:
         return tuple("traced" for _ in facts) if all(f.prefill_traced for f in facts) else None
 
     @property
-    def traced_decode_execution(self) -> tuple[str, ...] | None:
-        facts = self.facts
-        return tuple("traced" for _ in facts) if all(f.decode_traced for f in facts) else None
-
-    @property
-    def already_warmed_up_prefill(self) -> bool:
-        return all(f.prefill_warmed for f in self.facts)
-
-    @property
     def paged_kv_cache_config(self) -> tuple[PagedKVCacheConfig | None, ...]:
         return tuple(f.paged_kv_cache_config for f in self.facts)
 
@@ -200,10 +186,6 @@ class LaneGroupView:
         if any(b is None for b in per_block):
             raise RuntimeError("a DP lane does not report its KV bytes per block")
         return sum(int(b or 0) for b in per_block) * num_blocks
-
-    def lane_of_slot(self, slot: int) -> int:
-        """The lane a global slot belongs to."""
-        return slot // self.per_lane_max_batch_size
 
     def runtime_summary(self) -> dict[str, int | float]:
         """The group's host bookkeeping per decode step."""

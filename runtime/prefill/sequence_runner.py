@@ -49,10 +49,6 @@ class PrefillSequenceRunner:
         self._postprocessor = postprocessor
         self._release = release_transient
 
-    def configure_model(self, model: PagedModel) -> None:
-        """Follow a config swap (the model is borrowed and normally never changes)."""
-        self._model = model
-
     def run(
         self, prepared: PreparedPrefill, *, shared: SharedCompileForward | None = None
     ) -> InvocationResult:

@@ -229,10 +229,6 @@ class PreparedSamplingParams:
         """Widest top-n log-prob request over the active rows (0 when none)."""
         return max((self.num_logprobs[r] for r in self._active()), default=0)
 
-    def kpt_values(self) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
-        """(top_k, top_p, inverse temperature) per row: the K/P/T device inputs."""
-        return self.top_k, self.top_p, self.inverse_temperature
-
     def _rows(self) -> list[PreparedRow]:
         return [
             PreparedRow(
