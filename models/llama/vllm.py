@@ -13,10 +13,10 @@ engine's steps:
     warmup phase 2 (trace)       -> CAPTURED   (trace modes decode_only / all)
     first prefill/decode forward -> SERVING
 
-The target is anything with the single-lane execution-target API (`phase`,
-`allocate_kv_cache`, `warmup_model_prefill`, `warmup_model_decode`, `capture`, `serve`,
-`prefill_forward`, `decode_forward`, `read_decode_output`, `process_decode_output_host`,
-`close`): one `ModelExecutor` lane today, a lane group over global slots later.
+The target is one `LlamaExecutor` lane (typed as such: the facade calls its phase-guarded
+API, its KV config and its warmup's capture barrier); a lane group over global slots will
+take its place behind the same calls. `models.vllm_plugin.facades.VLLMFacade` is the
+contract this class implements (mypy checks it there).
 """
 
 from __future__ import annotations
@@ -43,34 +43,13 @@ from models.llama.vllm_engine_args import (
     engine_model_name,
     engine_options,
 )
+from models.llama.vllm_outputs import DecodeOutput, HostDecodeOutput
 from runtime.backends.base import Device
 from runtime.config import PagedKVCacheConfig, TraceConfig, require_positive_int
 from runtime.prefill.result_collector import PrefillOutput
 from runtime.vllm_adapter import VLLMAdapter, VLLMAdapterConfig
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.define(eq=False)
-class DecodeOutput:
-    """A decode step's raw output, not yet read (`decode_forward(read_from_device=False)`).
-
-    It is deliberately not a tensor: an engine hands it back to `read_decode_output` or
-    `process_decode_output_host`, which release the step's device resources.
-    """
-
-    raw: object
-    is_tokens: bool
-    read: bool = False
-
-
-@attrs.define(eq=False)
-class HostDecodeOutput:
-    """A decode step's host copy; valid once the events `read_decode_output` returned completed."""
-
-    host: object
-    is_tokens: bool
-    processed: bool = False
 
 
 @attrs.define(eq=False)
@@ -128,7 +107,7 @@ class LlamaVLLMModel:
         self.adapter = VLLMAdapter(
             VLLMAdapterConfig.resolve(
                 trace=self.trace,
-                paged_kv_cache=_kv_config(target),
+                paged_kv_cache=target.config.paged_kv_cache,
                 expected_num_layers=args.n_layers,
                 expected_kv_heads_per_device=args.n_kv_heads,
                 expected_head_dim=args.head_dim,
@@ -290,7 +269,7 @@ class LlamaVLLMModel:
     def _adopt_geometry(
         self, target: LlamaExecutor, kv_config: PagedKVCacheConfig
     ) -> LlamaExecutor:
-        current = _kv_config(target)
+        current = target.config.paged_kv_cache
         assert kv_config.num_blocks is not None
         if (
             kv_config.block_size == current.block_size
@@ -370,7 +349,7 @@ class LlamaVLLMModel:
         """
         target = self.executor
         waiting = self._traced_operations() - self._traced_warmups - {kind}
-        deferral = _defer_capture(target) if traced and waiting else contextlib.nullcontext()
+        deferral = target.warmup.defer_capture() if traced and waiting else contextlib.nullcontext()
         with deferral:
             getattr(target, f"warmup_model_{kind}")(**engine_arguments)
         if traced:
@@ -378,7 +357,7 @@ class LlamaVLLMModel:
         if (
             target.phase is Phase.COMPILED
             and self._traced_warmups >= self._traced_operations()
-            and _capture_pending(target)
+            and target.warmup.capture_pending
         ):
             target.capture()
 
@@ -607,28 +586,3 @@ class LlamaVLLMModel:
     def closed(self) -> bool:
         """Whether the target reached TERMINAL."""
         return bool(self.executor.is_terminal)
-
-
-def _kv_config(target: object) -> PagedKVCacheConfig:
-    """The target's paged KV config (a lane group keeps one per lane, all alike)."""
-    config = getattr(getattr(target, "config", None), "paged_kv_cache", None)
-    if config is None:
-        config = getattr(target, "paged_kv_cache_config")[0]  # noqa: B009
-    assert isinstance(config, PagedKVCacheConfig)
-    return config
-
-
-def _defer_capture(target: object) -> contextlib.AbstractContextManager[None]:
-    """The target's capture deferral (a lane group defers every lane), if it has one."""
-    defer = getattr(getattr(target, "warmup", None), "defer_capture", None)
-    if defer is None:
-        defer = getattr(target, "defer_capture", None)
-    return defer() if callable(defer) else contextlib.nullcontext()
-
-
-def _capture_pending(target: object) -> bool:
-    """Whether the target's warmup staged a capture (every traced operation registered)."""
-    pending = getattr(target, "capture_pending", None)
-    if pending is None:
-        pending = getattr(getattr(target, "warmup", None), "capture_pending", False)
-    return bool(pending)

@@ -33,7 +33,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     AsyncModelRunnerOutput,
-    LogprobsLists,
     ModelRunnerOutput,
     SamplerOutput,
 )
@@ -52,9 +51,18 @@ from models.vllm_plugin.device_sampling import (
 )
 from models.vllm_plugin.facades import FacadeOutput, VLLMFacade, facade_class
 from models.vllm_plugin.pending_step import IssuedDecode, IssuedStep, PendingStep
-from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
+from models.vllm_plugin.sampling import (
+    build_sampling_metadata,
+    logprobs_in_request_order,
+    sampling_generator,
+)
 from models.vllm_plugin.settings import PluginSettings
-from models.vllm_plugin.stats_report import StatsReporter, numeric_counters, stats_path
+from models.vllm_plugin.stats_report import (
+    RUNNER_COUNTERS,
+    StatsReporter,
+    numeric_counters,
+    stats_path,
+)
 from models.vllm_plugin.step_samples import StepSamples
 from runtime.sampling import DeviceSampler
 
@@ -121,27 +129,7 @@ class LLMRuntimeModelRunner:
         self.model: VLLMFacade | None = None
         self.kv_cache: object = None
         self.reporter = self._stats_reporter(vllm_config)
-        self.stats: dict[str, float] = dict.fromkeys(
-            (
-                "prefill_calls",
-                "prefill_rows",
-                "cached_prefill_rows",
-                "partial_prefill_rows",
-                "resumed_requests",
-                "prefix_hit_requests",
-                "decode_calls",
-                "decode_rows",
-                "prefill_seconds",
-                "decode_seconds",
-                "device_sampled_rows",
-                "host_runtime_sampled_rows",
-                "host_sampled_rows",
-                "host_sampling_calls",
-                "async_steps",
-                "steps_finished_by_next_step",
-            ),
-            0,
-        )
+        self.stats: dict[str, float] = dict.fromkeys(RUNNER_COUNTERS, 0)
 
     def _stats_reporter(self, vllm_config: VllmConfig) -> StatsReporter:
         """The counter reports the settings ask for (one file per data-parallel rank)."""
@@ -394,7 +382,7 @@ class LLMRuntimeModelRunner:
             host_tokens, result = self._vllm_sample(step.vllm_ids, step.vllm_logits)
             chosen.update(zip(step.vllm_ids, host_tokens, strict=True))
             if result.logprobs_tensors is not None:
-                logprobs = self._logprobs_in_request_order(result, step.vllm_ids, req_ids)
+                logprobs = logprobs_in_request_order(result, step.vllm_ids, req_ids)
         tokens: list[list[int]] = [[] for _ in req_ids]
         for req_id, token in chosen.items():
             tokens[index[req_id]] = [token]
@@ -500,25 +488,6 @@ class LLMRuntimeModelRunner:
         result = self.sampler(stacked, metadata)
         self.stats["host_sampled_rows"] += len(req_ids)
         return [int(t) for t in result.sampled_token_ids[:, 0].tolist()], result
-
-    def _logprobs_in_request_order(
-        self, result: SamplerOutput, sampled_ids: list[str], req_ids: list[str]
-    ) -> LogprobsLists:
-        """vLLM expects one logprobs row per scheduled request; rows not sampled here are empty."""
-        tensors = result.logprobs_tensors
-        assert tensors is not None, "vLLM's sampler returned no logprobs for a logprobs request"
-        order = {r: i for i, r in enumerate(sampled_ids)}
-        width = tensors.logprob_token_ids.shape[1]
-        ids = torch.zeros((len(req_ids), width), dtype=tensors.logprob_token_ids.dtype)
-        values = torch.full((len(req_ids), width), float("-inf"))
-        ranks = torch.zeros(len(req_ids), dtype=tensors.selected_token_ranks.dtype)
-        for row, req_id in enumerate(req_ids):
-            source = order.get(req_id)
-            if source is not None:
-                ids[row] = tensors.logprob_token_ids[source]
-                values[row] = tensors.logprobs[source]
-                ranks[row] = tensors.selected_token_ranks[source]
-        return type(tensors)(ids, values, ranks).tolists()
 
     # -- facade calls ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.outputs import LogprobsLists, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
@@ -110,3 +111,23 @@ def build_sampling_metadata(
         bad_words_token_ids={},
         logitsprocs=LogitsProcessors(),
     )
+
+
+def logprobs_in_request_order(
+    result: SamplerOutput, sampled_ids: list[str], req_ids: list[str]
+) -> LogprobsLists:
+    """vLLM expects one logprobs row per scheduled request; rows not sampled here are empty."""
+    tensors = result.logprobs_tensors
+    assert tensors is not None, "vLLM's sampler returned no logprobs for a logprobs request"
+    order = {r: i for i, r in enumerate(sampled_ids)}
+    width = tensors.logprob_token_ids.shape[1]
+    ids = torch.zeros((len(req_ids), width), dtype=tensors.logprob_token_ids.dtype)
+    values = torch.full((len(req_ids), width), float("-inf"))
+    ranks = torch.zeros(len(req_ids), dtype=tensors.selected_token_ranks.dtype)
+    for row, req_id in enumerate(req_ids):
+        source = order.get(req_id)
+        if source is not None:
+            ids[row] = tensors.logprob_token_ids[source]
+            values[row] = tensors.logprobs[source]
+            ranks[row] = tensors.selected_token_ranks[source]
+    return type(tensors)(ids, values, ranks).tolists()

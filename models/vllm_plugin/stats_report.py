@@ -23,6 +23,26 @@ import attrs
 
 logger = logging.getLogger(__name__)
 
+RUNNER_COUNTERS: tuple[str, ...] = (
+    "prefill_calls",
+    "prefill_rows",
+    "cached_prefill_rows",
+    "partial_prefill_rows",
+    "resumed_requests",
+    "prefix_hit_requests",
+    "decode_calls",
+    "decode_rows",
+    "prefill_seconds",
+    "decode_seconds",
+    "device_sampled_rows",
+    "host_runtime_sampled_rows",
+    "host_sampled_rows",
+    "host_sampling_calls",
+    "async_steps",
+    "steps_finished_by_next_step",
+)
+"""The model runner's own counters (the facade's executor adds its own to a report)."""
+
 StatsSource = Callable[[], Mapping[str, float]]
 """What the reporter reads: the runner's counters, collected on the step's own thread."""
 
