@@ -485,9 +485,8 @@ class LlamaVLLMModel:
             compatibility_kwargs=compatibility,
         )
         self._serve_if_needed()
-        # Forwarded compatibility values: checked by the executor's boundary (see prefill).
         out = self.executor.decode_forward(
-            **normalized,  # type: ignore[arg-type]
+            **normalized,  # type: ignore[arg-type]  # the executor checks them (see prefill)
             read_from_device=read_from_device,
             execution="traced" if trace else "eager",
         )
