@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Unpack
+from typing import Literal, Unpack, overload
 
 import attrs
 import torch
@@ -30,7 +30,7 @@ from models.lane_capacity import (
 )
 from models.lane_components import LaneCallbacks, build_lane_components
 from models.progress import ProgressSink, as_progress
-from runtime.backends.base import Device
+from runtime.backends.base import Device, Event
 from runtime.backends.memory import format_bytes
 from runtime.config import (
     PagedKVCacheConfig,
@@ -563,10 +563,20 @@ class ModelExecutor(LifecycleHost):
             raise
 
     @guarded(P.SERVING)
-    def read_decode_output(self, raw: object, *, async_read: bool = False) -> object:
+    @overload
+    def read_decode_output(
+        self, raw: object, *, async_read: Literal[True]
+    ) -> tuple[object, list[Event]]: ...
+    @overload
+    def read_decode_output(self, raw: object, *, async_read: Literal[False] = False) -> object: ...
+    def read_decode_output(
+        self, raw: object, *, async_read: bool = False
+    ) -> object | tuple[object, list[Event]]:
         """Read a raw decode output (async: `(host_value, events)` to complete later)."""
         try:
-            return self.decode_runtime.read_decode_output(raw, async_read=async_read)
+            if async_read:
+                return self.decode_runtime.read_decode_output(raw, async_read=True)
+            return self.decode_runtime.read_decode_output(raw, async_read=False)
         except BaseException as error:  # inline: this is the per-step path
             self._fault_if_holding("read_decode_output", error)
             raise

@@ -21,12 +21,12 @@ positions in place) is used only by compile and traced replay, as in the referen
 from __future__ import annotations
 
 import logging
-from typing import Unpack
+from typing import Literal, Unpack, overload
 
 import torch
 
 from lifecycle.errors import attach_cleanup_failures
-from runtime.backends.base import Device, DeviceTensor, TraceOutputs, as_torch
+from runtime.backends.base import Device, DeviceTensor, Event, TraceOutputs, as_torch
 from runtime.config import PageTableLayout
 from runtime.decode_batch import (
     DecodeOptions,
@@ -408,7 +408,15 @@ class DecodeRuntime:
 
     # -- external (asynchronous) reads --------------------------------------------------------
 
-    def read_decode_output(self, raw: object, *, async_read: bool = False) -> object:
+    @overload
+    def read_decode_output(
+        self, raw: object, *, async_read: Literal[True]
+    ) -> tuple[object, list[Event]]: ...
+    @overload
+    def read_decode_output(self, raw: object, *, async_read: Literal[False] = False) -> object: ...
+    def read_decode_output(
+        self, raw: object, *, async_read: bool = False
+    ) -> object | tuple[object, list[Event]]:
         """Read a raw decode output: the host value now, or `(host_value, events)` to wait on."""
         require_bool("async_read", async_read)
         lease = self._lease_for(raw)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypedDict, cast
+from typing import Any, Literal, TypedDict
 
 import attrs
 import numpy as np
@@ -60,11 +60,11 @@ class NormalizedPrefillKwargs(TypedDict):
     prompt_lens: torch.Tensor | None
     start_pos: torch.Tensor | None
     empty_slots: list[int] | None
-    kv_cache: Any
+    kv_cache: object
     sampling_params: SamplingParams | None
-    prompt_tokens: Any
-    output_tokens: Any
-    slot_remap: Any
+    prompt_tokens: object
+    output_tokens: object
+    slot_remap: object
 
 
 class NormalizedDecodeKwargs(TypedDict):
@@ -73,11 +73,11 @@ class NormalizedDecodeKwargs(TypedDict):
     tokens: torch.Tensor
     start_pos: torch.Tensor
     page_table: torch.Tensor
-    kv_cache: Any
+    kv_cache: object
     sampling_params: SamplingParams | None
-    prompt_tokens: Any
-    output_tokens: Any
-    slot_remap: Any
+    prompt_tokens: object
+    output_tokens: object
+    slot_remap: object
     reset_batch: bool
 
 
@@ -141,7 +141,7 @@ def torch_surrogate(dtype: object) -> torch.dtype:
     return surrogate
 
 
-def _dtype_tuple(value: object) -> tuple[Any, ...]:
+def _dtype_tuple(value: object) -> tuple[object, ...]:
     if value is None:
         raise TypeError("model_kv_cache_dtype must be supplied from model metadata")
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
@@ -161,7 +161,7 @@ class VLLMAdapterConfig:
     expected_num_layers: int
     expected_kv_heads_per_device: int | None
     expected_head_dim: int | None
-    model_kv_cache_dtypes: tuple[Any, ...]
+    model_kv_cache_dtypes: tuple[object, ...]
 
     def __attrs_post_init__(self) -> None:
         _exact_type("trace", self.trace, TraceConfig)
@@ -279,16 +279,17 @@ def _sampling(value: object) -> SamplingParams | None:
     """The runtime's `SamplingParams`; an engine dataclass with the same field names is read."""
     if value is None or isinstance(value, SamplingParams):
         return value
+    kind = type(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         known = {field.name for field in dataclasses.fields(value)}
-    elif attrs.has(type(value)):
-        known = {field.name for field in attrs.fields(cast(Any, type(value)))}
+    elif attrs.has(kind):
+        known = {field.name for field in attrs.fields(kind)}
     else:
         raise TypeError(
             "sampling_params must be a runtime.sampling.SamplingParams or a dataclass with its "
             f"fields {list(_SAMPLING_FIELDS)}, got {type(value).__name__}"
         )
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {}  # per-field value types differ; SamplingParams checks them
     for name in _SAMPLING_FIELDS:
         item = getattr(value, name, None) if name in known else None
         if item is None:
@@ -301,10 +302,12 @@ def _sampling(value: object) -> SamplingParams | None:
     return SamplingParams(**fields)
 
 
-def _logprob_counts(value: Any) -> Any:
+def _logprob_counts(value: object) -> int | list[int]:
     """The engine encodes "no log-probs" as a negative count (-2); the runtime uses 0."""
     if isinstance(value, list | tuple):
         return [max(0, int(item)) for item in value]
+    if not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"sampling_params num_logprobs must be integers, got {value!r}")
     return max(0, int(value))
 
 
@@ -343,10 +346,10 @@ class VLLMAdapter:
         return enable_trace
 
     def _compatibility(
-        self, operation: Operation, compatibility_kwargs: Mapping[str, Any] | None
-    ) -> dict[str, Any]:
+        self, operation: Operation, compatibility_kwargs: Mapping[str, object] | None
+    ) -> dict[str, object]:
         """The forwarded compatibility values (None when absent); unknown names refused."""
-        forwarded: dict[str, Any] = dict.fromkeys(FORWARDED_VLLM_KWARGS)
+        forwarded: dict[str, object] = dict.fromkeys(FORWARDED_VLLM_KWARGS)
         if compatibility_kwargs is None:
             return forwarded
         if not isinstance(compatibility_kwargs, Mapping):
@@ -365,16 +368,16 @@ class VLLMAdapter:
 
     def normalize_prefill(
         self,
-        tokens: Any,
-        page_table: Any,
+        tokens: object,
+        page_table: object,
         *,
         enable_trace: bool,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        empty_slots: Any = None,
-        kv_cache: Any = None,
-        sampling_params: Any = None,
-        compatibility_kwargs: Mapping[str, Any] | None = None,
+        prompt_lens: object = None,
+        start_pos: object = None,
+        empty_slots: object = None,
+        kv_cache: object = None,
+        sampling_params: object = None,
+        compatibility_kwargs: Mapping[str, object] | None = None,
     ) -> tuple[NormalizedPrefillKwargs, bool]:
         """Executor keywords for one prefill call and the validated `enable_trace`."""
         trace = self.check_enable_trace("prefill_forward", enable_trace)
@@ -395,15 +398,15 @@ class VLLMAdapter:
 
     def normalize_decode(
         self,
-        tokens: Any,
-        start_pos: Any,
-        page_table: Any,
+        tokens: object,
+        start_pos: object,
+        page_table: object,
         *,
         enable_trace: bool,
-        kv_cache: Any = None,
-        sampling_params: Any = None,
+        kv_cache: object = None,
+        sampling_params: object = None,
         reset_batch: bool = False,
-        compatibility_kwargs: Mapping[str, Any] | None = None,
+        compatibility_kwargs: Mapping[str, object] | None = None,
     ) -> tuple[NormalizedDecodeKwargs, bool]:
         """Executor keywords for one decode step (`[B, 1]` tokens flattened to `[B]`)."""
         trace = self.check_enable_trace("decode_forward", enable_trace)
@@ -427,7 +430,7 @@ class VLLMAdapter:
     # -- KV cache spec ---------------------------------------------------------------------------
 
     def resolve_legacy_kv_cache_config(
-        self, kv_cache_shape: Any, dtype: Any, num_layers: Any
+        self, kv_cache_shape: object, dtype: object, num_layers: object
     ) -> PagedKVCacheConfig:
         """A new resolved config for the engine's `(num_blocks, kv_heads, block_size, head_dim)`.
 

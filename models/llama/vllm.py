@@ -13,10 +13,10 @@ engine's steps:
     warmup phase 2 (trace)       -> CAPTURED   (trace modes decode_only / all)
     first prefill/decode forward -> SERVING
 
-The target is anything with the single-lane execution-target API (`phase`,
-`allocate_kv_cache`, `warmup_model_prefill`, `warmup_model_decode`, `capture`, `serve`,
-`prefill_forward`, `decode_forward`, `read_decode_output`, `process_decode_output_host`,
-`close`): one `ModelExecutor` lane today, a lane group over global slots later.
+The target is one `LlamaExecutor` lane (typed as such: the facade calls its phase-guarded
+API, its KV config and its warmup's capture barrier); a lane group over global slots will
+take its place behind the same calls. `models.vllm_plugin.facades.VLLMFacade` is the
+contract this class implements (mypy checks it there).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal, overload
 
 import attrs
 import torch
@@ -42,40 +43,21 @@ from models.llama.vllm_engine_args import (
     engine_model_name,
     engine_options,
 )
-from runtime.backends.base import Device
+from models.llama.vllm_outputs import DecodeOutput, HostDecodeOutput
+from runtime.backends.base import Device, DeviceTensor
 from runtime.config import PagedKVCacheConfig, TraceConfig, require_positive_int
+from runtime.decode_staging import DecodeHostOutput
+from runtime.prefill.result_collector import PrefillOutput
 from runtime.vllm_adapter import VLLMAdapter, VLLMAdapterConfig
 
 logger = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
-class DecodeOutput:
-    """A decode step's raw output, not yet read (`decode_forward(read_from_device=False)`).
-
-    It is deliberately not a tensor: an engine hands it back to `read_decode_output` or
-    `process_decode_output_host`, which release the step's device resources.
-    """
-
-    raw: Any
-    is_tokens: bool
-    read: bool = False
-
-
-@attrs.define(eq=False)
-class HostDecodeOutput:
-    """A decode step's host copy; valid once the events `read_decode_output` returned completed."""
-
-    host: Any
-    is_tokens: bool
-    processed: bool = False
-
-
-@attrs.define(eq=False)
 class _TargetHolder:
     """Owns the execution target; the facade's finalizer closes it without the facade."""
 
-    target: Any
+    target: LlamaExecutor
 
     def close(self) -> None:
         self.target.close()
@@ -126,7 +108,7 @@ class LlamaVLLMModel:
         self.adapter = VLLMAdapter(
             VLLMAdapterConfig.resolve(
                 trace=self.trace,
-                paged_kv_cache=_kv_config(target),
+                paged_kv_cache=target.config.paged_kv_cache,
                 expected_num_layers=args.n_layers,
                 expected_kv_heads_per_device=args.n_kv_heads,
                 expected_head_dim=args.head_dim,
@@ -139,13 +121,13 @@ class LlamaVLLMModel:
     @classmethod
     def initialize_vllm_model(
         cls,
-        hf_config: Any,
-        mesh_device: Any,
+        hf_config: object,
+        mesh_device: object,
         max_batch_size: int,
         max_seq_len: int | None = None,
         tt_data_parallel: int = 1,
         optimizations: str | None = None,
-        **options: Any,
+        **options: object,
     ) -> LlamaVLLMModel:
         """Load the weights `hf_config` names and build the facade in CONSTRUCTED.
 
@@ -225,14 +207,14 @@ class LlamaVLLMModel:
         return max_model_len * max_num_seqs
 
     @classmethod
-    def get_kv_cache_spec(cls, vllm_config: Any) -> None:
+    def get_kv_cache_spec(cls, vllm_config: object) -> None:
         """None: every layer is full attention with one geometry, the engine's default spec."""
         return None
 
     # -- the execution target --------------------------------------------------------------------
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> LlamaExecutor:
         """The execution target the facade drives (a lane executor)."""
         return self._holder.target
 
@@ -261,7 +243,9 @@ class LlamaVLLMModel:
 
     # -- allocate ---------------------------------------------------------------------------------
 
-    def allocate_kv_cache(self, kv_cache_shape: Any, dtype: Any, num_layers: Any) -> Any:
+    def allocate_kv_cache(
+        self, kv_cache_shape: Sequence[int], dtype: torch.dtype, num_layers: int
+    ) -> list[list[DeviceTensor]]:
         """Adopt the engine's KV spec and allocate it: CONSTRUCTED -> ALLOCATED.
 
         The engine fixes block size and capacity; a target built for another geometry is
@@ -283,8 +267,10 @@ class LlamaVLLMModel:
         self.adapter = VLLMAdapter(attrs.evolve(self.adapter.config, paged_kv_cache=kv_config))
         return handle
 
-    def _adopt_geometry(self, target: Any, kv_config: PagedKVCacheConfig) -> Any:
-        current = _kv_config(target)
+    def _adopt_geometry(
+        self, target: LlamaExecutor, kv_config: PagedKVCacheConfig
+    ) -> LlamaExecutor:
+        current = target.config.paged_kv_cache
         assert kv_config.num_blocks is not None
         if (
             kv_config.block_size == current.block_size
@@ -317,7 +303,7 @@ class LlamaVLLMModel:
     # -- warmup -----------------------------------------------------------------------------------
 
     def warmup_model_prefill(
-        self, *, kv_cache: Any, enable_trace: bool, can_sample_on_device: bool
+        self, *, kv_cache: object, enable_trace: bool, can_sample_on_device: bool
     ) -> None:
         """Phase 1 (enable_trace=False) compiles prefill; phase 2 registers its traces."""
         self.adapter.check_enable_trace("warmup_model_prefill", enable_trace)
@@ -332,7 +318,7 @@ class LlamaVLLMModel:
     def warmup_model_decode(
         self,
         *,
-        kv_cache: Any,
+        kv_cache: object,
         enable_trace: bool,
         max_batch_size: int,
         num_blocks: int,
@@ -355,7 +341,7 @@ class LlamaVLLMModel:
             enable_trace=enable_trace,
         )
 
-    def _warm(self, kind: str, traced: bool, **engine_arguments: Any) -> None:
+    def _warm(self, kind: str, traced: bool, **engine_arguments: object) -> None:
         """Forward one warmup with the engine's arguments; capture once all traced ones ran.
 
         While another statically traced operation still awaits its traced warmup, the
@@ -364,7 +350,7 @@ class LlamaVLLMModel:
         """
         target = self.executor
         waiting = self._traced_operations() - self._traced_warmups - {kind}
-        deferral = _defer_capture(target) if traced and waiting else contextlib.nullcontext()
+        deferral = target.warmup.defer_capture() if traced and waiting else contextlib.nullcontext()
         with deferral:
             getattr(target, f"warmup_model_{kind}")(**engine_arguments)
         if traced:
@@ -372,7 +358,7 @@ class LlamaVLLMModel:
         if (
             target.phase is Phase.COMPILED
             and self._traced_warmups >= self._traced_operations()
-            and _capture_pending(target)
+            and target.warmup.capture_pending
         ):
             target.capture()
 
@@ -435,16 +421,16 @@ class LlamaVLLMModel:
     def prefill_forward(
         self,
         *,
-        tokens: Any,
-        page_table: Any,
-        kv_cache: Any = None,
+        tokens: object,
+        page_table: object,
+        kv_cache: object = None,
         enable_trace: bool,
-        prompt_lens: Any = None,
-        start_pos: Any = None,
-        sampling_params: Any = None,
-        empty_slots: Any = None,
-        **compatibility: Any,
-    ) -> Any:
+        prompt_lens: object = None,
+        start_pos: object = None,
+        sampling_params: object = None,
+        empty_slots: object = None,
+        **compatibility: object,
+    ) -> PrefillOutput:
         """Prefill whole prompts from position 0; `start_pos > 0` skips a cached prefix.
 
         Returns sampled tokens `[B]` with sampling params, else logits, rows in source order.
@@ -462,21 +448,26 @@ class LlamaVLLMModel:
             compatibility_kwargs=compatibility,
         )
         self._serve_if_needed()
-        return self.executor.prefill_forward(**normalized, execution="traced" if trace else "eager")
+        # The forwarded compatibility values (typed `object` by the adapter) are checked by
+        # the executor's boundary (`check_sampling_arguments`), which takes any value.
+        return self.executor.prefill_forward(
+            **normalized,  # type: ignore[arg-type]
+            execution="traced" if trace else "eager",
+        )
 
     def decode_forward(
         self,
         *,
-        tokens: Any,
-        page_table: Any,
-        kv_cache: Any = None,
-        start_pos: Any,
-        sampling_params: Any = None,
+        tokens: object,
+        page_table: object,
+        kv_cache: object = None,
+        start_pos: object,
+        sampling_params: object = None,
         reset_batch: bool = False,
         enable_trace: bool,
         read_from_device: bool = True,
-        **compatibility: Any,
-    ) -> Any:
+        **compatibility: object,
+    ) -> torch.Tensor | DecodeOutput:
         """One decode step over every slot (`start_pos` -1 marks a padding row).
 
         `read_from_device=True` returns host tokens `[B]` / logits `[B, 1, V]`; False returns
@@ -496,15 +487,26 @@ class LlamaVLLMModel:
         )
         self._serve_if_needed()
         out = self.executor.decode_forward(
-            **normalized,
+            **normalized,  # type: ignore[arg-type]  # the executor checks them (see prefill)
             read_from_device=read_from_device,
             execution="traced" if trace else "eager",
         )
         if read_from_device:
+            assert isinstance(out, torch.Tensor)  # host tokens [B] or logits [B, 1, V]
             return out
         return DecodeOutput(raw=out, is_tokens=normalized["sampling_params"] is not None)
 
-    def read_decode_output(self, out: Any, async_read: bool = False) -> Any:
+    @overload
+    def read_decode_output(
+        self, out: object, async_read: Literal[True]
+    ) -> tuple[HostDecodeOutput, list[object]]: ...
+    @overload
+    def read_decode_output(
+        self, out: object, async_read: Literal[False] = False
+    ) -> HostDecodeOutput: ...
+    def read_decode_output(
+        self, out: object, async_read: bool = False
+    ) -> HostDecodeOutput | tuple[HostDecodeOutput, list[object]]:
         """Start reading a `DecodeOutput`: async -> `(HostDecodeOutput, events)`.
 
         The engine waits for the events, then calls `process_decode_output_host`.
@@ -528,7 +530,7 @@ class LlamaVLLMModel:
         out.read = True
         return HostDecodeOutput(host=host, is_tokens=out.is_tokens)
 
-    def process_decode_output_host(self, out: Any, is_tokens: bool = False) -> Any:
+    def process_decode_output_host(self, out: object, is_tokens: bool = False) -> DecodeHostOutput:
         """Finish a decode read: tokens int64 `[B]` (sampled) or logits float32 `[B, 1, V]`.
 
         Accepts a `HostDecodeOutput` (after the read's events) or an unread `DecodeOutput`
@@ -544,7 +546,10 @@ class LlamaVLLMModel:
             self._check_kind(out.is_tokens, is_tokens)
             host = self.executor.read_decode_output(out.raw, async_read=False)
             out.read = True
-            return self.executor.process_decode_output_host(host, is_tokens=out.is_tokens)
+            processed: DecodeHostOutput = self.executor.process_decode_output_host(
+                host, is_tokens=out.is_tokens
+            )
+            return processed
         if not isinstance(out, HostDecodeOutput):
             raise TypeError(
                 "process_decode_output_host expects a HostDecodeOutput from read_decode_output "
@@ -553,7 +558,9 @@ class LlamaVLLMModel:
         if out.processed:
             raise RuntimeError("this decode output was already processed")
         self._check_kind(out.is_tokens, is_tokens)
-        result = self.executor.process_decode_output_host(out.host, is_tokens=out.is_tokens)
+        result: DecodeHostOutput = self.executor.process_decode_output_host(
+            out.host, is_tokens=out.is_tokens
+        )
         out.processed = True
         return result
 
@@ -565,6 +572,10 @@ class LlamaVLLMModel:
                 "logits; pass is_tokens=False"
             )
 
+    def runtime_summary(self) -> Mapping[str, object]:
+        """The execution target's counters (eager executions, trace replays, programs)."""
+        return self.executor.runtime_summary()
+
     # -- teardown ---------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -575,28 +586,3 @@ class LlamaVLLMModel:
     def closed(self) -> bool:
         """Whether the target reached TERMINAL."""
         return bool(self.executor.is_terminal)
-
-
-def _kv_config(target: Any) -> PagedKVCacheConfig:
-    """The target's paged KV config (a lane group keeps one per lane, all alike)."""
-    config = getattr(getattr(target, "config", None), "paged_kv_cache", None)
-    if config is None:
-        config = target.paged_kv_cache_config[0]
-    assert isinstance(config, PagedKVCacheConfig)
-    return config
-
-
-def _defer_capture(target: Any) -> contextlib.AbstractContextManager[Any]:
-    """The target's capture deferral (a lane group defers every lane), if it has one."""
-    defer = getattr(getattr(target, "warmup", None), "defer_capture", None)
-    if defer is None:
-        defer = getattr(target, "defer_capture", None)
-    return defer() if callable(defer) else contextlib.nullcontext()
-
-
-def _capture_pending(target: Any) -> bool:
-    """Whether the target's warmup staged a capture (every traced operation registered)."""
-    pending = getattr(target, "capture_pending", None)
-    if pending is None:
-        pending = getattr(getattr(target, "warmup", None), "capture_pending", False)
-    return bool(pending)

@@ -16,7 +16,7 @@ tests it without vLLM installed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypedDict
 
 import attrs
 import torch
@@ -117,6 +117,14 @@ class HistoryRow:
     output: Sequence[int]
 
 
+class SamplingKeywords(TypedDict, total=False):
+    """The sampling keywords a facade call takes (none: it returns logits)."""
+
+    sampling_params: SamplingParams
+    prompt_tokens: torch.Tensor
+    output_tokens: torch.Tensor | None
+
+
 @attrs.frozen(eq=False)
 class FacadeSampling:
     """The sampling keywords of one `prefill_forward` / `decode_forward` call."""
@@ -125,9 +133,9 @@ class FacadeSampling:
     prompt_tokens: torch.Tensor | None = None
     output_tokens: torch.Tensor | None = None
 
-    def keywords(self) -> dict[str, Any]:
+    def keywords(self) -> SamplingKeywords:
         """`sampling_params` and, with penalties, the slot-indexed token histories."""
-        found: dict[str, Any] = {"sampling_params": self.sampling_params}
+        found: SamplingKeywords = {"sampling_params": self.sampling_params}
         if self.prompt_tokens is not None:
             found["prompt_tokens"] = self.prompt_tokens
             found["output_tokens"] = self.output_tokens

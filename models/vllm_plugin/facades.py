@@ -1,25 +1,147 @@
-"""Which model family's vLLM facade serves a Hugging Face architecture."""
+"""Which model family's vLLM facade serves a Hugging Face architecture, and what it offers.
+
+`VLLMFacade` / `VLLMFacadeClass` name the calls the worker makes on a facade (the
+Tenstorrent model-runner contract that `models.llama.vllm.LlamaVLLMModel` implements), so
+the runner is typed against the contract rather than one family's class.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal, Protocol, cast, overload
+
+import torch
+
+from runtime.decode_staging import DecodeHostOutput
 
 FACADES: dict[str, str] = {
     "LlamaForCausalLM": "models.llama.vllm:LlamaVLLMModel",
 }
 
+FacadeOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
+"""A forward's host result: logits, or sampled tokens (maybe with their log-probs)."""
 
-def facade_class(hf_config: Any) -> Any:
+
+class HasArchitectures(Protocol):
+    """The part of a Hugging Face config that picks the facade."""
+
+    @property
+    def architectures(self) -> list[str] | None: ...
+
+
+class VLLMFacade(Protocol):
+    """The calls the worker makes on a loaded facade, in lifecycle order."""
+
+    @property
+    def device(self) -> object: ...
+    @property
+    def max_device_top_k(self) -> int | None: ...
+
+    def allocate_kv_cache(
+        self, kv_cache_shape: tuple[int, ...], dtype: torch.dtype, num_layers: int
+    ) -> object: ...
+
+    def warmup_model_prefill(
+        self, *, kv_cache: object, enable_trace: bool, can_sample_on_device: bool
+    ) -> None: ...
+
+    def warmup_model_decode(
+        self,
+        *,
+        enable_trace: bool,
+        can_sample_on_device: bool,
+        kv_cache: object,
+        max_batch_size: int,
+        num_blocks: int,
+    ) -> None: ...
+
+    def prefill_forward(
+        self,
+        *,
+        enable_trace: bool,
+        tokens: torch.Tensor,
+        page_table: torch.Tensor,
+        prompt_lens: object = None,
+        start_pos: object = None,
+        empty_slots: object = None,
+        kv_cache: object = None,
+        sampling_params: object = None,
+        **compatibility: object,
+    ) -> FacadeOutput: ...
+
+    def decode_forward(
+        self,
+        *,
+        enable_trace: bool,
+        read_from_device: bool = True,
+        tokens: torch.Tensor,
+        start_pos: object,
+        page_table: torch.Tensor,
+        kv_cache: object = None,
+        sampling_params: object = None,
+        reset_batch: bool = False,
+        **compatibility: object,
+    ) -> object: ...
+
+    @overload
+    def read_decode_output(
+        self, out: object, async_read: Literal[True]
+    ) -> tuple[object, list[object]]: ...
+    @overload
+    def read_decode_output(self, out: object, async_read: Literal[False] = False) -> object: ...
+
+    def process_decode_output_host(
+        self, out: object, is_tokens: bool = False
+    ) -> DecodeHostOutput: ...
+
+    def runtime_summary(self) -> Mapping[str, object]: ...
+
+    def close(self) -> None: ...
+
+
+class VLLMFacadeClass(Protocol):
+    """A facade class: its capabilities, capacity rule and loader (classmethods)."""
+
+    @property
+    def model_capabilities(self) -> Mapping[str, bool]: ...
+
+    def get_max_tokens_all_users(self, *, max_model_len: int, max_num_seqs: int) -> int: ...
+
+    def initialize_vllm_model(
+        self,
+        hf_config: object,
+        mesh_device: object,
+        max_batch_size: int,
+        *,
+        optimizations: str | None = None,
+        max_seq_len: int | None = None,
+        tt_data_parallel: int = 1,
+        **options: object,
+    ) -> VLLMFacade: ...
+
+
+def facade_class(hf_config: HasArchitectures) -> VLLMFacadeClass:
     """The facade class for `hf_config.architectures` (a clear error when there is none)."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for name in architectures:
         target = FACADES.get(name)
         if target is not None:
             module, _, attribute = target.partition(":")
-            return getattr(importlib.import_module(module), attribute)
+            found: object = getattr(importlib.import_module(module), attribute)
+            return cast(VLLMFacadeClass, found)  # FACADES names classes of the contract
     raise ValueError(
         f"llm-runtime has no vLLM facade for architectures {architectures}; supported are "
         f"{sorted(FACADES)} (serve other models with vLLM's own platform: "
         "LLM_RUNTIME_VLLM_PLATFORM=0)"
     )
+
+
+if TYPE_CHECKING:  # mypy checks each family's facade against the contract here
+    from models.llama.vllm import LlamaVLLMModel
+
+    def _llama_class(cls: type[LlamaVLLMModel]) -> VLLMFacadeClass:
+        return cls
+
+    def _llama_facade(facade: LlamaVLLMModel) -> VLLMFacade:
+        return facade

@@ -10,7 +10,7 @@ setting allows it), a request whose parameters the runtime's `SamplingParams` ex
 sampled by the runtime's sampler: on the device when every row its facade call samples is
 such a request (the call returns tokens), else on the host over that call's logits with the
 same parameters and position-keyed seeded noise, so its tokens never depend on the requests
-it shares a call with. Any other request (logprobs, a top_k the device cannot honour,
+it shares a call with. Every other request (logprobs, a top_k the device cannot honour,
 penalties on a traced lane), and every request without device sampling, is sampled by vLLM's
 own `Sampler` on the host logits.
 
@@ -25,11 +25,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    ModelRunnerOutput,
+    SamplerOutput,
+)
 from vllm.v1.sample.sampler import Sampler
 
 from models.vllm_plugin.batch import DecodeBatch, PrefillBatch, RequestState, RequestTable
@@ -38,20 +44,32 @@ from models.vllm_plugin.device_sampling import (
     FacadeSampling,
     HistoryRow,
     HostRow,
+    SamplingKeywords,
     facade_sampling,
     host_runtime_sampler,
     sample_rows_on_host,
 )
-from models.vllm_plugin.facades import facade_class
+from models.vllm_plugin.facades import FacadeOutput, VLLMFacade, facade_class
 from models.vllm_plugin.pending_step import IssuedDecode, IssuedStep, PendingStep
-from models.vllm_plugin.sampling import build_sampling_metadata, sampling_generator
+from models.vllm_plugin.sampling import (
+    build_sampling_metadata,
+    logprobs_in_request_order,
+    sampling_generator,
+)
 from models.vllm_plugin.settings import PluginSettings
+from models.vllm_plugin.stats_report import (
+    RUNNER_COUNTERS,
+    StatsReporter,
+    numeric_counters,
+    stats_path,
+)
 from models.vllm_plugin.step_samples import StepSamples
 from runtime.sampling import DeviceSampler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 AsyncModelRunnerOutput.register(PendingStep)  # vLLM's output thread calls its get_output()
@@ -79,13 +97,18 @@ class LLMRuntimeModelRunner:
         self.max_model_len = int(model_config.max_model_len)
         self.settings = PluginSettings.from_additional_config(vllm_config.additional_config)
         self.facade_cls = facade_class(model_config.hf_config)
+        self.facade_name = str(getattr(self.facade_cls, "__name__", self.facade_cls))
         capabilities = getattr(self.facade_cls, "model_capabilities", None) or {}
         self.supports_async_decode = bool(capabilities.get("supports_async_decode", False))
         # The platform turned vLLM's async scheduling on only where the facade declares it.
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self._step_index = 0
-        self._issued: PendingStep | None = None  # execute_model's step, until sample_tokens
-        self._last_step: PendingStep | None = None  # handed to vLLM, maybe not read yet
+        self._issued: PendingStep[ModelRunnerOutput] | None = (
+            None  # execute_model's step, until sample_tokens
+        )
+        self._last_step: PendingStep[ModelRunnerOutput] | None = (
+            None  # handed to vLLM, maybe not read yet
+        )
         self.device_sampling = self._device_sampling(capabilities)
         self.sampling_policy: DeviceSamplingPolicy | None = None  # set once the facade loads
         self.host_runtime_sampler: DeviceSampler | None = None
@@ -103,38 +126,45 @@ class LLMRuntimeModelRunner:
             max_slots=self.max_num_seqs, block_size=self.block_size, decode_width=self.decode_width
         )
         self.sampler = Sampler()
-        self.model: Any = None
-        self.kv_cache: Any = None
-        self.stats: dict[str, float] = dict.fromkeys(
-            (
-                "prefill_calls",
-                "prefill_rows",
-                "cached_prefill_rows",
-                "partial_prefill_rows",
-                "resumed_requests",
-                "prefix_hit_requests",
-                "decode_calls",
-                "decode_rows",
-                "prefill_seconds",
-                "decode_seconds",
-                "device_sampled_rows",
-                "host_runtime_sampled_rows",
-                "host_sampled_rows",
-                "host_sampling_calls",
-                "async_steps",
-                "steps_finished_by_next_step",
-            ),
-            0,
-        )
+        self.model: VLLMFacade | None = None
+        self.kv_cache: object = None
+        self.reporter = self._stats_reporter(vllm_config)
+        self.stats: dict[str, float] = dict.fromkeys(RUNNER_COUNTERS, 0)
 
-    def _device_sampling(self, capabilities: dict[str, Any]) -> bool:
+    def _stats_reporter(self, vllm_config: VllmConfig) -> StatsReporter:
+        """The counter reports the settings ask for (one file per data-parallel rank)."""
+        parallel = vllm_config.parallel_config
+        path = stats_path(
+            self.settings.stats_file,
+            data_parallel_size=int(parallel.data_parallel_size),
+            data_parallel_rank=int(parallel.data_parallel_rank),
+        )
+        return StatsReporter(self.settings.stats_interval_s, path)
+
+    @property
+    def facade(self) -> VLLMFacade:
+        """The loaded facade (`load_model` builds it)."""
+        if self.model is None:
+            raise RuntimeError("the llm-runtime model runner has no facade; call load_model()")
+        return self.model
+
+    def runtime_stats(self) -> dict[str, float]:
+        """The runner's counters, the facade's (its executor's) counters and the worker's
+        torch thread count, as one flat `name -> number` mapping."""
+        stats = dict(self.stats)
+        if self.model is not None:
+            stats.update(numeric_counters(self.model.runtime_summary()))
+        stats["torch_threads"] = float(torch.get_num_threads())
+        return stats
+
+    def _device_sampling(self, capabilities: Mapping[str, bool]) -> bool:
         """On where the facade declares it, unless the `device_sampling` setting says no."""
         declared = bool(capabilities.get("supports_sample_on_device", False))
         wanted = self.settings.device_sampling
         if wanted and not declared:
             raise ValueError(
                 "additional_config['llm_runtime']['device_sampling'] is true but the facade "
-                f"{self.facade_cls.__name__} does not declare supports_sample_on_device; set it "
+                f"{self.facade_name} does not declare supports_sample_on_device; set it "
                 "to false or leave it unset (vLLM's sampler on the host logits)"
             )
         return declared if wanted is None else wanted
@@ -144,7 +174,7 @@ class LLMRuntimeModelRunner:
     def load_model(self) -> None:
         """`initialize_vllm_model` with vLLM's slot count and context length."""
         clock = time.perf_counter()
-        self.model = self.facade_cls.initialize_vllm_model(
+        self.model = model = self.facade_cls.initialize_vllm_model(
             self.vllm_config.model_config.hf_config,
             str(self.device),
             self.max_num_seqs,
@@ -156,12 +186,12 @@ class LLMRuntimeModelRunner:
         if self.device_sampling:
             self.sampling_policy = DeviceSamplingPolicy(
                 vocab_size=self.vocab_size,
-                max_top_k=getattr(self.model, "max_device_top_k", None),
+                max_top_k=model.max_device_top_k,
                 penalties=not self.settings.trace.enabled,
             )
         logger.info(
             "llm-runtime facade %s loaded in %.1f s; sampling: %s",
-            self.facade_cls.__name__,
+            self.facade_name,
             time.perf_counter() - clock,
             "on the device where requests allow it" if self.device_sampling else "vLLM's sampler",
         )
@@ -175,9 +205,9 @@ class LLMRuntimeModelRunner:
             )
         return OPTIMIZATIONS[self.dtype]
 
-    def _facade_options(self) -> dict[str, Any]:
+    def _facade_options(self) -> dict[str, object]:
         """The runtime settings the facade takes beyond the table's arguments."""
-        options: dict[str, Any] = {
+        options: dict[str, object] = {
             "model": str(self.vllm_config.model_config.model),
             "block_size": self.block_size,
             "trace_mode": self.settings.trace_mode,
@@ -214,7 +244,7 @@ class LLMRuntimeModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """`allocate_kv_cache` with the engine's block count (vLLM's block 0 is its null block)."""
         shape = (kv_cache_config.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        self.kv_cache = self.model.allocate_kv_cache(shape, self.dtype, self.num_layers)
+        self.kv_cache = self.facade.allocate_kv_cache(shape, self.dtype, self.num_layers)
         logger.info("llm-runtime KV cache: %s x %d layers, %s", shape, self.num_layers, self.dtype)
 
     def warm_up(self) -> None:
@@ -223,13 +253,13 @@ class LLMRuntimeModelRunner:
             trace_prefill = self.settings.trace.prefill_enabled
             trace_decode = self.settings.trace.decode_enabled
             if not enable_trace or trace_prefill:
-                self.model.warmup_model_prefill(
+                self.facade.warmup_model_prefill(
                     enable_trace=enable_trace,
                     kv_cache=self.kv_cache,
                     can_sample_on_device=self.device_sampling,
                 )
             if not enable_trace or trace_decode:
-                self.model.warmup_model_decode(
+                self.facade.warmup_model_decode(
                     enable_trace=enable_trace,
                     kv_cache=self.kv_cache,
                     max_batch_size=self.max_num_seqs,
@@ -281,6 +311,7 @@ class LLMRuntimeModelRunner:
         scheduling vLLM may not have asked for its output yet).
         """
         self._finish_previous_step()
+        self.reporter.step(self.runtime_stats)  # no facade call is in flight here
         self._update_requests(out)
         if not out.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -289,7 +320,9 @@ class LLMRuntimeModelRunner:
         self._issued = PendingStep(self._step_index, lambda: self._finish_step(issued))
         return None
 
-    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput | PendingStep:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | PendingStep[ModelRunnerOutput]:
         """The issued step's output: pending under async scheduling, else read now."""
         if grammar_output is not None:
             raise ValueError("structured outputs are not supported by the llm-runtime worker")
@@ -349,7 +382,7 @@ class LLMRuntimeModelRunner:
             host_tokens, result = self._vllm_sample(step.vllm_ids, step.vllm_logits)
             chosen.update(zip(step.vllm_ids, host_tokens, strict=True))
             if result.logprobs_tensors is not None:
-                logprobs = self._logprobs_in_request_order(result, step.vllm_ids, req_ids)
+                logprobs = logprobs_in_request_order(result, step.vllm_ids, req_ids)
         tokens: list[list[int]] = [[] for _ in req_ids]
         for req_id, token in chosen.items():
             tokens[index[req_id]] = [token]
@@ -412,7 +445,7 @@ class LLMRuntimeModelRunner:
         """Parameters and history by slot; slots without a running request neutral."""
         if not self._on_device(list(batch.req_ids), on_device):
             return None
-        params: list[Any] = [None] * int(batch.tokens.shape[0])
+        params: list[SamplingParams | None] = [None] * int(batch.tokens.shape[0])
         histories: list[HistoryRow | None] = [None] * len(params)
         for req_id, slot in zip(batch.req_ids, batch.slots, strict=True):
             state = self.requests[req_id]
@@ -438,7 +471,9 @@ class LLMRuntimeModelRunner:
         self.stats["host_runtime_sampled_rows"] += len(req_ids)
         return dict(zip(req_ids, tokens, strict=True))
 
-    def _vllm_sample(self, req_ids: list[str], logits: list[torch.Tensor]) -> tuple[list[int], Any]:
+    def _vllm_sample(
+        self, req_ids: list[str], logits: list[torch.Tensor]
+    ) -> tuple[list[int], SamplerOutput]:
         """vLLM's `Sampler` over the host logit rows of `req_ids`."""
         states = [self.requests[r] for r in req_ids]
         metadata = build_sampling_metadata(
@@ -454,29 +489,11 @@ class LLMRuntimeModelRunner:
         self.stats["host_sampled_rows"] += len(req_ids)
         return [int(t) for t in result.sampled_token_ids[:, 0].tolist()], result
 
-    def _logprobs_in_request_order(
-        self, result: Any, sampled_ids: list[str], req_ids: list[str]
-    ) -> Any:
-        """vLLM expects one logprobs row per scheduled request; rows not sampled here are empty."""
-        tensors = result.logprobs_tensors
-        order = {r: i for i, r in enumerate(sampled_ids)}
-        width = tensors.logprob_token_ids.shape[1]
-        ids = torch.zeros((len(req_ids), width), dtype=tensors.logprob_token_ids.dtype)
-        values = torch.full((len(req_ids), width), float("-inf"))
-        ranks = torch.zeros(len(req_ids), dtype=tensors.selected_token_ranks.dtype)
-        for row, req_id in enumerate(req_ids):
-            source = order.get(req_id)
-            if source is not None:
-                ids[row] = tensors.logprob_token_ids[source]
-                values[row] = tensors.logprobs[source]
-                ranks[row] = tensors.selected_token_ranks[source]
-        return type(tensors)(ids, values, ranks).tolists()
-
     # -- facade calls ---------------------------------------------------------------------------
 
-    def _prefill(self, batch: PrefillBatch, sampling: FacadeSampling | None) -> Any:
+    def _prefill(self, batch: PrefillBatch, sampling: FacadeSampling | None) -> FacadeOutput:
         clock = time.perf_counter()
-        output = self.model.prefill_forward(
+        output = self.facade.prefill_forward(
             tokens=batch.tokens,
             page_table=batch.page_table,
             kv_cache=self.kv_cache,
@@ -500,15 +517,10 @@ class LLMRuntimeModelRunner:
         """`decode_forward` over the lane; with the facade's async read, the read is started
         here and waited for in `_read_decode`."""
         clock = time.perf_counter()
-        arguments: dict[str, Any] = {
-            "tokens": batch.tokens,
-            "page_table": batch.page_table,
-            "kv_cache": self.kv_cache,
-            "start_pos": batch.start_pos,
-            "enable_trace": self.settings.trace.decode_enabled,
-        }
+        keywords: SamplingKeywords = {}
+        reset_batch = False
         if sampling is not None:
-            arguments.update(sampling.keywords(), reset_batch=self._lane_changed(batch))
+            keywords, reset_batch = sampling.keywords(), self._lane_changed(batch)
         else:
             self._sampled_lane = None
         decode = IssuedDecode(
@@ -516,24 +528,34 @@ class LLMRuntimeModelRunner:
             rows=list(zip(batch.req_ids, batch.slots, strict=True)),
             on_device=on_device,
         )
+        facade = self.facade
+        raw = facade.decode_forward(
+            tokens=batch.tokens,
+            page_table=batch.page_table,
+            kv_cache=self.kv_cache,
+            start_pos=batch.start_pos,
+            enable_trace=self.settings.trace.decode_enabled,
+            reset_batch=reset_batch,
+            read_from_device=not self.supports_async_decode,
+            **keywords,
+        )
         if self.supports_async_decode:
-            raw = self.model.decode_forward(**arguments, read_from_device=False)
-            decode.host, decode.events = self.model.read_decode_output(raw, async_read=True)
+            decode.host, decode.events = facade.read_decode_output(raw, async_read=True)
         else:
-            decode.output = self.model.decode_forward(**arguments, read_from_device=True)
+            decode.output = raw
         self.stats["decode_calls"] += 1
         self.stats["decode_rows"] += len(batch.req_ids)
         self.stats["decode_seconds"] += time.perf_counter() - clock
         return decode
 
-    def _read_decode(self, decode: IssuedDecode) -> Any:
+    def _read_decode(self, decode: IssuedDecode) -> object:
         """The decode call's host output (waiting for its read events first)."""
         if decode.host is None:
             return decode.output
         clock = time.perf_counter()
         for event in decode.events or ():
-            _synchronize(self.model, event)
-        output = self.model.process_decode_output_host(
+            _synchronize(self.facade, event)
+        output = self.facade.process_decode_output_host(
             decode.host, is_tokens=decode.sampling is not None
         )
         self.stats["decode_seconds"] += time.perf_counter() - clock
@@ -553,13 +575,14 @@ class LLMRuntimeModelRunner:
 
     def close(self) -> None:
         """Release the facade's device state now (the engine only drops the object)."""
+        if self.model is not None:
+            self.reporter.close(self.runtime_stats)
         model, self.model, self.kv_cache = self.model, None, None
-        close = getattr(model, "close", None) or getattr(model, "cleanup", None)
-        if callable(close):
-            close()
+        if model is not None:
+            model.close()
 
 
-def _synchronize(model: Any, event: Any) -> None:
+def _synchronize(model: VLLMFacade, event: object) -> None:
     """Wait for one read event with the facade's device (or the event's own wait)."""
     device = getattr(model, "device", None)
     wait = getattr(device, "event_synchronize", None)

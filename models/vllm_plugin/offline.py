@@ -14,8 +14,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict
+
+from models.vllm_plugin.request_options import SUPPORTED_SAMPLING_OPTIONS
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 VLLM_CPU_KV_BYTES = 1 << 30
 METRICS = ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
@@ -50,14 +56,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _metrics(llm: Any) -> dict[str, float]:
-    found: dict[str, float] = {}
+class OfflineRequest(TypedDict):
+    """One request of the `--requests` file; greedy unless it carries sampling options
+    (`SUPPORTED_SAMPLING_OPTIONS`, read by name)."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    ignore_eos: NotRequired[bool]
+    stop_token_ids: NotRequired[list[int]]
+
+
+class RunReport(TypedDict):
+    """One pass over the requests: its time and every request's tokens (and logprobs)."""
+
+    seconds: float
+    generated_tokens: int
+    outputs: list[list[int]]
+    logprobs: list[list[dict[str, float]] | None]
+
+
+class HasLogprob(Protocol):
+    """vLLM's `Logprob` as the report reads it."""
+
+    @property
+    def logprob(self) -> float: ...
+
+
+def _metrics(llm: LLM) -> dict[str, float | str]:
+    found: dict[str, float | str] = {}
     try:
         for metric in llm.get_metrics():
             if metric.name in METRICS:
                 found[metric.name] = float(getattr(metric, "value", 0.0))
     except Exception as error:  # metrics are diagnostics, never a failure of the run
-        found["error"] = str(error)  # type: ignore[assignment]
+        found["error"] = str(error)
     return found
 
 
@@ -67,13 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LLM_RUNTIME_VLLM_PLATFORM"] = "0"
     from vllm import LLM
 
-    requests = json.loads(args.requests.read_text())
+    requests: list[OfflineRequest] = json.loads(args.requests.read_text())
     has_tokenizer = (Path(args.model) / "tokenizer.json").is_file()
     clock = time.perf_counter()
     llm = LLM(**_engine_options(args, has_tokenizer))
     startup = time.perf_counter() - clock
     runs = _timed_runs(llm, requests, has_tokenizer, args.repeat)
-    stats: Any = None
+    stats: dict[str, float] | None = None
     if args.platform == "llm-runtime":
         stats = llm.collective_rpc("runtime_stats")[0]
     report = {
@@ -91,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, Any]:
+def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, object]:
     """`vllm.LLM` keywords: greedy-friendly defaults plus the flags that were given."""
-    options: dict[str, Any] = {
+    options: dict[str, object] = {
         "model": args.model,
         "dtype": args.dtype,
         "enforce_eager": True,
@@ -116,7 +148,7 @@ def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, 
             options[key] = value
     if args.platform == "vllm":  # vLLM's CPU worker sizes its KV cache from this budget
         options["kv_cache_memory_bytes"] = VLLM_CPU_KV_BYTES
-    runtime: dict[str, Any] = {}
+    runtime: dict[str, object] = {}
     if args.trace_mode:
         runtime["trace_mode"] = args.trace_mode
     if args.device_sampling != "auto":
@@ -126,22 +158,9 @@ def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, 
     return options
 
 
-SAMPLING_KEYS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-"""Per-request sampling options a request may carry (greedy when it gives none)."""
-
-
 def _timed_runs(
-    llm: Any, requests: list[dict[str, Any]], has_tokenizer: bool, repeat: int
-) -> list[dict[str, Any]]:
+    llm: LLM, requests: list[OfflineRequest], has_tokenizer: bool, repeat: int
+) -> list[RunReport]:
     """Generate for every request `repeat` times (greedy); seconds and token ids of each run."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -149,7 +168,7 @@ def _timed_runs(
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [
         SamplingParams(
-            **{"temperature": 0.0, **{k: r[k] for k in SAMPLING_KEYS if k in r}},
+            **{"temperature": 0.0, **_sampling_options(r)},
             max_tokens=int(r["max_tokens"]),
             ignore_eos=bool(r.get("ignore_eos", False)),
             stop_token_ids=list(r.get("stop_token_ids") or []),
@@ -157,7 +176,7 @@ def _timed_runs(
         )
         for r in requests
     ]
-    runs: list[dict[str, Any]] = []
+    runs: list[RunReport] = []
     for _ in range(repeat):
         clock = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
@@ -174,7 +193,14 @@ def _timed_runs(
     return runs
 
 
-def _logprobs(per_token: Any) -> list[dict[str, float]] | None:
+def _sampling_options(request: Mapping[str, object]) -> dict[str, object]:
+    """The request's sampling options by name (the rest of it is not sampling)."""
+    return {k: request[k] for k in SUPPORTED_SAMPLING_OPTIONS if k in request}
+
+
+def _logprobs(
+    per_token: Sequence[Mapping[int, HasLogprob]] | None,
+) -> list[dict[str, float]] | None:
     """A request's logprobs as JSON: one `{token id: logprob}` per generated token."""
     if per_token is None:
         return None

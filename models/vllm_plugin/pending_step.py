@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -31,9 +31,9 @@ class IssuedDecode:
     sampling: FacadeSampling | None
     rows: list[tuple[str, int]]  # (request, output row)
     on_device: set[str]
-    host: Any = None
-    events: Any = None
-    output: Any = None
+    host: object = None
+    events: list[object] | None = None
+    output: object = None
 
 
 @attrs.define
@@ -45,15 +45,18 @@ class IssuedStep:
     decode: IssuedDecode | None = None
 
 
-class PendingStep:
+Output = TypeVar("Output")
+
+
+class PendingStep(Generic[Output]):
     """One issued step: finished once, then `get_output()` returns its output."""
 
-    def __init__(self, step_index: int, finish: Callable[[], Any]) -> None:
+    def __init__(self, step_index: int, finish: Callable[[], Output]) -> None:
         self.step_index = step_index
         self._finish = finish
         self._lock = threading.Lock()
         self._done = False  # set only once the output (or the failure) is there
-        self._output: Any = None
+        self._output: tuple[Output] | None = None  # (output,) once finished without error
         self._error: BaseException | None = None
 
     @property
@@ -67,7 +70,7 @@ class PendingStep:
             if self._done:
                 return False
             try:
-                self._output = self._finish()
+                self._output = (self._finish(),)
             except Exception as error:
                 self._error = error
             except BaseException as error:  # Ctrl-C: later callers still see a failure
@@ -77,7 +80,7 @@ class PendingStep:
                 self._done = True
             return True
 
-    def get_output(self) -> Any:
+    def get_output(self) -> Output:
         """The step's output, finishing it first if nobody has (waits for the device)."""
         self.finish()
         if self._error is not None:
@@ -85,4 +88,5 @@ class PendingStep:
                 f"llm-runtime scheduler step {self.step_index} failed while reading its "
                 f"output: {self._error}"
             ) from self._error
-        return self._output
+        assert self._output is not None, "a finished step has its output or its error"
+        return self._output[0]

@@ -12,12 +12,19 @@ would not honour.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from vllm.exceptions import VLLMValidationError
 from vllm.platforms.cpu import CpuPlatform
+
+from models.vllm_plugin.request_options import refusal_message, unsupported_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.inputs import EngineInput
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +32,7 @@ WORKER_CLS = "models.vllm_plugin.worker.LLMRuntimeWorker"
 DEFAULT_BLOCK_SIZE = 32
 
 
-def adapt_config(vllm_config: VllmConfig, parent_check: Any) -> None:
+def adapt_config(vllm_config: VllmConfig, parent_check: Callable[[VllmConfig], None]) -> None:
     """Run the parent platform's config checks, then the runtime's settings on top."""
     from vllm.config import CompilationMode
     from vllm.config.compilation import CUDAGraphMode
@@ -95,21 +102,35 @@ def check_settings(vllm_config: VllmConfig) -> None:
         )
 
 
-def validate_sampling(params: Any) -> None:
-    """Refuse a request whose sampling options the worker would not honour."""
-    from vllm.sampling_params import SamplingParams
+class UnsupportedRequestError(VLLMValidationError, ValueError):  # type: ignore[misc]
+    """A request the worker would not honour: vLLM's validation error, so its OpenAI server
+    answers HTTP 400 with this message (any other error there becomes an empty 500), and a
+    `ValueError` for callers of `vllm.LLM`."""
 
-    from models.vllm_plugin.sampling import unsupported_options
+    def __init__(self, message: str, *, parameter: str, value: object = None) -> None:
+        VLLMValidationError.__init__(self, message, parameter=parameter, value=value)
+
+
+def validate_sampling(params: SamplingParams | PoolingParams | None) -> None:
+    """Refuse a request whose sampling options the worker would not honour
+    (`request_options` holds the rule)."""
+    from vllm.sampling_params import SamplingParams  # not at import: vLLM is still starting
 
     if isinstance(params, SamplingParams):
         found = unsupported_options(params)
         if found:
-            raise ValueError(
-                f"the llm-runtime vLLM worker does not support {', '.join(found)}; "
-                "drop these options or serve with vLLM's own platform (VLLM_PLUGINS='')"
+            first = found[0]
+            raise UnsupportedRequestError(
+                refusal_message(found),
+                parameter=(first.asked_as or (first.parameter,))[0],
+                value=first.value,
             )
     elif params is not None:
-        raise ValueError("the llm-runtime vLLM worker serves generation only (no pooling)")
+        raise UnsupportedRequestError(
+            "the llm-runtime vLLM worker serves generation only (no pooling); serve pooling "
+            "models with vLLM's own runner (LLM_RUNTIME_VLLM_PLATFORM=0)",
+            parameter="task",
+        )
 
 
 class RuntimePlatform:
@@ -121,7 +142,9 @@ class RuntimePlatform:
         adapt_config(vllm_config, super().check_and_update_config)  # type: ignore[misc]
 
     @classmethod
-    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+    def validate_request(
+        cls, processed_inputs: EngineInput | None, params: SamplingParams | PoolingParams | None
+    ) -> None:
         super().validate_request(processed_inputs, params)  # type: ignore[misc]
         validate_sampling(params)
 

@@ -1,9 +1,8 @@
 """vLLM's own sampler over the host logits the facade returns.
 
 The facade's logits path hands back one row per request that finished its prompt (prefill)
-or decoded a token. This module builds vLLM's `SamplingMetadata` for exactly those rows and
-names the request options this worker does not implement, so a request that asks for one is
-refused when it arrives instead of being sampled differently from what it asked.
+or decoded a token. This module builds vLLM's `SamplingMetadata` for exactly those rows
+(the options it has no columns for are refused when a request arrives: `request_options`).
 """
 
 from __future__ import annotations
@@ -12,34 +11,11 @@ from collections.abc import Sequence
 
 import torch
 from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.outputs import LogprobsLists, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
 _EPS = 1e-5
-
-
-def unsupported_options(params: SamplingParams) -> list[str]:
-    """The options of `params` this worker cannot honour (empty when it can)."""
-    found: list[str] = []
-    if params.prompt_logprobs is not None:
-        found.append(f"prompt_logprobs={params.prompt_logprobs}")
-    if params.min_tokens:
-        found.append(f"min_tokens={params.min_tokens}")
-    if params.min_p > _EPS:
-        found.append(f"min_p={params.min_p}")
-    if params.logit_bias:
-        found.append("logit_bias")
-    if params.allowed_token_ids:
-        found.append("allowed_token_ids")
-    if params.bad_words:
-        found.append("bad_words")
-    if params.structured_outputs is not None:
-        found.append("structured_outputs")
-    if params.logprob_token_ids:
-        found.append("logprob_token_ids")
-    if params.thinking_token_budget is not None:
-        found.append("thinking_token_budget")
-    return found
 
 
 def sampling_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -135,3 +111,23 @@ def build_sampling_metadata(
         bad_words_token_ids={},
         logitsprocs=LogitsProcessors(),
     )
+
+
+def logprobs_in_request_order(
+    result: SamplerOutput, sampled_ids: list[str], req_ids: list[str]
+) -> LogprobsLists:
+    """vLLM expects one logprobs row per scheduled request; rows not sampled here are empty."""
+    tensors = result.logprobs_tensors
+    assert tensors is not None, "vLLM's sampler returned no logprobs for a logprobs request"
+    order = {r: i for i, r in enumerate(sampled_ids)}
+    width = tensors.logprob_token_ids.shape[1]
+    ids = torch.zeros((len(req_ids), width), dtype=tensors.logprob_token_ids.dtype)
+    values = torch.full((len(req_ids), width), float("-inf"))
+    ranks = torch.zeros(len(req_ids), dtype=tensors.selected_token_ranks.dtype)
+    for row, req_id in enumerate(req_ids):
+        source = order.get(req_id)
+        if source is not None:
+            ids[row] = tensors.logprob_token_ids[source]
+            values[row] = tensors.logprobs[source]
+            ranks[row] = tensors.selected_token_ranks[source]
+    return type(tensors)(ids, values, ranks).tolists()

@@ -8,13 +8,13 @@ value and names the key, the value and what is allowed when one is wrong.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 
 from runtime.config import TRACE_MODES, TraceConfig
 
 SECTION = "llm_runtime"
+DEFAULT_STATS_INTERVAL_S = 30.0
 
 
 @attrs.frozen
@@ -26,6 +26,11 @@ class PluginSettings:
     device_sampling: bool | None = None
     """None: sample on the device where the facade declares it; False: always vLLM's sampler
     on host logits; True: require the facade's device sampling (refused where it has none)."""
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
+    """Seconds between the worker's counter reports (a log line, and `stats_file`); 0: only
+    at shutdown (`stats_report`)."""
+    stats_file: str | None = None
+    """Where the worker rewrites its counters as JSON at each report (None: log line only)."""
 
     @property
     def trace(self) -> TraceConfig:
@@ -33,7 +38,7 @@ class PluginSettings:
         return TraceConfig.of(self.trace_mode)
 
     @classmethod
-    def from_additional_config(cls, additional: Any) -> PluginSettings:
+    def from_additional_config(cls, additional: object) -> PluginSettings:
         raw = additional.get(SECTION, {}) if isinstance(additional, Mapping) else {}
         where = f"additional_config[{SECTION!r}]"
         if not isinstance(raw, Mapping):
@@ -60,6 +65,28 @@ class PluginSettings:
                 f"{where}['device_sampling'] must be true, false or null (null: where the "
                 f"model's facade supports it), got {device_sampling!r}"
             )
+        interval, stats_file = _stats_settings(raw, where)
         return cls(
-            trace_mode=trace_mode, max_prefill_chunk_size=chunk, device_sampling=device_sampling
+            trace_mode=trace_mode,
+            max_prefill_chunk_size=chunk,
+            device_sampling=device_sampling,
+            stats_interval_s=interval,
+            stats_file=stats_file,
         )
+
+
+def _stats_settings(raw: Mapping[str, object], where: str) -> tuple[float, str | None]:
+    """`stats_interval_s` (seconds >= 0) and `stats_file` (a path or None), checked."""
+    interval = raw.get("stats_interval_s", DEFAULT_STATS_INTERVAL_S)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
+        raise ValueError(
+            f"{where}['stats_interval_s'] must be a number of seconds >= 0 (0: report the "
+            f"counters only at shutdown), got {interval!r}"
+        )
+    stats_file = raw.get("stats_file")
+    if stats_file is not None and (not isinstance(stats_file, str) or not stats_file):
+        raise ValueError(
+            f"{where}['stats_file'] must be a file path (a non-empty string) or null, got "
+            f"{stats_file!r}"
+        )
+    return float(interval), stats_file

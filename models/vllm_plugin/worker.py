@@ -9,7 +9,7 @@ so vLLM's arithmetic turns it back into that count; vLLM's memory profiler never
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
@@ -19,9 +19,10 @@ from models.vllm_plugin.model_runner import LLMRuntimeModelRunner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,17 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
         """Issue the step; None tells the engine to call `sample_tokens` for its output."""
         return self.runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Any:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """The step's output (an `AsyncModelRunnerOutput` under async scheduling)."""
         return self.runner.sample_tokens(grammar_output)
 
     def runtime_stats(self) -> dict[str, float]:
-        """Counters of the facade calls made so far (`LLM.collective_rpc("runtime_stats")`),
-        and the worker's torch thread count (what its CPU work runs on)."""
-        return {**self.runner.stats, "torch_threads": float(torch.get_num_threads())}
+        """Counters of the facade calls made so far and of its executor, and the worker's
+        torch thread count (`LLM.collective_rpc("runtime_stats")`; a server logs them and
+        writes `stats_file`, see `stats_report`)."""
+        return self.runner.runtime_stats()
 
     def execute_dummy_batch(self) -> None:
         """A data-parallel rank with nothing to run has nothing to synchronise (dense models)."""
@@ -123,7 +127,7 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
 
-    def get_model(self) -> Any:
+    def get_model(self) -> object:
         return getattr(self.runner.model, "model", self.runner.model)
 
     def get_cache_block_size_bytes(self) -> int:
@@ -132,7 +136,7 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
     def update_max_model_len(self, max_model_len: int) -> None:
         self.model_config.max_model_len = max_model_len
 
-    def add_lora(self, lora_request: Any) -> bool:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         raise ValueError("LoRA adapters are not supported by the llm-runtime worker")
 
     def remove_lora(self, lora_id: int) -> bool:
