@@ -284,3 +284,21 @@ def test_make_device_ttnn_without_ttnn_names_the_install(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match=r"pip install ttnn.*3\.10 and 3\.12"):
         make_device("ttnn")
     assert TtnnDevice is not None
+
+
+def test_as_torch_passes_torch_tensors_and_names_the_backend_otherwise() -> None:
+    from runtime.backends import DeviceTensor, as_torch
+
+    device = TorchDevice("cpu")
+    tensor = device.allocate((2, 3), torch.float32)
+    assert isinstance(tensor, DeviceTensor)
+    assert as_torch(tensor) is tensor
+
+    class OtherBackendTensor:
+        shape = (2, 3)
+
+    foreign = OtherBackendTensor()
+    assert isinstance(foreign, DeviceTensor)
+    with pytest.raises(TypeError, match=r"kv cache must be a torch\.Tensor .*OtherBackendTensor"):
+        as_torch(foreign, "kv cache")
+    device.deallocate(tensor)
