@@ -19,7 +19,7 @@ from lifecycle.errors import attach_cleanup_failures
 from models.lane_progress import LaneWorkerProgress
 from models.progress import ConsoleProgress, as_progress
 from runtime.lane_group import LaneGroupExecutor
-from runtime.lanes import InProcessLane, spawn_process_lanes
+from runtime.lanes import InProcessLane, ProcessLane, spawn_process_lanes
 
 if TYPE_CHECKING:
     from models.llama.kernels import KernelPlan
@@ -112,37 +112,59 @@ def load_lane_group(
     **kwargs: Unpack[LaneExecutorOptions],
 ) -> LaneGroupExecutor:
     """Load `lanes` identical lane executors and group them (CONSTRUCTED)."""
-    from models.llama.executor import load_executor
-
     check_lane_arguments(lanes, lane_transport, threads_per_lane, max_batch_size)
     per_lane = max_batch_size // lanes
     if lane_transport == "inprocess":
-        built: list[InProcessLane] = []
-        sink = as_progress(kwargs.get("progress"))
-        try:
-            with sink.step(f"load {lanes} in-process lanes", total=lanes, each=True) as step:
-                for index in range(lanes):
-                    executor = load_executor(
-                        model,
-                        max_batch_size=per_lane,
-                        device=_lane_device(device, index),
-                        **kwargs,
-                    )
-                    built.append(InProcessLane(executor, index=index))
-                    step.advance(1, f"lane {index} loaded")
-        except BaseException as error:
-            failures: list[BaseException] = []
-            for lane in built:
-                try:
-                    lane.close()
-                except BaseException as failure:
-                    failures.append(failure)
-            attach_cleanup_failures(error, failures, note="closing the lanes already built")
-            raise
+        built = _load_inprocess_lanes(model, lanes, per_lane, device, kwargs)
         return LaneGroupExecutor(built, call_timeout_s=call_timeout_s)
-    # A sink of this process cannot run in a worker: this one shows the lanes starting, and
-    # a console's workers print their own lines (load, kernels, warmup) prefixed by lane.
-    sink = as_progress(kwargs.pop("progress", None))
+    threads = threads_per_lane or 1
+    process_lanes = _spawn_lanes(model, lanes, per_lane, device, threads, call_timeout_s, kwargs)
+    return LaneGroupExecutor(process_lanes, call_timeout_s=call_timeout_s)
+
+
+def _load_inprocess_lanes(
+    model: str | Path, lanes: int, per_lane: int, device: str, options: LaneExecutorOptions
+) -> list[InProcessLane]:
+    """One executor per lane in this process; a failure closes the lanes already built."""
+    from models.llama.executor import load_executor
+
+    built: list[InProcessLane] = []
+    sink = as_progress(options.get("progress"))
+    try:
+        with sink.step(f"load {lanes} in-process lanes", total=lanes, each=True) as step:
+            for index in range(lanes):
+                executor = load_executor(
+                    model, max_batch_size=per_lane, device=_lane_device(device, index), **options
+                )
+                built.append(InProcessLane(executor, index=index))
+                step.advance(1, f"lane {index} loaded")
+    except BaseException as error:
+        failures: list[BaseException] = []
+        for lane in built:
+            try:
+                lane.close()
+            except BaseException as failure:
+                failures.append(failure)
+        attach_cleanup_failures(error, failures, note="closing the lanes already built")
+        raise
+    return built
+
+
+def _spawn_lanes(
+    model: str | Path,
+    lanes: int,
+    per_lane: int,
+    device: str,
+    threads: int,
+    call_timeout_s: float | None,
+    options: LaneExecutorOptions,
+) -> list[ProcessLane]:
+    """One worker process per lane. A sink of this process cannot run in a worker: this one
+    shows the lanes starting, and a console's lane 0 prints its own lines (load, kernels,
+    warmup) prefixed by lane."""
+    from models.llama.executor import load_executor
+
+    sink = as_progress(options.pop("progress", None))
     shown = isinstance(sink, ConsoleProgress) and sink.enabled
     cuda = device.startswith("cuda")
     factories = [
@@ -151,22 +173,21 @@ def load_lane_group(
             str(model),
             max_batch_size=per_lane,
             device="cuda:0" if cuda else device,
-            **_with_progress(kwargs, LaneWorkerProgress(index) if shown and index == 0 else None),
+            **_with_progress(options, LaneWorkerProgress(index) if shown and index == 0 else None),
         )
         for index in range(lanes)
     ]
     envs = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(lanes)] if cuda else None
     sink.announce(
         f"start {lanes} lane processes: each worker imports torch and loads {model} "
-        f"({os.cpu_count() or 1} CPU cores for {lanes} x {threads_per_lane or 1} threads)"
+        f"({os.cpu_count() or 1} CPU cores for {lanes} x {threads} threads)"
     )
     started = sink.step(f"start {lanes} lane processes", total=lanes, each=True, estimate=False)
     with started as step:
-        process_lanes = spawn_process_lanes(
+        return spawn_process_lanes(
             factories,
-            threads=threads_per_lane or 1,
+            threads=threads,
             envs=envs,
             call_timeout_s=call_timeout_s or 600.0,
             ready=lambda index: step.advance(1, f"lane {index} loaded"),
         )
-    return LaneGroupExecutor(process_lanes, call_timeout_s=call_timeout_s)
