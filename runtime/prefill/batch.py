@@ -191,11 +191,11 @@ def check_batch(
     are checked only when `sampling_params` is given (without it they are not read).
     """
     tokens = _integer_matrix("tokens", arguments["tokens"])
-    table = _integer_matrix("page_table", arguments["page_table"])
+    page_table = _integer_matrix("page_table", arguments["page_table"])
     batch, width = int(tokens.shape[0]), int(tokens.shape[1])
-    if table.shape[0] != batch:
+    if page_table.shape[0] != batch:
         raise ValueError(
-            f"tokens and page_table must have the same batch, got {batch} and {table.shape[0]}"
+            f"tokens and page_table must have the same batch, got {batch} and {page_table.shape[0]}"
         )
     if batch == 0:
         raise ValueError("tokens must have at least one row, got batch 0")
@@ -209,10 +209,10 @@ def check_batch(
             f"(max_batch_size), got {slots}"
         )
     _check_positions(prompts, cached, width, limits.block_size)
-    _check_capacity(prompts, cached, int(table.shape[1]), limits)
-    rows = PrefillBatch(tokens, table, prompts, cached, slots)
+    _check_capacity(prompts, cached, int(page_table.shape[1]), limits)
+    rows = PrefillBatch(tokens, page_table, prompts, cached, slots)
     if limits.num_blocks is not None:
-        check_block_ids(table, limits.num_blocks, read=rows.blocks_read(limits.block_size))
+        check_block_ids(page_table, limits.num_blocks, read=rows.blocks_read(limits.block_size))
     if sampling is None or sampling.get("sampling_params") is None:
         return rows
     return _with_sampling(rows, sampling, lane)

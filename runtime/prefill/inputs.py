@@ -109,12 +109,12 @@ def host_inputs(request: PrefillRequest, chunk: PrefillChunk | None = None) -> P
         prompt_lens = torch.tensor([*request.prompt_lengths, *padding], dtype=torch.int64)
         chunk_start = torch.tensor([*starts, *padding], dtype=torch.int64)
     tokens = chunk_tokens(request, step)  # first: it checks the caller's tensors
-    table = request.page_table
-    if table.dtype != torch.int32:
-        table = table.to(torch.int32)
+    page_table = request.page_table
+    if page_table.dtype != torch.int32:
+        page_table = page_table.to(torch.int32)
     return PrefillHostInputs(
         tokens=tokens,
-        page_table=table.contiguous(),
+        page_table=page_table.contiguous(),
         prompt_lens=prompt_lens,
         chunk_start=chunk_start,
     )

@@ -95,8 +95,8 @@ class PlanSource:
         # Copies (deepcopy, pickle) get fresh tensors, hence fresh version counters: check
         # the originals now and let the copy borrow its own tensors from scratch.
         tokens = self._checked(self._tokens, self._token_version, "tokens")
-        table = self._checked(self._page_table, self._table_version, "page_table")
-        return (PlanSource, (tokens, table, self.block_size))
+        page_table = self._checked(self._page_table, self._table_version, "page_table")
+        return (PlanSource, (tokens, page_table, self.block_size))
 
     def _checked(self, tensor: torch.Tensor, version: int | None, name: str) -> torch.Tensor:
         if version is not None and _version_of(tensor) != version:
@@ -146,9 +146,9 @@ class PlanSource:
     ) -> torch.Tensor:
         """int32 `shape`: row i holds `counts[i]` page-table entries of source row `rows[i]`
         from column `starts[i]`, then `fill`; padding rows are all `fill`."""
-        table = self._checked(self._page_table, self._table_version, "page_table")
+        page_table = self._checked(self._page_table, self._table_version, "page_table")
         return _build_rows(
-            table, self._table_geometry, rows, starts, counts, shape, fill, torch.int32
+            page_table, self._table_geometry, rows, starts, counts, shape, fill, torch.int32
         )
 
 
