@@ -306,28 +306,8 @@ class LlamaArgs:
         dim = int(need("embedding_length"))
         n_heads = int(need("attention.head_count"))
         head_dim = _gguf_head_dim(metadata, arch, dim // n_heads)
-        scaling: RopeScaling | None = None
-        scaling_type = metadata.get(f"{arch}.rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            if scaling_type != "linear":
-                raise ValueError(
-                    f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported: allowed "
-                    "are 'none' and 'linear'"
-                )
-            scaling = RopeScaling(kind="linear", factor=float(need("rope.scaling.factor")))
-        vocab_key = f"{arch}.vocab_size"
-        if vocab_key in metadata and metadata[vocab_key] is not None:
-            vocab = int(_gguf_required(metadata, vocab_key))
-        else:
-            tokens = metadata.get("tokenizer.ggml.tokens")
-            if tokens is None:
-                raise ValueError(f"GGUF metadata {arch}.vocab_size is missing: it is required")
-            if not isinstance(tokens, Sequence):
-                raise ValueError(
-                    f"GGUF metadata tokenizer.ggml.tokens is a {type(tokens).__name__}: "
-                    "allowed is a list of token strings"
-                )
-            vocab = len(tokens)
+        scaling = _gguf_rope_scaling(metadata, arch)
+        vocab = _gguf_vocab_size(metadata, arch)
         eos = metadata.get("tokenizer.ggml.eos_token_id")
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         return cls(
@@ -434,6 +414,36 @@ def _gguf_required(metadata: Mapping[str, object], key: str) -> int | float:
     if key not in metadata:
         raise ValueError(f"GGUF metadata {key} is missing: it is required")
     return _gguf_number(key, metadata[key])
+
+
+def _gguf_rope_scaling(metadata: Mapping[str, object], arch: str) -> RopeScaling | None:
+    """`{arch}.rope.scaling.*`: none, or linear with its factor."""
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type != "linear":
+        raise ValueError(
+            f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported: allowed "
+            "are 'none' and 'linear'"
+        )
+    factor = _gguf_required(metadata, f"{arch}.rope.scaling.factor")
+    return RopeScaling(kind="linear", factor=float(factor))
+
+
+def _gguf_vocab_size(metadata: Mapping[str, object], arch: str) -> int:
+    """`{arch}.vocab_size`, or the length of the tokenizer's token list without it."""
+    vocab_key = f"{arch}.vocab_size"
+    if vocab_key in metadata and metadata[vocab_key] is not None:
+        return int(_gguf_required(metadata, vocab_key))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"GGUF metadata {arch}.vocab_size is missing: it is required")
+    if not isinstance(tokens, Sequence):
+        raise ValueError(
+            f"GGUF metadata tokenizer.ggml.tokens is a {type(tokens).__name__}: "
+            "allowed is a list of token strings"
+        )
+    return len(tokens)
 
 
 def _gguf_head_dim(metadata: Mapping[str, object], arch: str, default: int) -> int:

@@ -416,19 +416,14 @@ def _run(
             compute(weight, x)
 
 
-def measure_projection(
+def _best_times(
     hf_weights: Sequence[torch.Tensor],
     parts: Sequence[int],
     buckets: Sequence[int],
-    measured: Callable[[int], None] | None = None,
-) -> tuple[ProjectionChoice, dict[tuple[Layout, bool], float]]:
-    """Time every candidate on these `[out, in]` weights (one per layer) at every bucket.
-
-    Returns the choice and each `(layout, split)`'s score (the sum over buckets of its best
-    time divided by the best of all candidates; 1.0 per bucket is perfect). One layout and
-    split serve all buckets, because the weights are stored once. `measured(rows)` is
-    called after each bucket (progress).
-    """
+    measured: Callable[[int], None] | None,
+) -> dict[tuple[int, Layout, bool, str], float]:
+    """Best seconds of every candidate `(rows, layout, split, form)`, scaled to all layers
+    (a compute-bound bucket times one layer's weights)."""
     layouts: dict[Layout, list[torch.Tensor]] = {
         "out_in": list(hf_weights),
         "in_out": [w.t().contiguous() for w in hf_weights],
@@ -455,7 +450,23 @@ def measure_projection(
                 best[key] = min(best.get(key, float("inf")), seconds * scale)
         if measured is not None:
             measured(rows)
-    del layouts
+    return best
+
+
+def measure_projection(
+    hf_weights: Sequence[torch.Tensor],
+    parts: Sequence[int],
+    buckets: Sequence[int],
+    measured: Callable[[int], None] | None = None,
+) -> tuple[ProjectionChoice, dict[tuple[Layout, bool], float]]:
+    """Time every candidate on these `[out, in]` weights (one per layer) at every bucket.
+
+    Returns the choice and each `(layout, split)`'s score (the sum over buckets of its best
+    time divided by the best of all candidates; 1.0 per bucket is perfect). One layout and
+    split serve all buckets, because the weights are stored once. `measured(rows)` is
+    called after each bucket (progress).
+    """
+    best = _best_times(hf_weights, parts, buckets, measured)
     scores: dict[tuple[Layout, bool], float] = {}
     chosen: dict[tuple[Layout, bool], list[tuple[int, str, float]]] = {}
     for rows in buckets:
