@@ -57,7 +57,8 @@ class QuantizedMatrix:
         width = self.cols // 2 if self.kind == "q4" else self.cols
         dtype = torch.uint8 if self.kind == "q4" else torch.int8
         if tuple(self.qs.shape) != (self.rows, width) or self.qs.dtype != dtype:
-            return f"qs is {self.qs.dtype} {list(self.qs.shape)}, expected {dtype} {[self.rows, width]}"
+            got = f"{self.qs.dtype} {list(self.qs.shape)}"
+            return f"qs is {got}, expected {dtype} {[self.rows, width]}"
         blocks = (self.rows, self.cols // self.block)
         if tuple(self.scales.shape) != blocks or self.scales.dtype not in _SCALE_DTYPES:
             return (
