@@ -55,6 +55,11 @@ def _tile_buffer(elements: int) -> torch.Tensor:
     return buffer
 
 
+def tile_buffer_bytes() -> int:
+    """Bytes held by the reused tile buffers of this process."""
+    return sum(buffer.numel() * buffer.element_size() for buffer in _BUFFERS.values())
+
+
 def _q_tiles(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
     x = _as_f32(rows)
     out_t = torch.empty(matrix.rows, x.shape[0])

@@ -8,12 +8,13 @@ maximum sequence length).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from lifecycle.journal import Journal
+from lifecycle.journal import Journal, Outcome
 from models.executor import ModelExecutor, ModelExecutorConfig
 from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
 from models.llama.kernels import KernelPlan, load_kernel_plan
@@ -59,6 +60,26 @@ class LlamaExecutor(ModelExecutor):
             progress=progress,
         )
         self.loaded = loaded
+        self.journal.record(
+            machine=self.owner_name,
+            trigger="load",
+            source="-",
+            dest="CONSTRUCTED",
+            started=time.time(),
+            duration_s=0.0,
+            outcome=Outcome.OK,
+            detail=f"weights {loaded.weights}: {_megabytes(loaded.model.weight_bytes())} resident",
+        )
+
+    def memory_summary(self) -> str:
+        """Resident bytes of the weights, the KV cache and the workspace (for `bringup`)."""
+        model = self.loaded.model
+        cache = model.kv_cache
+        kv = 0 if cache is None else sum(t.numel() * t.element_size() for t in _tensors(cache))
+        return (
+            f"weights {_megabytes(model.weight_bytes())} ({self.loaded.weights}), "
+            f"KV {_megabytes(kv)}, workspace {_megabytes(model.workspace_bytes())}"
+        )
 
     @property
     def tokenizer(self) -> LlamaTokenizer | None:
@@ -69,6 +90,19 @@ class LlamaExecutor(ModelExecutor):
     def eos_token_ids(self) -> tuple[int, ...]:
         """Tokens that end a completion."""
         return tuple(self.loaded.args.eos_token_ids or ())
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
+
+
+def _tensors(cache: object) -> list[torch.Tensor]:
+    """Every tensor of a bound KV cache (layers of K/V pairs)."""
+    if isinstance(cache, torch.Tensor):
+        return [cache]
+    if isinstance(cache, list | tuple):
+        return [t for item in cache for t in _tensors(item)]
+    return []
 
 
 PREFILL_PADDING_START = 32

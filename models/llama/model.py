@@ -207,6 +207,28 @@ class LlamaModel(KernelPlanHooks, nn.Module):
             return self.embed_tokens.weight.detach()
         return self.lm_head.hf_weight()
 
+    def weight_bytes(self) -> int:
+        """Resident bytes of every weight (block weights at their packed size)."""
+        total = sum(
+            module.resident_bytes for module in self.modules() if isinstance(module, Projection)
+        )
+        norms = [p for n, p in self.named_parameters() if "norm" in n]
+        total += sum(p.numel() * p.element_size() for p in norms)
+        if self.embed_tokens is not None:
+            total += self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the reused scratch buffers (decode K/V gather, block-weight tiles)."""
+        from models.llama.block_forms import tile_buffer_bytes
+
+        held = (
+            0
+            if self._workspace is None
+            else sum(t.numel() * t.element_size() for t in self._workspace)
+        )
+        return held + tile_buffer_bytes()
+
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under canonical (HF) names as views, split back from the fused ones."""
         out = {EMBED: self.embedding_matrix(), FINAL_NORM: self.norm.weight.detach()}
