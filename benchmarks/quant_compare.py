@@ -111,7 +111,7 @@ def run_quant(
     largest = max(weight_bytes.values())
     bandwidth = max(read_bandwidth(largest) for _ in range(2))
     report["read_bandwidth_gb_s"] = bandwidth / 1e9
-    for label, row in report["files"].items():
+    for row in report["files"].values():
         limit = bandwidth / row["runtime"]["weight_bytes"]
         row["limit_decode_tokens_per_second"] = limit
         row["share_of_limit"] = row["runtime"]["decode_tokens_per_second"] / limit
