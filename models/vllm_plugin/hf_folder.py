@@ -3,6 +3,11 @@
 vLLM opens models as Hugging Face folders (config, safetensors, tokenizer). This writes one
 with this project's own loader, so vLLM, its own CPU runner and `llm-runtime generate` all
 read the same weights. No vLLM import: the main test suite checks the round trip.
+
+A folder written from a GGUF also names that GGUF in its config (`WEIGHTS_SOURCE_KEY`): the
+platform plugin then loads the GGUF itself, block weights kept (`--weights stored`), so
+`vllm serve` through the plugin computes exactly what `llm-runtime generate` does, while
+vLLM's own runner (plugin off) reads the dequantized safetensors.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 
 from models.llama.sources import load_weights
+from models.llama.vllm_engine_args import WEIGHTS_SOURCE_KEY
 from runtime.quant.matrix import QuantizedMatrix
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -34,6 +40,13 @@ def write_hf_folder(
     root = Path(destination)
     root.mkdir(parents=True, exist_ok=True)
     config = {**weights.args.to_hf_config(), "torch_dtype": DTYPE_NAMES[dtype]}
+    if weights.source.kind == "gguf":
+        given = str(model)
+        config[WEIGHTS_SOURCE_KEY] = (
+            given
+            if weights.source.path is None or not given.endswith(".gguf")
+            else str(Path(given).resolve())
+        )
     (root / "config.json").write_text(json.dumps(config, indent=2))
     state = {
         name: (value.dequantize() if isinstance(value, QuantizedMatrix) else value)
