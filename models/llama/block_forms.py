@@ -9,13 +9,20 @@
   exists (the buffer holds `_TILE_ROWS` rows). Without the native library the tile is
   dequantized by torch (`QuantizedMatrix.dequantize`).
 
+* `torch_int4`: torch's own CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, groups of
+  32, `w = (q - 8) * scale + zero`) on q4 blocks, the maintained library's candidate. It runs
+  from a converted copy made when it is timed (dropped again unless the plan keeps it).
+  Only float32 activations qualify: with bfloat16 activations and scales it is far faster
+  but 0.3% off, outside the tolerance the other forms meet. torch's `_weight_int8pack_mm`
+  takes one scale per output row, so it cannot hold Q8_0's per-block scales: no candidate.
+
 Warmup times them per row bucket like the float forms (`kernel_measure`); the plan records
-the choice.
+the choice and every candidate's time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
@@ -77,18 +84,60 @@ def _q_tiles(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
     return out_t.t().contiguous()
 
 
+# Converted copies for `torch_int4`, by matrix identity (kept alive with the matrix).
+_TORCH_INT4: dict[int, tuple[QuantizedMatrix, torch.Tensor, torch.Tensor]] = {}
+
+
+def _torch_int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def _torch_int4_weight(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    held = _TORCH_INT4.get(id(matrix))
+    if held is not None and held[0] is matrix:
+        return held[1], held[2]
+    packed = matrix.qs.view(matrix.rows, -1, 16)
+    values = torch.cat((packed & 0x0F, packed >> 4), dim=-1).reshape(matrix.rows, matrix.cols)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    assert matrix.mins is not None
+    scale = matrix.scales.to(torch.float32).t()
+    zero = matrix.mins.to(torch.float32).t() + 8.0 * scale
+    scales_zeros = torch.stack((scale, zero), dim=-1).contiguous()
+    _TORCH_INT4[id(matrix)] = (matrix, weight, scales_zeros)
+    return weight, scales_zeros
+
+
+def _torch_int4(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
+    weight, scales_zeros = _torch_int4_weight(matrix)
+    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        _as_f32(rows), weight, matrix.block, scales_zeros
+    )
+    return out
+
+
+def release_converted(matrices: Iterable[QuantizedMatrix]) -> None:
+    """Drop `torch_int4`'s converted copies of `matrices` (timed, then not chosen)."""
+    for matrix in matrices:
+        _TORCH_INT4.pop(id(matrix), None)
+
+
 @attrs.frozen
 class BlockForm:
     """One way to compute `rows @ W^T` from a `QuantizedMatrix`, for at most `max_rows`
-    rows (None: any), where `available()` says it can run."""
+    rows (None: any), where `available()` says it can run and `applies(matrix)` says it
+    takes this matrix's kind."""
 
     name: str
     compute: Callable[[QuantizedMatrix, torch.Tensor], torch.Tensor]
     max_rows: int | None = None
     available: Callable[[], bool] = _always
+    kinds: tuple[str, ...] = ("q4", "q8")
 
     def fits(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
+
+    def applies(self, matrix: QuantizedMatrix) -> bool:
+        return matrix.kind in self.kinds and matrix.device.type == "cpu"
 
 
 BLOCK_FORMS: dict[str, BlockForm] = {
@@ -96,6 +145,7 @@ BLOCK_FORMS: dict[str, BlockForm] = {
     for form in (
         BlockForm("q_rows", _q_rows, max_rows=64, available=_native_available),
         BlockForm("q_tiles", _q_tiles),
+        BlockForm("torch_int4", _torch_int4, available=_torch_int4_available, kinds=("q4",)),
     )
 }
 # Rows up to which an un-warmed model uses `q_rows` (when it can run).

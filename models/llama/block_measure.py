@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from models.llama.block_forms import BLOCK_FORMS, block_product
+from models.llama.block_forms import BLOCK_FORMS, block_product, release_converted
 from models.llama.kernels import ProjectionChoice
 from runtime.quant.matrix import QuantizedMatrix
 
@@ -36,7 +36,11 @@ def measure_block_projection(
     times: dict[str, list[float]] = {}
     for rows in buckets:
         x = torch.randn(rows, fan_in, generator=generator)
-        names = [n for n, f in BLOCK_FORMS.items() if f.fits(rows) and f.available()]
+        names = [
+            n
+            for n, f in BLOCK_FORMS.items()
+            if f.fits(rows) and f.available() and all(f.applies(p) for p in weights[0])
+        ]
         streaming = rows <= _STREAMING_ROWS
         layers = weights if streaming else weights[:1]
         best = dict.fromkeys(names, float("inf"))
@@ -54,6 +58,9 @@ def measure_block_projection(
         picked.append((rows, form, seconds))
         if measured is not None:
             measured(rows)
+    if all(form != "torch_int4" for _, form, _ in picked):
+        # The converted copies were for timing only.
+        release_converted(part for stack in weights for part in stack)
     merged: list[tuple[int, str]] = []
     for rows, form, _ in picked:
         if merged and merged[-1][1] == form:
