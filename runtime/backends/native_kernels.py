@@ -33,12 +33,21 @@ from pathlib import Path
 import attrs
 import torch
 
+from runtime.quant.matrix import QuantizedMatrix
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).with_name("native") / name
-    for name in ("paged_decode_attention.c", "small_rows_matmul.c", "fused_decode_layers.c")
+    for name in (
+        "paged_decode_attention.c",
+        "small_rows_matmul.c",
+        "fused_decode_layers.c",
+        "quant_matmul.c",
+    )
 )
+# Headers the sources include: part of the build's identity, not compiled on their own.
+_HEADERS = (Path(__file__).with_name("native") / "quant_blocks.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64
 _PTR: type[ctypes.c_void_p] = ctypes.c_void_p
@@ -72,7 +81,7 @@ def _cpu_identity() -> bytes:
 
 
 def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, check=False, text=True
@@ -237,6 +246,105 @@ class SmallRowsMatmul:
         return out
 
 
+class QuantBlocks(ctypes.Structure):
+    """`qb_matrix` of `native/quant_blocks.h`: the kernels' view of a `QuantizedMatrix`."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("scale_f16", ctypes.c_int32),
+        ("block", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("qs", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+    ]
+
+
+QUANT_KIND_CODES = {"q4": 0, "q8": 1}
+
+
+def quant_descriptor(matrix: QuantizedMatrix) -> int:
+    """The address of `matrix`'s `qb_matrix` descriptor (built once, cached on the matrix).
+
+    The descriptor lives as long as the matrix (which also keeps its tensors alive)."""
+    view = matrix.native_view
+    if view:
+        return view[1]  # type: ignore[return-value]
+    if matrix.device.type != "cpu":
+        raise ValueError(f"matrix is on {matrix.device}: the native kernels need a CPU matrix")
+    blocks = QuantBlocks(
+        kind=QUANT_KIND_CODES[matrix.kind],
+        scale_f16=int(matrix.scales.dtype == torch.float16),
+        block=matrix.block,
+        cols=matrix.cols,
+        qs=matrix.qs.data_ptr(),
+        scales=matrix.scales.data_ptr(),
+        mins=None if matrix.mins is None else matrix.mins.data_ptr(),
+    )
+    view.extend((blocks, ctypes.addressof(blocks)))
+    return view[1]  # type: ignore[return-value]
+
+
+class QuantMatmul:
+    """`x @ W^T` with W a `QuantizedMatrix` read in its blocks (never dequantized whole), and
+    row tiles of W dequantized into a caller's buffer (for prefill's torch.mm)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._matmul = library.quant_matmul
+        self._matmul.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
+        self._matmul.restype = ctypes.c_int
+        self._dequantize = library.quant_dequantize_rows
+        self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+        self._dequantize.restype = None
+
+    def __call__(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
+        """`unchecked` after checking x: `[R, matrix.cols]` on the CPU. Returns float32
+        `[R, matrix.rows]`."""
+        if x.dim() != 2 or x.shape[1] != matrix.cols or x.device.type != "cpu":
+            raise ValueError(
+                f"x is {list(x.shape)} on {x.device}: allowed is a CPU tensor [R, {matrix.cols}]"
+            )
+        return self.unchecked(matrix, x)
+
+    def unchecked(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
+        """`__call__` without the checks (a decode step calls this ~150 times): x must be a
+        2-D CPU tensor `[R, matrix.cols]` (cast to contiguous float32 when it is not)."""
+        view = matrix.native_view
+        descriptor = view[1] if view else quant_descriptor(matrix)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, matrix.rows)
+        if self._matmul(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
+            raise MemoryError("quant_matmul could not allocate its block sums")
+        return out
+
+    def dequantize_rows(
+        self, matrix: QuantizedMatrix, start: int, stop: int, out: torch.Tensor
+    ) -> None:
+        """Rows `[start, stop)` of `matrix` as float32 into `out` (contiguous float32 with
+        at least `(stop - start) * cols` elements, filled row-major), bit-equal to
+        `matrix.dequantize(start, stop)`."""
+        if not 0 <= start <= stop <= matrix.rows:
+            raise ValueError(
+                f"rows [{start}, {stop}): allowed is 0 <= start <= stop <= {matrix.rows}"
+            )
+        needed = (stop - start) * matrix.cols
+        if (
+            out.dtype != torch.float32
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+            or out.numel() < needed
+        ):
+            raise ValueError(
+                f"out is {out.dtype} {list(out.shape)} on {out.device}: allowed is a contiguous "
+                f"float32 CPU tensor of at least {needed} elements"
+            )
+        view = matrix.native_view
+        descriptor = view[1] if view else quant_descriptor(matrix)
+        self._dequantize(descriptor, start, stop, out.data_ptr(), _threads())
+
+
 @attrs.frozen
 class DecodeStackGeometry:
     """What the fused decode stack needs to know about the model and its cache."""
@@ -321,6 +429,7 @@ class NativeKernels:
     paged_decode_attention: PagedDecodeAttention
     small_rows_matmul: SmallRowsMatmul
     fused_decode_layers: FusedDecodeLayers
+    quant_matmul: QuantMatmul
 
 
 @functools.cache
@@ -328,7 +437,10 @@ def _load() -> NativeKernels | str:
     try:
         library = ctypes.CDLL(str(_build(_compiler())))
         return NativeKernels(
-            PagedDecodeAttention(library), SmallRowsMatmul(library), FusedDecodeLayers(library)
+            PagedDecodeAttention(library),
+            SmallRowsMatmul(library),
+            FusedDecodeLayers(library),
+            QuantMatmul(library),
         )
     except (NativeKernelsUnavailable, OSError) as error:
         logger.warning("native CPU kernels unavailable: %s", error)
@@ -356,6 +468,11 @@ def small_rows_matmul() -> SmallRowsMatmul:
 def fused_decode_layers() -> FusedDecodeLayers:
     """The one-call float32 decoder stack for a few rows."""
     return native_kernels().fused_decode_layers
+
+
+def quant_matmul() -> QuantMatmul:
+    """The product over quantized weight blocks (and their tile dequantization)."""
+    return native_kernels().quant_matmul
 
 
 def unavailable_reason() -> str | None:

@@ -41,6 +41,9 @@ class QuantizedMatrix:
     qs: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    # The native kernels' descriptor of these blocks, built on first use and kept here so a
+    # decode step's ~150 products skip rebuilding it (`runtime.backends.native_kernels`).
+    native_view: list[object] = attrs.field(factory=list, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         problem = self._problem()
@@ -120,9 +123,11 @@ class QuantizedMatrix:
         scales = self.scales[start:stop].to(torch.float32)
         if self.kind == "q8":
             values = self.qs[start:stop].to(torch.float32)
-            grouped = values.view(stop - start, -1, self.block) * scales.unsqueeze(-1)
+            grouped = values.view(
+                stop - start, self.cols // self.block, self.block
+            ) * scales.unsqueeze(-1)
             return grouped.reshape(stop - start, self.cols)
-        packed = self.qs[start:stop].view(stop - start, -1, 16)
+        packed = self.qs[start:stop].view(stop - start, self.cols // 32, 16)
         low = (packed & 0x0F).to(torch.float32)
         high = (packed >> 4).to(torch.float32)
         values = torch.cat((low, high), dim=-1)

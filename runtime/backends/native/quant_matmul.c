@@ -1,0 +1,55 @@
+/* Products and tile dequantization over quantized weight blocks (`quant_blocks.h`).
+ *
+ * `quant_matmul`: out[r, o] = sum_i W[o, i] x[r, i] for any number of float32 rows x
+ * `[rows, cols]` (out float32 `[rows, n_out]`), W a `qb_matrix`. Decode is bound by reading
+ * the weight, so each thread streams one contiguous stripe of output rows (a multiple of 16)
+ * once, using every block for up to 4 rows at a time (a tile of 16 weight rows is reused from
+ * cache for each further group of 4 rows).
+ * `quant_dequantize_rows`: rows [r0, r1) of W as float32 into `out` `[r1 - r0, cols]`, for
+ * prefill, which multiplies a dequantized tile at a time with torch.mm.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "quant_blocks.h"
+
+/* This thread's share [*o0, *o1) of n rows, in multiples of 16. */
+static void qm_stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *o1) {
+    int64_t step = (n + threads - 1) / threads;
+    step = (step + 15) / 16 * 16;
+    *o0 = thread * step < n ? thread * step : n;
+    *o1 = *o0 + step < n ? *o0 + step : n;
+}
+
+int quant_matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
+                 int n_threads) {
+    float *xt = NULL, *xsum = NULL;
+    const float *xin = x;
+    if (m->kind == QB_Q4) {
+        xt = (float *)malloc(sizeof(float) * (rows * m->cols + rows * (m->cols / 32) + 1));
+        if (xt == NULL) return 1;
+        xsum = xt + rows * m->cols;
+        qb_prepare_q4(x, m->cols, rows, m->cols, xt, xsum);
+        xin = xt;
+    }
+    int64_t per_thread = (n_out + 15) / 16;
+    if (n_threads > per_thread) n_threads = (int)(per_thread > 0 ? per_thread : 1);
+#pragma omp parallel num_threads(n_threads)
+    {
+        int64_t o0, o1;
+        qm_stripe(n_out, omp_get_thread_num(), omp_get_num_threads(), &o0, &o1);
+        if (o0 < o1) qb_project(m, xin, m->cols, rows, xsum, out, n_out, o0, o1, 0);
+    }
+    free(xt);
+    return 0;
+}
+
+void quant_dequantize_rows(const qb_matrix *m, int64_t r0, int64_t r1, float *out,
+                           int n_threads) {
+    const int64_t chunks = (r1 - r0 + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t a = r0 + c * 16, b = a + 16 < r1 ? a + 16 : r1;
+        qb_dequantize_rows(m, a, b, out + (a - r0) * m->cols);
+    }
+}
