@@ -206,6 +206,7 @@ def run_benchmark(config: BenchConfig, *, log: Log | None = None) -> BenchReport
         "model": config.model,
         "device": config.device,
         "dtype": config.dtype,
+        "weights": config.weights,
         "trace_mode": config.trace_mode,
         "torch_threads": torch.get_num_threads(),
         "method": (

@@ -64,6 +64,7 @@ class BenchReport(TypedDict):
     model: str
     device: str
     dtype: str
+    weights: str
     trace_mode: str
     torch_threads: int
     method: str
@@ -108,7 +109,8 @@ def _rate(rates: EngineRates, decode_only: bool) -> float:
 def format_report(report: BenchReport) -> str:
     """Plain text: decode-only and end-to-end tokens/s per batch size."""
     lines = [
-        f"{report['model']} {report['dtype']} on {report['device']} "
+        f"{report['model']} {report['dtype']} (--weights {report['weights']}) on "
+        f"{report['device']} "
         f"({report['torch_threads']} torch threads); {report['method']}",
     ]
     lines.extend(format_row(row) for row in report["results"])

@@ -37,8 +37,7 @@ _BUFFERS: dict[int, torch.Tensor] = {}
 
 
 def _native_available() -> bool:
-    # TEMPORARY until the native block kernel lands (helper branch i22-kernels).
-    return native_kernels.unavailable_reason() is None and hasattr(native_kernels, "quant_matmul")
+    return native_kernels.unavailable_reason() is None
 
 
 def _always() -> bool:
