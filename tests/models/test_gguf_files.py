@@ -13,7 +13,8 @@ import torch
 
 from models.llama import GGUFFile, LlamaArgs, expected_shapes, load_gguf, load_model
 from models.llama import random_state_dict as random_state
-from models.llama.weights import unpermute_rope_rows
+from models.llama.gguf_weights import unpermute_rope_rows
+from runtime.quant.matrix import QuantizedMatrix
 from tests.gguf_files import (
     FILE_TYPES,
     MATRIX_ROLES,
@@ -54,7 +55,8 @@ def test_every_type_loads_as_written(tmp_path: Path, qtype: str) -> None:
     file = GGUFFile.open(path)
     args = file.args()
     assert attrs.evolve(args, norm_eps=Q256.norm_eps) == Q256
-    loaded = load_gguf(file, args)
+    loaded = load_gguf(file, args).state
+    kept = load_gguf(file, args, weights="stored").state
     # Exactly the stored bytes' dequantization (Q/K rows back in HF order) ...
     arrays = gguf_arrays(Q256, state)
     for name, value in arrays.items():
@@ -64,11 +66,16 @@ def test_every_type_loads_as_written(tmp_path: Path, qtype: str) -> None:
         if "attn_q" in name or "attn_k" in name:
             heads = Q256.n_heads if "attn_q" in name else Q256.n_kv_heads
             expected = unpermute_rope_rows(torch.from_numpy(expected), heads).numpy()
-        assert np.array_equal(loaded[hf].numpy(), expected), name
+        as_float, as_stored = loaded[hf], kept[hf]
+        assert isinstance(as_float, torch.Tensor)
+        assert np.array_equal(as_float.numpy(), expected), name
+        if isinstance(as_stored, QuantizedMatrix):  # blocks kept: the same values
+            as_stored = as_stored.dequantize()
+        assert np.array_equal(as_stored.numpy(), expected), name
         # ... and close to the original weights.
         bits = 32 if kind == "F32" else 10 if kind == "F16" else int(kind[1])
         scale = float(state[hf].abs().max())
-        assert (loaded[hf] - state[hf]).abs().max().item() <= scale * 2.0 ** (1 - bits), name
+        assert (as_float - state[hf]).abs().max().item() <= scale * 2.0 ** (1 - bits), name
 
 
 def _hf_name(gguf_name: str) -> str:
