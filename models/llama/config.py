@@ -523,6 +523,16 @@ TINY_PRESETS: dict[str, LlamaArgs] = {
         name=_tiny_name("linear-rope"),
         rope_scaling=RopeScaling(kind="linear", factor=2.0),
     ),
+    # every matrix row (dim, ffn_dim) a multiple of 256, for GGUF K-quant super-blocks; with
+    # 8 heads of 32 the seeded weights' greedy continuations run past 48 tokens without eos
+    "q256": attrs.evolve(
+        _TINY_GQA,
+        name=_tiny_name("q256"),
+        dim=256,
+        ffn_dim=512,
+        n_heads=8,
+        head_dim=32,
+    ),
 }
 
 
