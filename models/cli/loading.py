@@ -153,7 +153,8 @@ def load_from_args(
     return load(
         args.model,
         device=args.device,
-        dtype=args.dtype,
+        dtype="bfloat16" if args.weights == "bfloat16" else args.dtype,
+        weights=args.weights,
         trace_mode=args.trace,
         block_size=args.block_size,
         num_blocks=args.num_blocks,

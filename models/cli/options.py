@@ -61,6 +61,13 @@ OPTIONS: dict[str, ArgumentSpec] = {
     "--dtype": dict(
         choices=("float32", "bfloat16"), default="float32", help="weights and KV cache dtype"
     ),
+    "--weights": dict(
+        choices=("stored", "float32", "bfloat16"),
+        default="stored",
+        help="how a GGUF's quantized weights are held: stored (default: kept in their Q4_0, "
+        "Q4_1, Q8_0, Q4_K, Q6_K blocks; other types dequantized), float32 or bfloat16 "
+        "(everything dequantized; bfloat16 also runs the model in bfloat16)",
+    ),
     "--block-size": dict(
         type=positive_int,
         default=32,
@@ -203,7 +210,7 @@ OPTIONS: dict[str, ArgumentSpec] = {
     ),
 }
 
-MODEL_OPTIONS = ("--model", "--device", "--dtype", "--trace", "--kernels")
+MODEL_OPTIONS = ("--model", "--device", "--dtype", "--weights", "--trace", "--kernels")
 LANE_OPTIONS = ("--block-size", "--prefill-chunk", "--num-blocks", "--max-batch", "--max-seq-len")
 DATA_PARALLEL_OPTIONS = ("--lanes", "--lane-transport", "--threads-per-lane")
 COMMON_OPTIONS = ("--progress", "--debug")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.llama.config import TINY_PRESETS, LlamaArgs, RopeScaling
+from models.llama.gguf_weights import GGUFFile, load_gguf
 from models.llama.model import LlamaModel
 from models.llama.reference import allocate_kv_cache, greedy_generate
 from models.llama.sources import (
@@ -17,10 +18,8 @@ from models.llama.sources import (
 )
 from models.llama.tokenizer import LlamaTokenizer
 from models.llama.weights import (
-    GGUFFile,
     WeightsError,
     expected_shapes,
-    load_gguf,
     load_safetensors,
     random_state_dict,
 )

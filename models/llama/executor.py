@@ -8,12 +8,15 @@ maximum sequence length).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from lifecycle.journal import Journal
+from lifecycle.journal import Journal, Outcome
 from models.executor import ModelExecutor, ModelExecutorConfig
+from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
 from models.llama.kernels import KernelPlan, load_kernel_plan
 from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import LoadedModel, load_model
@@ -57,6 +60,26 @@ class LlamaExecutor(ModelExecutor):
             progress=progress,
         )
         self.loaded = loaded
+        self.journal.record(
+            machine=self.owner_name,
+            trigger="load",
+            source="-",
+            dest="CONSTRUCTED",
+            started=time.time(),
+            duration_s=0.0,
+            outcome=Outcome.OK,
+            detail=f"weights {loaded.weights}: {_megabytes(loaded.model.weight_bytes())} resident",
+        )
+
+    def memory_summary(self) -> str:
+        """Resident bytes of the weights, the KV cache and the workspace (for `bringup`)."""
+        model = self.loaded.model
+        cache = model.kv_cache
+        kv = 0 if cache is None else sum(t.numel() * t.element_size() for t in _tensors(cache))
+        return (
+            f"weights {_megabytes(model.weight_bytes())} ({self.loaded.weights}), "
+            f"KV {_megabytes(kv)}, workspace {_megabytes(model.workspace_bytes())}"
+        )
 
     @property
     def tokenizer(self) -> LlamaTokenizer | None:
@@ -67,6 +90,19 @@ class LlamaExecutor(ModelExecutor):
     def eos_token_ids(self) -> tuple[int, ...]:
         """Tokens that end a completion."""
         return tuple(self.loaded.args.eos_token_ids or ())
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
+
+
+def _tensors(cache: object) -> list[torch.Tensor]:
+    """Every tensor of a bound KV cache (layers of K/V pairs)."""
+    if isinstance(cache, torch.Tensor):
+        return [cache]
+    if isinstance(cache, list | tuple):
+        return [t for item in cache for t in _tensors(item)]
+    return []
 
 
 PREFILL_PADDING_START = 32
@@ -118,6 +154,7 @@ def load_executor(
     seed: int = 0,
     kernels: str | Path | KernelPlan | None = None,
     cpu_features: CpuFeatures | None = None,
+    weights: str = "stored",
 ) -> LlamaExecutor:
     """Load `model` (a name, HF directory or .gguf) and build its executor in CONSTRUCTED.
 
@@ -126,16 +163,25 @@ def load_executor(
     allocation, warmup cases and capture; the executor keeps it for generation. `kernels`: a
     kernel plan (or the path of a saved one, `--kernels FILE`) that warmup applies instead of
     timing kernels. `cpu_features`: the CPU probe's answer (default: probe this host);
-    bfloat16 on CPU needs native bf16.
+    bfloat16 on CPU needs native bf16. `weights` (`--weights`): `stored` keeps a GGUF's
+    Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors in their blocks; `float32` / `bfloat16` dequantize
+    every tensor into the model's dtype (which must then be the same).
     """
     sink = as_progress(progress)
     _check_dtype(dtype, device, cpu_features)
+    _check_weights(weights, dtype)
     plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
     trace = TraceConfig.of(trace_mode)
     _check_geometry(block_size, num_blocks, max_batch_size, max_prefill_chunk_size, max_seq_len)
     target = make_device(device, faults=faults)
     with sink.step(f"load model {model}"):
-        loaded = load_model(model, dtype=DTYPES[dtype], device=target.torch_device, seed=seed)
+        loaded = load_model(
+            model,
+            dtype=DTYPES[dtype],
+            device=target.torch_device,
+            seed=seed,
+            weights=cast(WeightsMode, weights),
+        )
     seq_len, max_blocks = _kv_extent(
         loaded.args.max_seq_len, max_seq_len, block_size, max_batch_size, num_blocks
     )
@@ -164,6 +210,20 @@ def _check_dtype(dtype: str, device: str, cpu_features: CpuFeatures | None) -> N
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if dtype == "bfloat16" and device == "cpu":
         require_native_bf16(cpu_features or CpuFeatures.probe())
+
+
+def _check_weights(weights: str, dtype: str) -> None:
+    """A known `--weights`; a dequantizing one must name the model's dtype."""
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(
+            f"weights (--weights) must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}"
+        )
+    if weights != "stored" and weights != dtype:
+        raise ValueError(
+            f"weights={weights!r} (--weights {weights}) dequantizes into the model's dtype, "
+            f"but dtype is {dtype!r} (--dtype {dtype}): allowed are weights='stored' or "
+            f"weights={dtype!r}"
+        )
 
 
 def _check_geometry(

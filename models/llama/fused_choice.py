@@ -56,7 +56,7 @@ _CONTEXT = 96
 _DEFAULT_BLOCK_SIZE = 32
 
 # Choices made in this process, by the projection plan they were measured on (lanes of one
-# model in one process compute alike; see `kernels._MEASURED`).
+# model in one process compute alike; see `kernel_measure._MEASURED`).
 _CHOSEN: dict[int, tuple[KernelPlan, KernelPlan]] = {}
 
 

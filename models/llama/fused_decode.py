@@ -19,7 +19,6 @@ from typing import Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.llama.attention import LayerCache
@@ -48,7 +47,7 @@ class StackSource(Protocol):
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def embedding_matrix(self) -> torch.Tensor: ...
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
     def uses_graph_safe_path(self) -> bool: ...
 
@@ -65,6 +64,11 @@ def fused_unsupported_reason(model: StackSource) -> str | None:
         return f"the fused decode stack is CPU-only, the model is on {model.device.type}"
     if model.uses_graph_safe_path():
         return "the model runs the graph-safe decode (the fused stack is dynamic-path only)"
+    for layer in model.layers:
+        for name in _PROJECTIONS:
+            held = getattr(layer, name, None)
+            if isinstance(held, Projection) and held.blocks is not None:
+                return f"the fused decode stack reads float32 weights, {name} is in blocks"
     return native_kernels.unavailable_reason()
 
 
@@ -147,7 +151,7 @@ class FusedDecodeStack:
         """The last hidden states `[rows, dim]` of active rows (`tokens`, `pos` `[rows]`,
         `pages` `[rows, W]`, long, validated by the decode), their K/V written."""
         model = self._model
-        x = F.embedding(tokens, model.embedding_matrix()).contiguous()
+        x = model.embed(tokens).contiguous()
         rope_cos, rope_sin = model.rope
         cos = rope_cos.index_select(0, pos)
         sin = rope_sin.index_select(0, pos)

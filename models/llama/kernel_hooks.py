@@ -16,15 +16,8 @@ from torch import nn
 
 from models.llama.fused_choice import TimedDecoder, choose_fused_decode
 from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
-from models.llama.kernels import (
-    KernelPlan,
-    ProjectionShape,
-    check_plan_fits,
-    fixed_plan,
-    measure_kernel_plan,
-    parse_kernel_plan,
-    row_buckets,
-)
+from models.llama.kernel_measure import fixed_plan, measure_kernel_plan, row_buckets
+from models.llama.kernels import KernelPlan, ProjectionShape, check_plan_fits, parse_kernel_plan
 from models.llama.layers import Projection
 from models.progress import ProgressSink
 from runtime.backends import native_kernels
@@ -63,7 +56,9 @@ class KernelPlanHooks:
     def projection_shapes(self) -> dict[str, ProjectionShape]:
         """Each projection kind's geometry (what a kernel plan must cover)."""
         return {
-            name: ProjectionShape(m[0].in_features, m[0].out_features, m[0].parts, len(m))
+            name: ProjectionShape(
+                m[0].in_features, m[0].out_features, m[0].parts, len(m), m[0].block_source
+            )
             for name, m in self.projection_groups().items()
         }
 
@@ -93,7 +88,7 @@ class KernelPlanHooks:
         """Warmup's hook: measure (or replay) the kernel plan, apply it, return its JSON.
 
         Measures each projection at the row buckets of a lane of `decode_rows` slots and
-        prefill chunks of `prefill_rows` tokens (`kernels.measure_kernel_plan`), reporting
+        prefill chunks of `prefill_rows` tokens (`kernel_measure.measure_kernel_plan`), reporting
         each measurement to `progress`. Once a plan is applied, later calls return it
         unchanged.
         """

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Protocol, TypeAlias
+from typing import Literal
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from models.progress import ProgressSink, as_progress
+from models.llama.block_forms import BLOCK_FORMS
 from runtime.backends import native_kernels
 from runtime.json_types import JSONValue
 
@@ -44,12 +43,6 @@ FUSED_MAX_ROWS = 4
 ATTENTION_KINDS = ("paged_inplace", "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
 LINEAR_FROM_ROWS = 64
-# Timing: timed passes per candidate (best kept, after one warm-up pass). Row counts up to
-# `_STREAMING_ROWS` are bound by reading weights, so their passes stream every layer's
-# matrix; larger ones are bound by arithmetic, so one matrix stands for all layers.
-_ROUNDS = 3
-_COMPUTE_BOUND_ROUNDS = 2
-_STREAMING_ROWS = 64
 # Another storage than the checkpoint's ([out, in], fused parts) must beat it by this share of
 # a bucket's best time, summed over the buckets: weights are stored once, the fused decode
 # stack streams [out, in] fastest, and near-equal forms trade places under load.
@@ -142,6 +135,11 @@ class ProjectionChoice:
     split: bool
     forms: tuple[tuple[int, str], ...]
     microseconds: tuple[float, ...] = ()
+    # The GGUF types of a block-quantized weight ("Q4_1"); "" for a float weight. Block
+    # weights run block forms (`block_forms.BLOCK_FORMS`), always `out_in` and unsplit.
+    blocks: str = ""
+    # Every candidate form's microseconds per bucket (block weights: what each form costs).
+    candidates: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def form_for(self, rows: int) -> str:
         for bucket, form in self.forms:
@@ -158,6 +156,7 @@ class ProjectionShape:
     fan_out: int
     parts: tuple[int, ...]
     count: int
+    blocks: str = ""
 
 
 def _by_name(
@@ -211,6 +210,17 @@ class KernelPlan:
                     "split": choice.split,
                     "forms": [[bucket, form] for bucket, form in choice.forms],
                     "microseconds": [round(us, 1) for us in choice.microseconds],
+                    **({"blocks": choice.blocks} if choice.blocks else {}),
+                    **(
+                        {
+                            "candidates_us": {
+                                form: [round(us, 1) for us in times]
+                                for form, times in choice.candidates
+                            }
+                        }
+                        if choice.candidates
+                        else {}
+                    ),
                 }
                 for name, choice in self.projections
             },
@@ -225,7 +235,8 @@ class KernelPlan:
         for name, choice in self.projections:
             forms = ",".join(f"{form}@{bucket}" for bucket, form in choice.forms)
             fused = " split" if choice.split else ""
-            parts.append(f"{name} {choice.layout}{fused} {forms}")
+            held = f" {choice.blocks} blocks" if choice.blocks else ""
+            parts.append(f"{name}{held} {choice.layout}{fused} {forms}")
         fused = ",".join(f"@{bucket}" for bucket in self.fused_decode) or " off"
         return (
             f"kernels {self.source}: {'; '.join(parts)}; decode attention {self.decode_attention}"
@@ -314,30 +325,50 @@ def _parse_projection(name: str, entry: object, where: str) -> ProjectionChoice:
     forms_raw = entry.get("forms")
     if not isinstance(forms_raw, list) or not forms_raw:
         raise _error(where, f"{name}.forms must be a non-empty list of [rows, form]")
-    forms = [_parse_form(name, layout, item, where) for item in forms_raw]
+    blocks = entry.get("blocks", "")
+    if not isinstance(blocks, str):
+        raise _error(where, f"{name}.blocks={blocks!r} is invalid: allowed is a GGUF type name")
+    forms = [_parse_form(name, layout, item, where, bool(blocks)) for item in forms_raw]
     if [b for b, _ in forms] != sorted({b for b, _ in forms}):
         raise _error(where, f"{name}.forms buckets must be strictly increasing")
     split = entry.get("split", False)
     if not isinstance(split, bool):
         raise _error(where, f"{name}.split={split!r} is invalid: allowed is true or false")
     micro = tuple(float(us) for us in entry.get("microseconds", ()))
-    return ProjectionChoice(layout, split, tuple(forms), micro)
+    if blocks and (layout != "out_in" or split):
+        raise _error(where, f"{name} holds {blocks} blocks: allowed is out_in, unsplit")
+    candidates_raw = entry.get("candidates_us", {})
+    candidates = tuple(
+        (str(form), tuple(float(us) for us in times))
+        for form, times in sorted(candidates_raw.items())
+        if isinstance(candidates_raw, dict) and isinstance(times, list)
+    )
+    return ProjectionChoice(layout, split, tuple(forms), micro, blocks, candidates)
 
 
-def _parse_form(name: str, layout: Layout, item: object, where: str) -> tuple[int, str]:
-    """One `[rows, form]` entry of a projection's forms, runnable from `layout`."""
+def _parse_form(
+    name: str, layout: Layout, item: object, where: str, blocks: bool
+) -> tuple[int, str]:
+    """One `[rows, form]` entry of a projection's forms, runnable from `layout` (a block
+    form when the projection holds `blocks`)."""
+    allowed = sorted(BLOCK_FORMS if blocks else FORMS)
     if (
         not isinstance(item, list)
         or len(item) != 2
         or type(item[0]) is not int
         or item[0] < 1
-        or item[1] not in FORMS
+        or item[1] not in allowed
     ):
         raise _error(
             where,
             f"{name}.forms entry {item!r} is invalid: allowed is [rows >= 1, form] "
-            f"with form one of {sorted(FORMS)}",
+            f"with form one of {allowed}",
         )
+    if blocks:
+        block_form = BLOCK_FORMS[item[1]]
+        if not block_form.fits(item[0]):
+            raise _error(where, f"{name}: form {item[1]!r} cannot run {item[0]} rows")
+        return item[0], item[1]
     form = FORMS[item[1]]
     if form.layout != layout or not form.fits(item[0]):
         raise _error(where, f"{name}: form {form.name!r} cannot run {item[0]} rows from {layout}")
@@ -369,273 +400,17 @@ def check_plan_fits(plan: KernelPlan, shapes: Mapping[str, ProjectionShape], whe
     for name, choice in plan.projections:
         if choice.split and len(shapes[name].parts) == 1:
             raise _error(where, f"{name} is split, but this model's {name} has one part")
+        held = shapes[name].blocks
+        if choice.blocks != held:
+            planned = f"{choice.blocks} blocks" if choice.blocks else "float weights"
+            here = f"{held} blocks" if held else "float weights (--weights float32)"
+            raise _error(
+                where,
+                f"{name} was planned for {planned}, this model holds {here}: allowed is a "
+                "plan recorded with the same --weights on the same file",
+            )
         for _, form in choice.forms:
-            if not FORMS[form].available():
+            available = BLOCK_FORMS[form].available if held else FORMS[form].available
+            if not available():
                 reason = native_kernels.unavailable_reason()
                 raise _error(where, f"{name} uses form {form!r}, which cannot run here ({reason})")
-
-
-# ------------------------------------------------------------------------------ measurement
-
-
-def row_buckets(decode_rows: int, prefill_rows: int) -> tuple[int, ...]:
-    """Powers of two up to the lane's decode batch, the batch itself, then a prefill chunk."""
-    buckets = {decode_rows, max(prefill_rows, decode_rows + 1)}
-    rows = 1
-    while rows < decode_rows:
-        buckets.add(rows)
-        rows *= 2
-    return tuple(sorted(buckets))
-
-
-@attrs.frozen
-class _Candidate:
-    layout: Layout
-    split: bool
-    form: Form
-
-
-def _candidates(parts: Sequence[int], rows: int) -> Iterator[_Candidate]:
-    for split in (False, True) if len(parts) > 1 else (False,):
-        for form in FORMS.values():
-            if form.fits(rows) and form.available():
-                yield _Candidate(form.layout, split, form)
-
-
-def _run(
-    candidate: _Candidate, weights: Sequence[torch.Tensor], parts: Sequence[int], x: torch.Tensor
-) -> None:
-    compute = candidate.form.compute
-    dim = 0 if candidate.layout == "out_in" else 1
-    for weight in weights:
-        if candidate.split:
-            torch.cat(
-                [compute(part, x) for part in weight.split_with_sizes(list(parts), dim=dim)], dim=1
-            )
-        else:
-            compute(weight, x)
-
-
-def _best_times(
-    hf_weights: Sequence[torch.Tensor],
-    parts: Sequence[int],
-    buckets: Sequence[int],
-    measured: Callable[[int], None] | None,
-) -> dict[tuple[int, Layout, bool, str], float]:
-    """Best seconds of every candidate `(rows, layout, split, form)`, scaled to all layers
-    (a compute-bound bucket times one layer's weights)."""
-    layouts: dict[Layout, list[torch.Tensor]] = {
-        "out_in": list(hf_weights),
-        "in_out": [w.t().contiguous() for w in hf_weights],
-    }
-    fan_in = hf_weights[0].shape[1]
-    best: dict[tuple[int, Layout, bool, str], float] = {}
-    generator = torch.Generator().manual_seed(0)
-    for rows in buckets:
-        x = torch.randn(rows, fan_in, generator=generator).to(hf_weights[0].dtype)
-        candidates = list(_candidates(parts, rows))
-        streaming = rows <= _STREAMING_ROWS
-        for round_index in range((_ROUNDS if streaming else _COMPUTE_BOUND_ROUNDS) + 1):
-            for candidate in candidates:
-                weights = layouts[candidate.layout]
-                if not streaming:
-                    weights = weights[:1]
-                start = time.perf_counter()
-                _run(candidate, weights, parts, x)
-                seconds = time.perf_counter() - start
-                if round_index == 0:
-                    continue  # first pass: caches and allocator warm-up
-                key = (rows, candidate.layout, candidate.split, candidate.form.name)
-                scale = len(hf_weights) / len(weights)
-                best[key] = min(best.get(key, float("inf")), seconds * scale)
-        if measured is not None:
-            measured(rows)
-    return best
-
-
-def measure_projection(
-    hf_weights: Sequence[torch.Tensor],
-    parts: Sequence[int],
-    buckets: Sequence[int],
-    measured: Callable[[int], None] | None = None,
-) -> tuple[ProjectionChoice, dict[tuple[Layout, bool], float]]:
-    """Time every candidate on these `[out, in]` weights (one per layer) at every bucket.
-
-    Returns the choice and each `(layout, split)`'s score (the sum over buckets of its best
-    time divided by the best of all candidates; 1.0 per bucket is perfect). One layout and
-    split serve all buckets, because the weights are stored once. `measured(rows)` is
-    called after each bucket (progress).
-    """
-    best = _best_times(hf_weights, parts, buckets, measured)
-    scores: dict[tuple[Layout, bool], float] = {}
-    chosen: dict[tuple[Layout, bool], list[tuple[int, str, float]]] = {}
-    for rows in buckets:
-        overall = min(s for (r, _, _, _), s in best.items() if r == rows)
-        for layout in LAYOUTS:
-            for split in (False, True) if len(parts) > 1 else (False,):
-                options = [
-                    (s, form)
-                    for (r, lay, spl, form), s in best.items()
-                    if (r, lay, spl) == (rows, layout, split)
-                ]
-                seconds, form = min(options)
-                scores[(layout, split)] = scores.get((layout, split), 0.0) + seconds / overall
-                chosen.setdefault((layout, split), []).append((rows, form, seconds))
-    layout, split = pick_storage(scores, len(buckets))
-    picked = chosen[(layout, split)]
-    return (
-        ProjectionChoice(
-            layout=layout,
-            split=split,
-            forms=_merge_buckets([(rows, form) for rows, form, _ in picked]),
-            microseconds=tuple(seconds * 1e6 for _, _, seconds in picked),
-        ),
-        scores,
-    )
-
-
-def pick_storage(scores: Mapping[tuple[Layout, bool], float], buckets: int) -> tuple[Layout, bool]:
-    """The `(layout, split)` with the best score, unless the checkpoint's own storage is
-    within `RESTORE_MARGIN` per bucket of it (then that one: no re-layout for noise)."""
-    best = min(scores, key=lambda key: (scores[key], LAYOUTS.index(key[0]), key[1]))
-    if STORED in scores and scores[STORED] - scores[best] <= RESTORE_MARGIN * buckets:
-        return STORED
-    return best
-
-
-def _merge_buckets(forms: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
-    """Adjacent buckets with the same form become one (the larger bound covers both)."""
-    merged: list[tuple[int, str]] = []
-    for rows, form in forms:
-        if merged and merged[-1][1] == form:
-            merged[-1] = (rows, form)
-        else:
-            merged.append((rows, form))
-    return tuple(merged)
-
-
-class MeasuredProjection(Protocol):
-    """What measuring reads of one projection module (`layers.Projection`)."""
-
-    @property
-    def parts(self) -> tuple[int, ...]: ...
-
-    def hf_weight(self) -> torch.Tensor: ...
-
-
-class MeasuredModel(Protocol):
-    """What a kernel plan is measured (or defaulted) on: the model's projections by kind
-    (`kernel_hooks.KernelPlanHooks` provides them; this module does not import it)."""
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def projection_shapes(self) -> Mapping[str, ProjectionShape]: ...
-
-    def projection_groups(self) -> Mapping[str, Sequence[MeasuredProjection]]: ...
-
-
-# Plans measured in this process, by what they depend on: lanes of one model in one process
-# (and an eager lane next to a traced one) compute with the same forms, bit for bit.
-_PlanKey: TypeAlias = tuple[
-    tuple[tuple[str, ProjectionShape], ...], torch.dtype, tuple[int, ...], int, str, tuple[str, ...]
-]
-"""What a measured plan depends on: shapes, dtype, buckets, torch threads, attention, notes."""
-_MEASURED: dict[_PlanKey, KernelPlan] = {}
-
-
-def measure_kernel_plan(
-    model: MeasuredModel,
-    *,
-    buckets: Sequence[int],
-    attention: str,
-    notes: Sequence[str] = (),
-    progress: ProgressSink | None = None,
-) -> KernelPlan:
-    """Measure every projection of `model` at `buckets` (see `measure_projection`), once per
-    process for a given geometry, dtype, thread count and attention. `progress` gets one
-    advance per projection and bucket (`measure kernels i/n: q_proj rows=64`)."""
-    shapes = tuple(sorted(model.projection_shapes().items()))
-    key: _PlanKey = (
-        shapes,
-        model.dtype,
-        tuple(buckets),
-        torch.get_num_threads(),
-        attention,
-        tuple(notes),
-    )
-    plan = _MEASURED.get(key)
-    if plan is None:
-        plan = _measure(model, buckets=buckets, attention=attention, notes=notes, progress=progress)
-        _MEASURED[key] = plan
-    return plan
-
-
-def _measure(
-    model: MeasuredModel,
-    *,
-    buckets: Sequence[int],
-    attention: str,
-    notes: Sequence[str],
-    progress: ProgressSink | None,
-) -> KernelPlan:
-    from runtime.backends.cpu_features import CpuFeatures
-
-    projections: list[tuple[str, ProjectionChoice]] = []
-    started = time.perf_counter()
-    groups = model.projection_groups()
-    sink = as_progress(progress)
-    total = len(groups) * len(buckets)
-    with torch.inference_mode(), sink.step("measure kernels", total=total, each=True) as step:
-        for name, modules in groups.items():
-            weights = [module.hf_weight() for module in modules]
-            weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
-
-            def measured(rows: int, name: str = name) -> None:
-                step.advance(1, f"{name} rows={rows}")
-
-            choice, scores = measure_projection(weights, modules[0].parts, buckets, measured)
-            logger.debug("kernel scores for %s: %s", name, scores)
-            projections.append((name, choice))
-    logger.info("measured projection kernels in %.2f s", time.perf_counter() - started)
-    return KernelPlan(
-        projections=tuple(projections),
-        decode_attention=attention,
-        buckets=tuple(buckets),
-        source="measured",
-        dtype=str(model.dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
-        cpu=CpuFeatures.probe().summary(),
-        notes=tuple(notes),
-    )
-
-
-def fixed_plan(
-    model: MeasuredModel,
-    *,
-    buckets: Sequence[int],
-    attention: str,
-    source: str,
-    notes: Sequence[str] = (),
-) -> KernelPlan:
-    """The un-measured plan (the default forms), for devices where nothing is timed."""
-    on_cpu = model.device.type == "cpu"
-    projections = []
-    for name in model.projection_groups():
-        forms = _merge_buckets([(rows, default_form(rows, on_cpu)) for rows in buckets])
-        projections.append((name, ProjectionChoice("out_in", False, forms)))
-    from runtime.backends.cpu_features import CpuFeatures
-
-    return KernelPlan(
-        projections=tuple(projections),
-        decode_attention=attention,
-        buckets=tuple(buckets),
-        source=source,
-        dtype=str(model.dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
-        cpu=CpuFeatures.probe().summary() if on_cpu else model.device.type,
-        notes=tuple(notes),
-    )

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.llama.block_forms import block_product, default_block_form
 from models.llama.config import LlamaArgs
 from models.llama.kernels import FORMS, Layout, ProjectionChoice, default_form
+from runtime.quant.matrix import QuantizedMatrix, concat_rows
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -59,6 +61,10 @@ class Projection(nn.Module):
     (`apply_choice`, from the warmup's kernel plan) the layout is `out_in` and the form is the
     previous fixed policy (`kernels.default_form`). A fused projection (qkv, gate/up) names its
     output `parts`; a split choice computes them one by one from views of the one matrix.
+
+    A weight loaded as `QuantizedMatrix` blocks stays in them (`blocks`: row-stacked
+    matrices, one when the parts share a form, else one per part) and runs a block form
+    (`block_forms`); `weight` is then an empty placeholder.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class Projection(nn.Module):
             raise ValueError(f"parts {self.parts} do not add up to out_features={out_features}")
         self.layout: Layout = "out_in"
         self.choice: ProjectionChoice | None = None
+        self.blocks: tuple[QuantizedMatrix, ...] | None = None
         shape = (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
 
@@ -86,7 +93,10 @@ class Projection(nn.Module):
         count = rows.shape[0]
         choice = self.choice
         weight = self.weight
-        if choice is None:
+        if self.blocks is not None:
+            form = default_block_form(count) if choice is None else choice.form_for(count)
+            product = block_product(self.blocks, rows, form).to(x.dtype)
+        elif choice is None:
             product = FORMS[default_form(count, weight.device.type == "cpu")].compute(weight, rows)
         else:
             compute = FORMS[choice.form_for(count)].compute
@@ -98,18 +108,66 @@ class Projection(nn.Module):
                 product = compute(weight, rows)
         return product.view(*x.shape[:-1], self.out_features)
 
-    def load(self, weight: torch.Tensor) -> None:
-        """Take a `[out, in]` (HF-layout) weight; stored in the current layout."""
+    def load(self, weight: torch.Tensor | list[QuantizedMatrix]) -> None:
+        """Take a `[out, in]` (HF-layout) weight, stored in the current layout, or its
+        row-stacked parts in quantized blocks (kept as blocks)."""
         expected = (self.out_features, self.in_features)
+        if isinstance(weight, list):
+            shape = (sum(part.rows for part in weight), weight[0].cols)
+            if shape != expected or any(part.cols != shape[1] for part in weight):
+                raise ValueError(
+                    f"block weight has shape {list(shape)}: allowed is {list(expected)}"
+                )
+            joined = concat_rows(weight)
+            self.blocks = (joined,) if joined is not None else tuple(weight)
+            placeholder = torch.empty(0, dtype=self.weight.dtype, device=weight[0].device)
+            self.weight = nn.Parameter(placeholder, requires_grad=False)
+            return
         if tuple(weight.shape) != expected:
             raise ValueError(f"weight has shape {list(weight.shape)}: allowed is {list(expected)}")
+        self.blocks = None
         stored = weight if self.layout == "out_in" else weight.t()
         self.weight = nn.Parameter(stored.contiguous(), requires_grad=False)
+
+    @property
+    def block_source(self) -> str:
+        """The GGUF types of the block weight (`"Q4_1"`, `"Q4_K+Q6_K"`), or "" for floats."""
+        if self.blocks is None:
+            return ""
+        return "+".join(sorted({name for b in self.blocks for name in b.source.split("+")}))
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the weight occupies (blocks and scales, or the float matrix)."""
+        if self.blocks is not None:
+            return sum(block.nbytes for block in self.blocks)
+        return self.weight.numel() * self.weight.element_size()
+
+    def embed_rows(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `tokens` of the `[out, in]` weight (a tied head's token embeddings)."""
+        if self.blocks is None:
+            return F.embedding(tokens, self.hf_weight())
+        flat = tokens.reshape(-1)
+        if len(self.blocks) == 1:
+            rows = self.blocks[0].take_rows(flat)
+        else:
+            rows = torch.empty(flat.shape[0], self.in_features)
+            offset = 0
+            for block in self.blocks:
+                inside = (flat >= offset) & (flat < offset + block.rows)
+                rows[inside] = block.take_rows(flat[inside] - offset)
+                offset += block.rows
+        return rows.to(dtype).view(*tokens.shape, self.in_features)
 
     def apply_choice(self, choice: ProjectionChoice) -> None:
         """Use `choice`; re-lays the weight out (one transposing copy) if its layout differs."""
         if choice.split and len(self.parts) == 1:
             raise ValueError(f"a split choice needs a fused projection, this one has {self.parts}")
+        if self.blocks is not None:
+            if choice.layout != "out_in" or choice.split:
+                raise ValueError("block weights are laid out out_in, unsplit")
+            self.choice = choice
+            return
         if choice.layout != self.layout:
             flipped = self.weight.detach().t().contiguous()
             self.weight = nn.Parameter(flipped, requires_grad=False)
@@ -117,12 +175,18 @@ class Projection(nn.Module):
         self.choice = choice
 
     def hf_weight(self) -> torch.Tensor:
-        """The weight as `[out, in]` (a view, no copy; transposed in the `in_out` layout)."""
+        """The weight as `[out, in]` (a view, no copy; transposed in the `in_out` layout).
+
+        A block weight is dequantized (a float copy: for oracles and exports, not serving).
+        """
+        if self.blocks is not None:
+            return torch.cat([block.dequantize() for block in self.blocks]).to(self.weight.dtype)
         weight = self.weight.detach()
         return weight if self.layout == "out_in" else weight.t()
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, layout={self.layout}"
+        held = f"blocks={self.block_source}" if self.blocks is not None else f"layout={self.layout}"
+        return f"in={self.in_features}, out={self.out_features}, {held}"
 
 
 class _Placement(TypedDict):
@@ -150,15 +214,16 @@ class DecoderLayer(nn.Module):
         self.w_down = Projection(args.ffn_dim, args.dim, **kw)
         self._q_kv_out = (q_out, kv_out)
 
-    def load_canonical(self, tensor: Callable[[str], torch.Tensor]) -> None:
+    def load_canonical(self, tensor: Callable[[str], WeightValue]) -> None:
         """Take this layer's weights from canonical (HF) tensors, `tensor(suffix)` each (the
         suffix within the layer, `"self_attn.q_proj.weight"`); fuses qkv and gate/up."""
-        self.input_layernorm.weight = _frozen(tensor("input_layernorm.weight"))
-        self.post_attention_layernorm.weight = _frozen(tensor("post_attention_layernorm.weight"))
-        self.wqkv.load(torch.cat([tensor(f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")]))
-        self.wo.load(tensor("self_attn.o_proj.weight"))
-        self.w_gate_up.load(torch.cat([tensor(f"mlp.{p}_proj.weight") for p in ("gate", "up")]))
-        self.w_down.load(tensor("mlp.down_proj.weight"))
+        self.input_layernorm.weight = _frozen(_plain(tensor("input_layernorm.weight")))
+        norm = tensor("post_attention_layernorm.weight")
+        self.post_attention_layernorm.weight = _frozen(_plain(norm))
+        self.wqkv.load(_fused([tensor(f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")]))
+        self.wo.load(_single(tensor("self_attn.o_proj.weight")))
+        self.w_gate_up.load(_fused([tensor(f"mlp.{p}_proj.weight") for p in ("gate", "up")]))
+        self.w_down.load(_single(tensor("mlp.down_proj.weight")))
 
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """This layer's weights by canonical suffix, as views split back from the fused ones."""
@@ -186,6 +251,36 @@ class DecoderLayer(nn.Module):
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
         out: torch.Tensor = self.w_down(F.silu(gate) * up)
         return out
+
+
+WeightValue = torch.Tensor | QuantizedMatrix
+
+
+def _plain(value: WeightValue) -> torch.Tensor:
+    if isinstance(value, QuantizedMatrix):
+        raise ValueError(f"a norm weight cannot be held in {value.source} blocks")
+    return value
+
+
+def _single(value: WeightValue) -> torch.Tensor | list[QuantizedMatrix]:
+    return [value] if isinstance(value, QuantizedMatrix) else value
+
+
+def _fused(parts: list[WeightValue]) -> torch.Tensor | list[QuantizedMatrix]:
+    """Fused parts as block parts when every part is in blocks, else as one float matrix
+    (a part of a type that was dequantized, e.g. Q5_K next to Q4_K, turns its neighbours
+    into floats too: correct, at the float size for that projection)."""
+    blocks = [part for part in parts if isinstance(part, QuantizedMatrix)]
+    if len(blocks) == len(parts):
+        return blocks
+    floats = [part for part in parts if isinstance(part, torch.Tensor)]
+    dtype = floats[0].dtype
+    return torch.cat(
+        [
+            part.dequantize().to(dtype) if isinstance(part, QuantizedMatrix) else part
+            for part in parts
+        ]
+    )
 
 
 def _frozen(value: torch.Tensor) -> nn.Parameter:

@@ -47,11 +47,13 @@ from models.llama.weights import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
+    WeightValue,
     layer_name,
     validate_state_dict,
 )
 from runtime.backends.base import DeviceTensor
 from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
+from runtime.quant.matrix import QuantizedMatrix
 from runtime.sampling.sampler import DeviceSampler
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
     def from_state_dict(
         cls,
         args: LlamaArgs,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, WeightValue],
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -152,16 +154,31 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         model._rope_cos = cos.to(model.device)
         model._rope_sin = sin.to(model.device)
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str) -> WeightValue:
             value = tensors.pop(name) if consume else tensors[name]
+            if isinstance(value, QuantizedMatrix):
+                if model.device.type != "cpu":
+                    return value.dequantize().to(device=model.device, dtype=dtype)
+                return value
             return value.to(device=model.device, dtype=dtype)
 
+        def dense(name: str) -> torch.Tensor:
+            value = get(name)
+            if isinstance(value, QuantizedMatrix):  # an untied embedding: looked up, not read
+                return value.dequantize().to(dtype)
+            return value
+
+        def projection(name: str) -> torch.Tensor | list[QuantizedMatrix]:
+            value = get(name)
+            return [value] if isinstance(value, QuantizedMatrix) else value
+
         if model.embed_tokens is not None:
-            model.embed_tokens.weight = nn.Parameter(get(EMBED).contiguous(), requires_grad=False)
-            model.lm_head.load(get(LM_HEAD))
+            embed = dense(EMBED).contiguous()
+            model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+            model.lm_head.load(projection(LM_HEAD))
         else:
-            model.lm_head.load(get(EMBED))
-        model.norm.weight = nn.Parameter(get(FINAL_NORM).contiguous(), requires_grad=False)
+            model.lm_head.load(projection(EMBED))
+        model.norm.weight = nn.Parameter(dense(FINAL_NORM).contiguous(), requires_grad=False)
         for i, layer in enumerate(model.layers):
             assert isinstance(layer, DecoderLayer)
             layer.load_canonical(functools.partial(_layer_tensor, get, i))
@@ -177,11 +194,40 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         """The rotary `cos` and signed `sin` tables `[max_seq_len, head_dim]` (`rope_tables`)."""
         return self._rope_cos, self._rope_sin
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `[*tokens.shape, dim]` (rows of the head's weight when tied,
+        dequantized row by row when it is held in blocks)."""
+        if self.embed_tokens is not None:
+            return F.embedding(tokens, self.embed_tokens.weight)
+        return self.lm_head.embed_rows(tokens, self.dtype)
+
     def embedding_matrix(self) -> torch.Tensor:
         """The `[vocab, dim]` token embeddings (a view of the head's matrix when tied)."""
         if self.embed_tokens is not None:
             return self.embed_tokens.weight.detach()
         return self.lm_head.hf_weight()
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of every weight (block weights at their packed size)."""
+        total = sum(
+            module.resident_bytes for module in self.modules() if isinstance(module, Projection)
+        )
+        norms = [p for n, p in self.named_parameters() if "norm" in n]
+        total += sum(p.numel() * p.element_size() for p in norms)
+        if self.embed_tokens is not None:
+            total += self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the reused scratch buffers (decode K/V gather, block-weight tiles)."""
+        from models.llama.block_forms import tile_buffer_bytes
+
+        held = (
+            0
+            if self._workspace is None
+            else sum(t.numel() * t.element_size() for t in self._workspace)
+        )
+        return held + tile_buffer_bytes()
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under canonical (HF) names as views, split back from the fused ones."""
@@ -333,7 +379,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         """The decoder stack over `path`. The final layer takes `path.last_layer()`: for a
         packed prefill it writes every token's K/V but attends, projects and runs its MLP for
         each row's last token alone (returns `[B, dim]`; no later layer needs the others)."""
-        x = F.embedding(tokens, self.embedding_matrix())
+        x = self.embed(tokens)
         rope = (self._rope_cos[positions].unsqueeze(-2), self._rope_sin[positions].unsqueeze(-2))
         final = len(self.layers) - 1
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
@@ -578,6 +624,6 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         return logits.masked_fill((~plan.active).unsqueeze(1), 0.0)
 
 
-def _layer_tensor(get: Callable[[str], torch.Tensor], index: int, suffix: str) -> torch.Tensor:
+def _layer_tensor(get: Callable[[str], WeightValue], index: int, suffix: str) -> WeightValue:
     """Layer `index`'s canonical tensor `suffix`, through `get` (which takes full names)."""
     return get(layer_name(index, suffix))

@@ -16,15 +16,15 @@ import attrs
 import torch
 
 from models.llama.config import TINY_PRESETS, LlamaArgs, parse_tiny_random_name
+from models.llama.gguf_weights import GGUFFile, WeightsMode, load_gguf
 from models.llama.model import LlamaModel
 from models.llama.tokenizer import LlamaTokenizer
 from models.llama.weights import (
-    GGUFFile,
     ModelFileError,
     ModelFileMissing,
+    WeightValue,
     check_finite,
     check_readable_file,
-    load_gguf,
     load_safetensors,
     random_state_dict,
 )
@@ -122,6 +122,9 @@ class LoadedModel:
     args: LlamaArgs
     tokenizer: LlamaTokenizer | None
     source: ModelSource
+    weights: str = "float32"
+    """How the weights are held: `stored` (with the GGUF types kept and dequantized), or the
+    dtype every tensor was converted to."""
 
 
 @attrs.frozen
@@ -129,9 +132,11 @@ class LoadedWeights:
     """A model's arguments, canonical HF-layout tensors and tokenizer, before assembly."""
 
     args: LlamaArgs
-    state: dict[str, torch.Tensor]
+    state: dict[str, WeightValue]
     tokenizer: LlamaTokenizer | None
     source: ModelSource
+    held: str = "float32"
+    """How the weights are held (`LoadedModel.weights`)."""
 
 
 def model_args(name: str | Path) -> LlamaArgs:
@@ -170,14 +175,21 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     with_tokenizer: bool = True,
+    weights: WeightsMode = "stored",
 ) -> LoadedWeights:
-    """Resolve `name` and read its tensors (and tokenizer, when the source has one)."""
+    """Resolve `name` and read its tensors (and tokenizer, when the source has one).
+
+    `weights="stored"` keeps a GGUF's block-quantized projections in their blocks; other
+    sources hold no blocks, so for them it means `dtype`.
+    """
     source = resolve_source(name)
     tokenizer: LlamaTokenizer | None = None
+    held = str(dtype).removeprefix("torch.")
+    state: dict[str, WeightValue]
     if source.kind == "tiny_random":
         assert source.preset is not None
         args = LlamaArgs.tiny_random(source.preset)
-        state = random_state_dict(args, seed=seed, dtype=dtype)
+        state = dict(random_state_dict(args, seed=seed, dtype=dtype))
     elif source.kind == "gguf":
         assert source.path is not None
         gguf_file = GGUFFile.open(source.path)
@@ -186,18 +198,21 @@ def load_weights(
             tokenizer = LlamaTokenizer.from_gguf(gguf_file)
         elif with_tokenizer:
             logger.info("GGUF %s embeds no tokenizer; loading the model alone", source.path)
-        state = load_gguf(gguf_file, args, dtype=dtype)
+        loaded = load_gguf(gguf_file, args, dtype=dtype, weights=weights)
+        state = loaded.state
+        if weights == "stored":
+            held = f"stored ({loaded.summary()})"
         del gguf_file  # release the memory map before the model is assembled
     else:
         assert source.path is not None
         args = LlamaArgs.from_hf_config(source.path)
         if with_tokenizer and (source.path / "tokenizer.json").is_file():
             tokenizer = LlamaTokenizer.from_hf_dir(source.path)
-        state = load_safetensors(source.path, args, dtype=dtype)
+        state = dict(load_safetensors(source.path, args, dtype=dtype))
     check_finite(state, source=str(source.path or source.name))
     if tokenizer is not None and tokenizer.eos_token_ids and not args.eos_token_ids:
         args = attrs.evolve(args, eos_token_ids=tokenizer.eos_token_ids)
-    return LoadedWeights(args=args, state=state, tokenizer=tokenizer, source=source)
+    return LoadedWeights(args=args, state=state, tokenizer=tokenizer, source=source, held=held)
 
 
 def load_model(
@@ -207,12 +222,27 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     with_tokenizer: bool = True,
+    weights: WeightsMode = "stored",
 ) -> LoadedModel:
-    """Resolve `name` and build the model (and tokenizer, when the source has one)."""
-    weights = load_weights(name, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
-    args, source = weights.args, weights.source
-    model = LlamaModel.from_state_dict(
-        args, weights.state, dtype=dtype, device=device, consume=True
+    """Resolve `name` and build the model (and tokenizer, when the source has one).
+
+    Block weights run on the CPU kernels only: on another device `stored` dequantizes.
+    """
+    if torch.device(device).type != "cpu" and weights == "stored":
+        weights = "float32" if dtype == torch.float32 else "bfloat16"
+    loaded = load_weights(
+        name, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer, weights=weights
     )
-    logger.info("loaded %s (%s) as %s on %s", source.name, source.kind, dtype, device)
-    return LoadedModel(model=model, args=args, tokenizer=weights.tokenizer, source=source)
+    args, source, weights_held = loaded.args, loaded.source, loaded.held
+    model = LlamaModel.from_state_dict(args, loaded.state, dtype=dtype, device=device, consume=True)
+    logger.info(
+        "loaded %s (%s) as %s on %s: weights %s",
+        source.name,
+        source.kind,
+        dtype,
+        device,
+        weights_held,
+    )
+    return LoadedModel(
+        model=model, args=args, tokenizer=loaded.tokenizer, source=source, weights=weights_held
+    )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import attrs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from models.llama.weights import GGUFFile
+from models.llama.gguf_weights import GGUFFile
 from runtime.json_types import JSONValue
 
 if TYPE_CHECKING:

@@ -29,6 +29,9 @@ OPTIMIZATIONS: dict[str | None, torch.dtype] = {
 }
 """The engine's `optimizations` setting -> the weight and KV cache dtype."""
 
+WEIGHTS_SOURCE_KEY = "llm_runtime_weights_source"
+"""The config key `models.vllm_plugin.hf_folder` writes for a folder made from a GGUF."""
+
 HUB_ALIASES: dict[str, str] = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2_NAME,
     "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF": SMOLLM2_NAME,
@@ -125,6 +128,9 @@ def _hf_value(hf_config: Any, name: str) -> Any:
 def engine_model_name(hf_config: Any, override: str | None) -> str:
     if override is not None:
         return override
+    source = _hf_value(hf_config, WEIGHTS_SOURCE_KEY)
+    if isinstance(source, str) and source:
+        return source  # a folder written from a GGUF: serve the GGUF's own blocks
     for field in ("name_or_path", "_name_or_path"):
         value = _hf_value(hf_config, field)
         if isinstance(value, str | Path) and str(value):

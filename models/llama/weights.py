@@ -13,16 +13,11 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import attrs
-import numpy as np
 import torch
 
 from models.llama.config import LlamaArgs
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
+from runtime.quant.matrix import QuantizedMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +29,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Present in some HF checkpoints, derived from the config here, so safe to drop silently.
 _IGNORED_NAMES = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _MAX_LISTED = 8
+
+WeightValue = torch.Tensor | QuantizedMatrix
+"""A canonical tensor: plain, or a projection kept in its quantized blocks (GGUF)."""
 
 
 class ModelFileError(ValueError):
@@ -66,20 +64,23 @@ def check_readable_file(path: Path, what: str) -> int:
     return size
 
 
-def check_finite(state: Mapping[str, torch.Tensor], *, source: str) -> None:
+def check_finite(state: Mapping[str, WeightValue], *, source: str) -> None:
     """Refuse weights holding NaN or infinity, naming the first such tensor.
 
     A non-finite weight turns every logit into NaN, and greedy decoding then repeats token
-    0 forever without any error; refusing at load makes the bad file visible.
+    0 forever without any error; refusing at load makes the bad file visible. Block weights
+    are judged by their scales (and mins): the integers in between are finite.
     """
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ModelFileError(
-                f"weights from {source} are not finite: tensor {name!r} holds {bad} NaN or "
-                f"infinite value(s) of {tensor.numel()}; the file is corrupt or was converted "
-                "wrongly"
-            )
+    for name, value in state.items():
+        tensors = [value] if isinstance(value, torch.Tensor) else value.float_parts()
+        for tensor in tensors:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise ModelFileError(
+                    f"weights from {source} are not finite: tensor {name!r} holds {bad} NaN "
+                    f"or infinite value(s) of {tensor.numel()}; the file is corrupt or was "
+                    "converted wrongly"
+                )
 
 
 class WeightsError(ValueError):
@@ -170,8 +171,8 @@ def check_shapes(
 
 
 def validate_state_dict(
-    args: LlamaArgs, state_dict: Mapping[str, torch.Tensor], *, source: str = "state dict"
-) -> dict[str, torch.Tensor]:
+    args: LlamaArgs, state_dict: Mapping[str, WeightValue], *, source: str = "state dict"
+) -> dict[str, WeightValue]:
     """Check names and shapes; return only the tensors the model uses."""
     check_shapes(args, {k: tuple(v.shape) for k, v in state_dict.items()}, source=source)
     expected = expected_shapes(args)
@@ -278,159 +279,6 @@ def load_safetensors(
                 if canonical in wanted:
                     out[canonical] = handle.get_tensor(name).to(dtype)
     logger.info("loaded %d tensors from %d safetensors file(s) in %s", len(out), len(files), root)
-    return out
-
-
-# ------------------------------------------------------------------------------------ GGUF
-_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-_GGUF_LAYER_SUFFIX = {
-    "attn_norm": "input_layernorm.weight",
-    "attn_q": "self_attn.q_proj.weight",
-    "attn_k": "self_attn.k_proj.weight",
-    "attn_v": "self_attn.v_proj.weight",
-    "attn_output": "self_attn.o_proj.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "ffn_gate": "mlp.gate_proj.weight",
-    "ffn_up": "mlp.up_proj.weight",
-    "ffn_down": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL = {
-    "token_embd.weight": EMBED,
-    "output_norm.weight": FINAL_NORM,
-    "output.weight": LM_HEAD,
-}
-
-
-def gguf_name_map(tensor_names: Iterable[str]) -> dict[str, str]:
-    """GGUF tensor name -> canonical name, built once; names it does not know are left out."""
-    out: dict[str, str] = {}
-    for name in tensor_names:
-        if name in _GGUF_GLOBAL:
-            out[name] = _GGUF_GLOBAL[name]
-            continue
-        match = _GGUF_LAYER.match(name)
-        if match and match.group(2) in _GGUF_LAYER_SUFFIX:
-            out[name] = layer_name(int(match.group(1)), _GGUF_LAYER_SUFFIX[match.group(2)])
-    return out
-
-
-@attrs.frozen
-class GGUFFile:
-    """An opened GGUF file: decoded metadata and the (memory-mapped) tensor records."""
-
-    path: Path
-    metadata: Mapping[str, object]
-    reader: GGUFReader
-
-    @classmethod
-    def open(cls, path: str | Path) -> GGUFFile:
-        from gguf import GGUFReader
-
-        file = Path(path)
-        size = check_readable_file(file, "GGUF file")
-        with file.open("rb") as handle:
-            magic = handle.read(4)
-        if magic != b"GGUF":
-            raise ModelFileError(
-                f"{str(file)!r} is not a GGUF file: it starts with {magic!r}, a GGUF file with "
-                "b'GGUF'"
-            )
-        try:
-            reader = GGUFReader(str(file))
-            metadata = {key: field.contents() for key, field in reader.fields.items()}
-            tensors = list(reader.tensors)
-        except Exception as error:  # the reader fails in many ways on a damaged file
-            raise ModelFileError(
-                f"GGUF file {str(file)!r} ({size} bytes) is truncated or corrupt: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        for tensor in tensors:
-            end = int(tensor.data_offset) + int(tensor.n_bytes)
-            if end > size:
-                raise ModelFileError(
-                    f"GGUF file {str(file)!r} is truncated: tensor {tensor.name!r} ends at byte "
-                    f"{end} but the file has {size}"
-                )
-        return cls(path=file, metadata=metadata, reader=reader)
-
-    @property
-    def tensor_names(self) -> frozenset[str]:
-        return frozenset(t.name for t in self.reader.tensors)
-
-    def args(self) -> LlamaArgs:
-        return LlamaArgs.from_gguf_metadata(self.metadata, self.tensor_names)
-
-
-def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's conversion permutation of Q/K rows.
-
-    llama.cpp stores each head's rows interleaved (pairs rotate as (x0, x1), (x2, x3), ...);
-    HF's layout, which the model uses, keeps the two rotary halves contiguous.
-    """
-    out_features, in_features = weight.shape
-    head_dim = out_features // n_heads
-    return (
-        weight.reshape(n_heads, head_dim // 2, 2, in_features)
-        .transpose(1, 2)
-        .reshape(out_features, in_features)
-    )
-
-
-def _dequantize_gguf_tensor(tensor: ReaderTensor) -> torch.Tensor:
-    """One GGUF tensor as a torch tensor in PyTorch (row-major, reversed ggml) shape."""
-    from gguf import GGMLQuantizationType, quants
-
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    raw = tensor.data
-    if qtype == GGMLQuantizationType.F32:
-        array = np.asarray(raw, dtype=np.float32)
-        return torch.from_numpy(array.copy()).reshape(shape)
-    if qtype == GGMLQuantizationType.F16:
-        return torch.from_numpy(np.asarray(raw, dtype=np.float16).copy()).reshape(shape)
-    if qtype == GGMLQuantizationType.BF16:
-        bits = np.ascontiguousarray(raw).view(np.int16).copy()
-        return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
-    try:
-        array = quants.dequantize(raw, qtype)
-    except NotImplementedError as exc:
-        raise ValueError(
-            f"GGUF tensor {tensor.name!r} has quantization type {qtype.name}, which the gguf "
-            "package cannot dequantize"
-        ) from exc
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
-
-
-def load_gguf(
-    gguf_file: GGUFFile, args: LlamaArgs, *, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """Dequantize a GGUF file's tensors into canonical HF-layout tensors of `dtype`."""
-    tensors = {t.name: t for t in gguf_file.reader.tensors}
-    name_map = gguf_name_map(tensors)
-    unknown = sorted(set(tensors) - set(name_map))
-    if unknown:
-        logger.warning(
-            "ignoring %d GGUF tensor(s) with no mapping: %s",
-            len(unknown),
-            ", ".join(unknown[:_MAX_LISTED]),
-        )
-    shapes = {
-        canonical: tuple(int(d) for d in reversed(tensors[name].shape.tolist()))
-        for name, canonical in name_map.items()
-    }
-    check_shapes(args, shapes, source=str(gguf_file.path))
-    wanted = set(expected_shapes(args))
-    out: dict[str, torch.Tensor] = {}
-    for name, canonical in name_map.items():
-        if canonical not in wanted:
-            continue
-        value = _dequantize_gguf_tensor(tensors[name])
-        if canonical.endswith("self_attn.q_proj.weight"):
-            value = unpermute_rope_rows(value, args.n_heads)
-        elif canonical.endswith("self_attn.k_proj.weight"):
-            value = unpermute_rope_rows(value, args.n_kv_heads)
-        out[canonical] = value.to(dtype).contiguous()
-    logger.info("loaded %d tensors from GGUF %s", len(out), gguf_file.path)
     return out
 
 

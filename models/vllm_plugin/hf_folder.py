@@ -3,6 +3,11 @@
 vLLM opens models as Hugging Face folders (config, safetensors, tokenizer). This writes one
 with this project's own loader, so vLLM, its own CPU runner and `llm-runtime generate` all
 read the same weights. No vLLM import: the main test suite checks the round trip.
+
+A folder written from a GGUF also names that GGUF in its config (`WEIGHTS_SOURCE_KEY`): the
+platform plugin then loads the GGUF itself, block weights kept (`--weights stored`), so
+`vllm serve` through the plugin computes exactly what `llm-runtime generate` does, while
+vLLM's own runner (plugin off) reads the dequantized safetensors.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from typing import Any
 import torch
 
 from models.llama.sources import load_weights
+from models.llama.vllm_engine_args import WEIGHTS_SOURCE_KEY
+from runtime.quant.matrix import QuantizedMatrix
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -26,14 +33,27 @@ def write_hf_folder(
 
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
-    weights = load_weights(model, dtype=dtype, seed=seed)
+    # A safetensors folder holds plain tensors: every block weight is dequantized.
+    weights = load_weights(model, dtype=dtype, seed=seed, weights="float32")
     if weights.source.kind == "hf_dir":
         raise ValueError(f"model {str(model)!r} is already a Hugging Face folder; use it directly")
     root = Path(destination)
     root.mkdir(parents=True, exist_ok=True)
     config = {**weights.args.to_hf_config(), "torch_dtype": DTYPE_NAMES[dtype]}
+    if weights.source.kind == "gguf":
+        given = str(model)
+        config[WEIGHTS_SOURCE_KEY] = (
+            given
+            if weights.source.path is None or not given.endswith(".gguf")
+            else str(Path(given).resolve())
+        )
     (root / "config.json").write_text(json.dumps(config, indent=2))
-    state = {name: tensor.contiguous() for name, tensor in weights.state.items()}
+    state = {
+        name: (value.dequantize() if isinstance(value, QuantizedMatrix) else value)
+        .to(dtype)
+        .contiguous()
+        for name, value in weights.state.items()
+    }
     save_file(state, str(root / "model.safetensors"), metadata={"format": "pt"})
     generation: dict[str, Any] = {}
     if weights.args.bos_token_id is not None:

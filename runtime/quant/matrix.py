@@ -78,6 +78,10 @@ class QuantizedMatrix:
             return "qs, scales and mins must be contiguous"
         return None
 
+    def float_parts(self) -> list[torch.Tensor]:
+        """The scales (and mins): what must be finite for every value to be."""
+        return [self.scales] if self.mins is None else [self.scales, self.mins]
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
@@ -101,6 +105,17 @@ class QuantizedMatrix:
             scales=self.scales[start:stop],
             mins=None if self.mins is None else self.mins[start:stop],
         )
+
+    def take_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` as float32 `[len(index), cols]` (token embeddings of a tied head)."""
+        picked = attrs.evolve(
+            self,
+            rows=int(index.shape[0]),
+            qs=self.qs.index_select(0, index),
+            scales=self.scales.index_select(0, index),
+            mins=None if self.mins is None else self.mins.index_select(0, index),
+        )
+        return picked.dequantize()
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows `[start, stop)` as float32 (the reference the kernels are held to)."""

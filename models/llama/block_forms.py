@@ -1,0 +1,167 @@
+"""Forms of `rows @ W^T` for a weight kept in quantized blocks (`runtime.quant`).
+
+* `q_rows`: the native block kernel (`native/quant_matmul.c`): every block is read once,
+  unpacked in registers and used for all rows; float32 activations and accumulators. For
+  decode, where the product is bound by reading the weight.
+* `q_tiles`: dequantize a tile of output rows at a time into one reused float32 buffer and
+  run torch's GEMM on it. For prefill and large decode batches, which are bound by
+  arithmetic: the GEMM stays the library's, and no full-size float copy of the weight ever
+  exists (the buffer holds `_TILE_ROWS` rows). Without the native library the tile is
+  dequantized by torch (`QuantizedMatrix.dequantize`).
+
+* `torch_int4`: torch's own CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, groups of
+  32, `w = (q - 8) * scale + zero`) on q4 blocks, the maintained library's candidate. It runs
+  from a converted copy made when it is timed (dropped again unless the plan keeps it).
+  Only float32 activations qualify: with bfloat16 activations and scales it is far faster
+  but 0.3% off, outside the tolerance the other forms meet. torch's `_weight_int8pack_mm`
+  takes one scale per output row, so it cannot hold Q8_0's per-block scales: no candidate.
+
+Warmup times them per row bucket like the float forms (`kernel_measure`); the plan records
+the choice and every candidate's time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+import torch
+
+from runtime.backends import native_kernels
+from runtime.quant.matrix import QuantizedMatrix
+
+# Output rows dequantized per tile: 256 rows of a 576-wide matrix are 576 KiB of float32,
+# which stays in a Zen 4 / Xeon core's L2 while the GEMM reads it.
+_TILE_ROWS = 256
+_BUFFERS: dict[int, torch.Tensor] = {}
+
+
+def _native_available() -> bool:
+    # TEMPORARY until the native block kernel lands (helper branch i22-kernels).
+    return native_kernels.unavailable_reason() is None and hasattr(native_kernels, "quant_matmul")
+
+
+def _always() -> bool:
+    return True
+
+
+def _as_f32(rows: torch.Tensor) -> torch.Tensor:
+    if rows.dtype == torch.float32 and rows.is_contiguous():
+        return rows
+    return rows.to(torch.float32).contiguous()
+
+
+def _q_rows(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
+    return native_kernels.quant_matmul().unchecked(matrix, _as_f32(rows))
+
+
+def _tile_buffer(elements: int) -> torch.Tensor:
+    buffer = _BUFFERS.get(elements)
+    if buffer is None:
+        buffer = _BUFFERS[elements] = torch.empty(elements)
+    return buffer
+
+
+def tile_buffer_bytes() -> int:
+    """Bytes held by the reused tile buffers of this process."""
+    return sum(buffer.numel() * buffer.element_size() for buffer in _BUFFERS.values())
+
+
+def _q_tiles(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
+    x = _as_f32(rows)
+    out_t = torch.empty(matrix.rows, x.shape[0])
+    step = min(_TILE_ROWS, matrix.rows)
+    buffer = _tile_buffer(step * matrix.cols)
+    native = _native_available()
+    for start in range(0, matrix.rows, step):
+        stop = min(start + step, matrix.rows)
+        tile = buffer[: (stop - start) * matrix.cols].view(stop - start, matrix.cols)
+        if native:
+            native_kernels.quant_matmul().dequantize_rows(matrix, start, stop, tile)
+        else:
+            tile.copy_(matrix.dequantize(start, stop))
+        torch.mm(tile, x.t(), out=out_t[start:stop])
+    return out_t.t().contiguous()
+
+
+# Converted copies for `torch_int4`, by matrix identity (kept alive with the matrix).
+_TORCH_INT4: dict[int, tuple[QuantizedMatrix, torch.Tensor, torch.Tensor]] = {}
+
+
+def _torch_int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def _torch_int4_weight(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    held = _TORCH_INT4.get(id(matrix))
+    if held is not None and held[0] is matrix:
+        return held[1], held[2]
+    packed = matrix.qs.view(matrix.rows, -1, 16)
+    values = torch.cat((packed & 0x0F, packed >> 4), dim=-1).reshape(matrix.rows, matrix.cols)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    assert matrix.mins is not None
+    scale = matrix.scales.to(torch.float32).t()
+    zero = matrix.mins.to(torch.float32).t() + 8.0 * scale
+    scales_zeros = torch.stack((scale, zero), dim=-1).contiguous()
+    _TORCH_INT4[id(matrix)] = (matrix, weight, scales_zeros)
+    return weight, scales_zeros
+
+
+def _torch_int4(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
+    weight, scales_zeros = _torch_int4_weight(matrix)
+    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        _as_f32(rows), weight, matrix.block, scales_zeros
+    )
+    return out
+
+
+def release_converted(matrices: Iterable[QuantizedMatrix]) -> None:
+    """Drop `torch_int4`'s converted copies of `matrices` (timed, then not chosen)."""
+    for matrix in matrices:
+        _TORCH_INT4.pop(id(matrix), None)
+
+
+@attrs.frozen
+class BlockForm:
+    """One way to compute `rows @ W^T` from a `QuantizedMatrix`, for at most `max_rows`
+    rows (None: any), where `available()` says it can run and `applies(matrix)` says it
+    takes this matrix's kind."""
+
+    name: str
+    compute: Callable[[QuantizedMatrix, torch.Tensor], torch.Tensor]
+    max_rows: int | None = None
+    available: Callable[[], bool] = _always
+    kinds: tuple[str, ...] = ("q4", "q8")
+
+    def fits(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
+
+    def applies(self, matrix: QuantizedMatrix) -> bool:
+        return matrix.kind in self.kinds and matrix.device.type == "cpu"
+
+
+BLOCK_FORMS: dict[str, BlockForm] = {
+    form.name: form
+    for form in (
+        BlockForm("q_rows", _q_rows, max_rows=64, available=_native_available),
+        BlockForm("q_tiles", _q_tiles),
+        BlockForm("torch_int4", _torch_int4, available=_torch_int4_available, kinds=("q4",)),
+    )
+}
+# Rows up to which an un-warmed model uses `q_rows` (when it can run).
+_ROWS_FORM_UP_TO = 16
+
+
+def default_block_form(rows: int) -> str:
+    """The form an un-warmed model uses for a block weight."""
+    return "q_rows" if rows <= _ROWS_FORM_UP_TO and _native_available() else "q_tiles"
+
+
+def block_product(
+    parts: tuple[QuantizedMatrix, ...], rows: torch.Tensor, form: str
+) -> torch.Tensor:
+    """`rows @ W^T` (float32) over a weight stored as row-stacked `parts`."""
+    compute = BLOCK_FORMS[form].compute
+    if len(parts) == 1:
+        return compute(parts[0], rows)
+    return torch.cat([compute(part, rows) for part in parts], dim=1)

@@ -1,0 +1,289 @@
+"""Weights of the Llama family from a GGUF file: checked framing, names, and block weights.
+
+`GGUFFile.open` refuses a damaged file before any tensor is read: an unknown type code, a
+row length that is not a multiple of its type's block, or a tensor that runs past the end of
+the file is named with the tensor, its type and the file. `load_gguf` then maps llama.cpp's
+names onto the canonical (HF) ones and, by `weights`:
+
+* `"stored"`: tensors in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in their blocks
+  (`runtime.quant.QuantizedMatrix`, repacked exactly, never through a float copy); every
+  other type is dequantized to `dtype`, and the result says which types were.
+* `"float32"` / `"bfloat16"`: every tensor is dequantized (the behaviour before blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+import numpy as np
+import torch
+
+from models.llama.config import LlamaArgs
+from models.llama.weights import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    ModelFileError,
+    WeightValue,
+    check_readable_file,
+    check_shapes,
+    expected_shapes,
+    layer_name,
+)
+from runtime.quant.gguf_blocks import STORED_TYPES, permute_rows, repack
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
+
+logger = logging.getLogger(__name__)
+
+WeightsMode = Literal["stored", "float32", "bfloat16"]
+WEIGHTS_MODES: tuple[WeightsMode, ...] = ("stored", "float32", "bfloat16")
+_MAX_LISTED = 8
+
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_GGUF_LAYER_SUFFIX = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL = {
+    "token_embd.weight": EMBED,
+    "output_norm.weight": FINAL_NORM,
+    "output.weight": LM_HEAD,
+}
+
+
+def gguf_name_map(tensor_names: Iterable[str]) -> dict[str, str]:
+    """GGUF tensor name -> canonical name, built once; names it does not know are left out."""
+    out: dict[str, str] = {}
+    for name in tensor_names:
+        if name in _GGUF_GLOBAL:
+            out[name] = _GGUF_GLOBAL[name]
+            continue
+        match = _GGUF_LAYER.match(name)
+        if match and match.group(2) in _GGUF_LAYER_SUFFIX:
+            out[name] = layer_name(int(match.group(1)), _GGUF_LAYER_SUFFIX[match.group(2)])
+    return out
+
+
+def _checked_reader(path: Path, size: int) -> GGUFReader:
+    """A `GGUFReader` that checks every tensor record before it maps the tensor's data."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderField
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+            for field in fields:
+                parts = field.parts
+                name = bytes(parts[1]).decode("utf-8", errors="replace")
+                code = int(parts[4][0])
+                dims = [int(d) for d in parts[3].tolist()]
+                where = f"GGUF file {str(path)!r}: tensor {name!r}"
+                try:
+                    qtype = GGMLQuantizationType(code)
+                except ValueError:
+                    known = sorted(t.name for t in GGMLQuantizationType)
+                    raise ModelFileError(
+                        f"{where} has unknown type code {code}: known types are {', '.join(known)}"
+                    ) from None
+                values, type_size = GGML_QUANT_SIZES[qtype]
+                if dims and dims[0] % values:
+                    raise ModelFileError(
+                        f"{where} of type {qtype.name} has rows of {dims[0]} values, not a "
+                        f"multiple of the type's block of {values}: the file is corrupt"
+                    )
+                n_bytes = int(np.prod(dims)) * type_size // values
+                end = int(start_offs + int(parts[5][0])) + n_bytes
+                if end > size:
+                    raise ModelFileError(
+                        f"{where} of type {qtype.name} ends at byte {end} but the file has "
+                        f"{size}: the file is truncated"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader(str(path))
+
+
+@attrs.frozen
+class GGUFFile:
+    """An opened GGUF file: decoded metadata and the (memory-mapped) tensor records."""
+
+    path: Path
+    metadata: Mapping[str, object]
+    reader: GGUFReader
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFFile:
+        file = Path(path)
+        size = check_readable_file(file, "GGUF file")
+        with file.open("rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":
+            raise ModelFileError(
+                f"{str(file)!r} is not a GGUF file: it starts with {magic!r}, a GGUF file with "
+                "b'GGUF'"
+            )
+        try:
+            reader = _checked_reader(file, size)
+            metadata = {key: field.contents() for key, field in reader.fields.items()}
+        except ModelFileError:
+            raise
+        except Exception as error:  # the reader fails in many ways on a damaged file
+            raise ModelFileError(
+                f"GGUF file {str(file)!r} ({size} bytes) is truncated or corrupt: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        return cls(path=file, metadata=metadata, reader=reader)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.reader.tensors)
+
+    def args(self) -> LlamaArgs:
+        return LlamaArgs.from_gguf_metadata(self.metadata, self.tensor_names)
+
+
+def rope_row_order(out_features: int, n_heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's Q/K row interleave (see `unpermute_rope_rows`)."""
+    rows = torch.arange(out_features).reshape(out_features, 1)
+    return unpermute_rope_rows(rows, n_heads).reshape(-1)
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion permutation of Q/K rows.
+
+    llama.cpp stores each head's rows interleaved (pairs rotate as (x0, x1), (x2, x3), ...);
+    HF's layout, which the model uses, keeps the two rotary halves contiguous.
+    """
+    out_features, in_features = weight.shape
+    head_dim = out_features // n_heads
+    return (
+        weight.reshape(n_heads, head_dim // 2, 2, in_features)
+        .transpose(1, 2)
+        .reshape(out_features, in_features)
+    )
+
+
+def _dequantize_gguf_tensor(tensor: ReaderTensor) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor in PyTorch (row-major, reversed ggml) shape."""
+    from gguf import GGMLQuantizationType, quants
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    raw = tensor.data
+    if qtype == GGMLQuantizationType.F32:
+        array = np.asarray(raw, dtype=np.float32)
+        return torch.from_numpy(array.copy()).reshape(shape)
+    if qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.asarray(raw, dtype=np.float16).copy()).reshape(shape)
+    if qtype == GGMLQuantizationType.BF16:
+        bits = np.ascontiguousarray(raw).view(np.int16).copy()
+        return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
+    try:
+        array = quants.dequantize(raw, qtype)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has quantization type {qtype.name}, which the gguf "
+            "package cannot dequantize"
+        ) from exc
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+
+
+@attrs.frozen
+class GGUFWeights:
+    """Canonical tensors of a GGUF file and what loading did to each type.
+
+    `stored` and `dequantized` count tensors per GGUF type name (`{"Q4_1": 210}`).
+    """
+
+    state: dict[str, WeightValue]
+    stored: Mapping[str, int]
+    dequantized: Mapping[str, int]
+
+    def summary(self) -> str:
+        """One line for the journal: `stored Q4_1 x210, Q8_0 x1; dequantized F32 x61`."""
+
+        def listed(counts: Mapping[str, int]) -> str:
+            return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
+
+        parts = []
+        if self.stored:
+            parts.append(f"stored {listed(self.stored)}")
+        if self.dequantized:
+            parts.append(f"dequantized {listed(self.dequantized)}")
+        return "; ".join(parts) or "no tensors"
+
+
+def _load_one(
+    tensor: ReaderTensor, canonical: str, args: LlamaArgs, keep_blocks: bool, dtype: torch.dtype
+) -> tuple[WeightValue, str, bool]:
+    """One canonical tensor, its GGUF type name, and whether it stayed in blocks."""
+    from gguf import GGMLQuantizationType
+
+    type_name = GGMLQuantizationType(tensor.tensor_type).name
+    heads = None
+    if canonical.endswith("self_attn.q_proj.weight"):
+        heads = args.n_heads
+    elif canonical.endswith("self_attn.k_proj.weight"):
+        heads = args.n_kv_heads
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if keep_blocks and type_name in STORED_TYPES and len(shape) == 2:
+        matrix = repack(type_name, tensor.data, shape[0], shape[1])
+        if heads is not None:
+            matrix = permute_rows(matrix, rope_row_order(shape[0], heads))
+        return matrix, type_name, True
+    value = _dequantize_gguf_tensor(tensor)
+    if heads is not None:
+        value = unpermute_rope_rows(value, heads)
+    return value.to(dtype).contiguous(), type_name, False
+
+
+def load_gguf(
+    gguf_file: GGUFFile,
+    args: LlamaArgs,
+    *,
+    dtype: torch.dtype = torch.float32,
+    weights: WeightsMode = "float32",
+) -> GGUFWeights:
+    """A GGUF file's tensors as canonical HF-layout tensors (see the module docstring)."""
+    tensors = {t.name: t for t in gguf_file.reader.tensors}
+    name_map = gguf_name_map(tensors)
+    unknown = sorted(set(tensors) - set(name_map))
+    if unknown:
+        logger.warning(
+            "ignoring %d GGUF tensor(s) with no mapping: %s",
+            len(unknown),
+            ", ".join(unknown[:_MAX_LISTED]),
+        )
+    shapes = {
+        canonical: tuple(int(d) for d in reversed(tensors[name].shape.tolist()))
+        for name, canonical in name_map.items()
+    }
+    check_shapes(args, shapes, source=str(gguf_file.path))
+    wanted = set(expected_shapes(args))
+    out: dict[str, WeightValue] = {}
+    stored: dict[str, int] = {}
+    dequantized: dict[str, int] = {}
+    for name, canonical in name_map.items():
+        if canonical not in wanted:
+            continue
+        value, type_name, kept = _load_one(
+            tensors[name], canonical, args, weights == "stored", dtype
+        )
+        counts = stored if kept else dequantized
+        counts[type_name] = counts.get(type_name, 0) + 1
+        out[canonical] = value
+    loaded = GGUFWeights(state=out, stored=stored, dequantized=dequantized)
+    logger.info("loaded %d tensors from GGUF %s: %s", len(out), gguf_file.path, loaded.summary())
+    return loaded
