@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -361,6 +362,94 @@ class DecodeStackGeometry:
 
 # Addresses per layer in the fused stack's table (see `fused_decode_layers.c`).
 STACK_TABLE_WIDTH = 8
+# The mixed stack's per-layer weight parts: 4 projections x 3 parts x 6 int64
+# {kind, block, rows, weight/qs address, scales address, mins address}.
+STACK_MAX_PARTS = 3
+STACK_PART_FIELDS = 6
+STACK_PARTS_WIDTH = 4 * STACK_MAX_PARTS * STACK_PART_FIELDS
+STACK_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+StackPart = torch.Tensor | QuantizedMatrix
+"""One part of a fused-stack projection: a float32 weight (in the projection's layout) or blocks."""
+
+
+def part_kind_code(part: StackPart, layout: int) -> int:
+    """The mixed stack's kind code: 0/1 float32 `[out, in]` / `[in, out]`; 2/3 q4 with f16/f32
+    scales; 4/5 q8 with f16/f32 scales."""
+    if isinstance(part, QuantizedMatrix):
+        return 2 + 2 * QUANT_KIND_CODES[part.kind] + int(part.scales.dtype == torch.float32)
+    return layout
+
+
+def _part_fields(part: StackPart, layout: int, n_in: int, where: str) -> tuple[int, list[int]]:
+    """(output rows, the 6 fields) of one part, checked against the projection's input width."""
+    if isinstance(part, QuantizedMatrix):
+        if part.cols != n_in or part.device.type != "cpu":
+            raise ValueError(
+                f"{where}: blocks {list(part.shape)} on {part.device}: allowed is [rows, {n_in}] "
+                "on the CPU"
+            )
+        mins = 0 if part.mins is None else part.mins.data_ptr()
+        fields = [part.qs.data_ptr(), part.scales.data_ptr(), mins]
+        return part.rows, [part_kind_code(part, layout), part.block, part.rows, *fields]
+    if layout not in (0, 1):
+        raise ValueError(f"{where}: layout {layout}: allowed are 0 [out, in] and 1 [in, out]")
+    rows = part.shape[0] if layout == 0 else part.shape[-1]
+    shape = (rows, n_in) if layout == 0 else (n_in, rows)
+    if (
+        part.dtype != torch.float32
+        or tuple(part.shape) != shape
+        or not part.is_contiguous()
+        or part.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"{where}: weight {part.dtype} {list(part.shape)}: allowed is a contiguous float32 "
+            f"CPU tensor [{shape[0]}, {shape[1]}] (layout {layout})"
+        )
+    return rows, [layout, 0, rows, part.data_ptr(), 0, 0]
+
+
+def stack_parts_table(
+    geometry: DecodeStackGeometry,
+    layers: Sequence[Sequence[Sequence[StackPart]]],
+    layouts: Sequence[int] = (0, 0, 0, 0),
+) -> torch.Tensor:
+    """The mixed stack's parts table, int64 `[n_layers, STACK_PARTS_WIDTH]`, checked.
+
+    `layers[l][p]` lists projection p's parts (p in `STACK_PROJECTIONS` order, at most 3,
+    stacked by output rows); float32 parts are in `layouts[p]` (0 `[out, in]`, 1
+    `[in, out]`). The table holds addresses: the parts must outlive its use."""
+    g = geometry
+    q_out, kv_out = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
+    shapes = (
+        (g.dim, q_out + 2 * kv_out),
+        (q_out, g.dim),
+        (g.dim, 2 * g.ffn_dim),
+        (g.ffn_dim, g.dim),
+    )
+    if len(layers) != g.n_layers:
+        raise ValueError(f"layers has {len(layers)} entries: allowed is n_layers={g.n_layers}")
+    rows = []
+    for index, projections in enumerate(layers):
+        if len(projections) != len(STACK_PROJECTIONS):
+            raise ValueError(f"layer {index} has {len(projections)} projections: allowed is 4")
+        row: list[int] = []
+        for name, parts, layout, (n_in, n_out) in zip(
+            STACK_PROJECTIONS, projections, layouts, shapes, strict=True
+        ):
+            where = f"layer {index} {name}"
+            if not 1 <= len(parts) <= STACK_MAX_PARTS:
+                raise ValueError(f"{where}: {len(parts)} parts: allowed are 1 to {STACK_MAX_PARTS}")
+            total = 0
+            for part in parts:
+                part_rows, fields = _part_fields(part, layout, n_in, where)
+                total += part_rows
+                row.extend(fields)
+            if total != n_out:
+                raise ValueError(f"{where}: parts hold {total} output rows: allowed is {n_out}")
+            row.extend([-1, 0, 0, 0, 0, 0] * (STACK_MAX_PARTS - len(parts)))
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).view(g.n_layers, STACK_PARTS_WIDTH)
 
 
 class FusedDecodeLayers:
@@ -374,8 +463,10 @@ class FusedDecodeLayers:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._kernel = library.fused_decode_layers_f32
-        self._kernel.argtypes = [_PTR] * 7 + [_I64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
-        self._kernel.restype = ctypes.c_int
+        self._mixed = library.fused_decode_layers_mixed
+        for kernel in (self._kernel, self._mixed):
+            kernel.argtypes = [_PTR] * 7 + [_I64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
+            kernel.restype = ctypes.c_int
 
     def unchecked(
         self,
@@ -396,6 +487,45 @@ class FusedDecodeLayers:
         failed = self._kernel(
             table.data_ptr(),
             layouts.data_ptr(),
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            pages.data_ptr(),
+            n_keys.data_ptr(),
+            x.shape[0],
+            g.n_layers,
+            g.dim,
+            g.n_heads,
+            g.n_kv_heads,
+            g.head_dim,
+            g.ffn_dim,
+            g.block_size,
+            pages.shape[1],
+            g.norm_eps,
+            g.head_dim**-0.5,
+            _threads(),
+        )
+        if failed:
+            raise MemoryError("the fused decode stack could not allocate its buffers")
+
+    def unchecked_mixed(
+        self,
+        geometry: DecodeStackGeometry,
+        table: torch.Tensor,
+        parts: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pages: torch.Tensor,
+        n_keys: torch.Tensor,
+    ) -> None:
+        """`unchecked` with the projections taken from `parts` (`stack_parts_table`: each
+        projection up to 3 float32 or quantized parts stacked by output rows) instead of the
+        table's 4 projection columns (unused here) and `layouts`."""
+        g = geometry
+        failed = self._mixed(
+            table.data_ptr(),
+            parts.data_ptr(),
             x.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),

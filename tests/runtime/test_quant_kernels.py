@@ -10,9 +10,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import gguf
-import gguf.quants
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -21,36 +18,12 @@ from hypothesis import strategies as st
 from runtime.backends import native_kernels
 from runtime.quant.gguf_blocks import STORED_TYPES, repack
 from runtime.quant.matrix import QuantizedMatrix
+from tests.runtime.quant_fixtures import gguf_reference, raw_blocks
 
 REASON = native_kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(
     REASON is not None, reason=f"the native CPU kernels need a C compiler (gcc): {REASON}"
 )
-
-QUANTIZED_BY_GGUF = ("Q4_0", "Q4_1", "Q8_0")
-# Byte offsets of the float16 super-block scales (d, dmin) the random K-type bytes must keep sane.
-K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def _raw_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """A GGUF tensor's bytes: quantized by `gguf` where it can, else random blocks whose
-    float16 super-block scales are finite, positive and small."""
-    rng = np.random.default_rng(seed)
-    qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    if type_name in QUANTIZED_BY_GGUF:
-        weights = rng.standard_normal((rows, cols)).astype(np.float32)
-        return np.asarray(gguf.quants.quantize(weights, qtype))
-    values, size = STORED_TYPES[type_name]
-    blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-    for offset in K_SCALE_OFFSETS[type_name]:
-        scale = rng.uniform(1e-3, 5e-2, (rows, cols // values)).astype(np.float16)
-        blocks[..., offset : offset + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
-    return blocks.reshape(rows, -1)
-
-
-def _reference(type_name: str, raw: np.ndarray) -> torch.Tensor:
-    qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
 
 
 @contextlib.contextmanager
@@ -80,7 +53,7 @@ def _assert_close(got: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> N
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
-def test_product_equals_dequantized_reference(
+def test_product_equals_dequantizedgguf_reference(
     type_name: str,
     blocks: int,
     half_rows: int,
@@ -89,13 +62,13 @@ def test_product_equals_dequantized_reference(
     seed: int,
 ) -> None:
     rows, cols = 2 * half_rows + 1, blocks * STORED_TYPES[type_name][0]
-    raw = _raw_blocks(type_name, rows, cols, seed)
+    raw = raw_blocks(type_name, rows, cols, seed)
     matrix = repack(type_name, raw, rows, cols)
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(seed))
     with torch_threads(threads):
         got = native_kernels.quant_matmul()(matrix, x)
     assert got.shape == (batch, rows) and got.dtype == torch.float32
-    _assert_close(got, _reference(type_name, raw), x)
+    _assert_close(got, gguf_reference(type_name, raw), x)
 
 
 @given(
@@ -113,7 +86,7 @@ def test_dequantize_rows_is_bit_equal(
     threads: int,
 ) -> None:
     cols = blocks * STORED_TYPES[type_name][0]
-    raw = _raw_blocks(type_name, rows, cols, seed=rows * 31 + blocks)
+    raw = raw_blocks(type_name, rows, cols, seed=rows * 31 + blocks)
     matrix = repack(type_name, raw, rows, cols)
     start = data.draw(st.integers(0, rows))
     stop = data.draw(st.integers(start, rows))
@@ -122,7 +95,7 @@ def test_dequantize_rows_is_bit_equal(
         native_kernels.quant_matmul().dequantize_rows(matrix, start, stop, out)
     assert torch.equal(out[: stop - start], matrix.dequantize(start, stop))
     assert bool(out[stop - start :].isnan().all())
-    assert torch.equal(matrix.dequantize().double(), _reference(type_name, raw))
+    assert torch.equal(matrix.dequantize().double(), gguf_reference(type_name, raw))
 
 
 @pytest.mark.parametrize("block", [2, 8, 24])
@@ -146,7 +119,7 @@ def test_q8_blocks_of_any_even_size_take_the_scalar_path(block: int) -> None:
 def test_rows_of_a_matrix_and_strided_activations() -> None:
     """A row slice (a fused projection's part) and a non-contiguous x give the same rows (up
     to summation order: a row's place in the 4-row tiles may differ)."""
-    raw = _raw_blocks("Q4_K", 40, 512, seed=3)
+    raw = raw_blocks("Q4_K", 40, 512, seed=3)
     matrix = repack("Q4_K", raw, 40, 512)
     part = matrix.row_slice(16, 33)
     x = torch.randn(512, 3).T  # strided: the wrapper makes it contiguous
@@ -154,11 +127,11 @@ def test_rows_of_a_matrix_and_strided_activations() -> None:
     whole = kernels(matrix, x)
     sliced = kernels(part, x)
     torch.testing.assert_close(sliced, whole[:, 16:33], rtol=1e-5, atol=1e-4)
-    _assert_close(sliced, _reference("Q4_K", raw)[16:33], x)
+    _assert_close(sliced, gguf_reference("Q4_K", raw)[16:33], x)
 
 
 def test_checked_call_names_the_bad_argument() -> None:
-    matrix = repack("Q8_0", _raw_blocks("Q8_0", 4, 64, seed=1), 4, 64)
+    matrix = repack("Q8_0", raw_blocks("Q8_0", 4, 64, seed=1), 4, 64)
     kernels = native_kernels.quant_matmul()
     with pytest.raises(ValueError, match=r"x is \[2, 32\].*\[R, 64\]"):
         kernels(matrix, torch.zeros(2, 32))

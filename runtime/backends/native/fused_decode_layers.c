@@ -18,6 +18,15 @@
  * sits at position n_keys[b] - 1, writes its K/V there (on page pages[b, pos / bs]; an
  * unmapped page, -1, is not written and its keys are masked) and attends to its first
  * n_keys[b] positions. Attention is computed as in `paged_decode_attention.c`.
+ *
+ * `fused_decode_layers_mixed` is the same stack with each projection given as up to 3 parts
+ * stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
+ * float32 or quantized blocks (`quant_blocks.h`). Per layer, `parts` holds
+ * PARTS_WIDTH = 4 projections (QKV, O, gate/up, down) x 3 parts x 6 int64:
+ *   {kind, block, rows, weight or qs address, scales address, mins address}
+ * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
+ * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32; a part's rows are the projection's next `rows`
+ * outputs. The layer table's 4 projection columns are unused there.
  */
 #include <math.h>
 #include <omp.h>
@@ -25,8 +34,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_blocks.h"
+
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
+enum { PART_KIND, PART_BLOCK, PART_ROWS, PART_W, PART_SCALES, PART_MINS, PART_WIDTH };
+enum { MAX_PARTS = 3, PROJ_WIDTH = MAX_PARTS * PART_WIDTH, PARTS_WIDTH = 4 * PROJ_WIDTH };
 
 /* Portable vectors (GCC/Clang vector extensions): the native width of -march=native. */
 #if defined(__AVX512F__)
@@ -153,6 +166,52 @@ static void project(int layout, const float *w, int64_t n_in, int64_t n_out, con
         project_in_out(w, n_in, n_out, x, ldx, rows, y, ldy, o0, o1, accumulate);
 }
 
+/* Per-thread q4 activation form (`qb_prepare_q4`) of a stage's input, made on first need. */
+typedef struct {
+    float *xt, *xsum;
+    int ready;
+} q4_input;
+
+/* `project` over a projection given as parts (see the header): each part's slice of this
+ * thread's output range [o0, o1) from its own weights. */
+static void project_parts(const int64_t *parts, int64_t n_in, const float *x, int64_t ldx,
+                          int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                          int accumulate, q4_input *q4) {
+    int64_t base = 0;
+    for (int p = 0; p < MAX_PARTS; ++p) {
+        const int64_t *part = parts + p * PART_WIDTH;
+        const int64_t kind = part[PART_KIND], n = part[PART_ROWS];
+        if (kind < 0 || n <= 0) continue;
+        const int64_t lo = (o0 > base ? o0 : base) - base;
+        const int64_t hi = (o1 < base + n ? o1 : base + n) - base;
+        if (lo < hi) {
+            if (kind <= 1) {
+                project((int)kind, (const float *)(intptr_t)part[PART_W], n_in, n, x, ldx, rows,
+                        y + base, ldy, lo, hi, accumulate);
+            } else {
+                const int is_q4 = kind <= 3;
+                const qb_matrix m = {is_q4 ? QB_Q4 : QB_Q8,
+                                     (kind & 1) == 0,
+                                     part[PART_BLOCK],
+                                     n_in,
+                                     (const void *)(intptr_t)part[PART_W],
+                                     (const void *)(intptr_t)part[PART_SCALES],
+                                     (const void *)(intptr_t)part[PART_MINS]};
+                const float *xin = x;
+                int64_t ld = ldx;
+                if (is_q4) {
+                    if (!q4->ready) qb_prepare_q4(x, ldx, rows, n_in, q4->xt, q4->xsum);
+                    q4->ready = 1;
+                    xin = q4->xt;
+                    ld = n_in;
+                }
+                qb_project(&m, xin, ld, rows, q4->xsum, y + base, ldy, lo, hi, accumulate);
+            }
+        }
+        base += n;
+    }
+}
+
 /* This thread's share [*o0, *o1) of n outputs, in multiples of 16 (one cache line). */
 static void stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *o1) {
     int64_t step = (n + threads - 1) / threads;
@@ -233,12 +292,12 @@ static void attend(const float *qh, const float *k_cache, const float *v_cache,
     }
 }
 
-int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,
-                            const float *cos, const float *sin, const int64_t *pages,
-                            const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
-                            int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
-                            int64_t block_size, int64_t width, float eps, float scale,
-                            int n_threads) {
+/* The stack; `parts` NULL: float32 projections from the table in `layouts`, else from parts. */
+static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t *parts, float *x,
+                     const float *cos, const float *sin, const int64_t *pages,
+                     const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
+                     int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
+                     int64_t block_size, int64_t width, float eps, float scale, int n_threads) {
     const int64_t q_out = n_heads * head_dim, kv_out = kv * head_dim;
     const int64_t qkv_out = q_out + 2 * kv_out, group = n_heads / kv;
     int64_t max_keys = 1;
@@ -255,7 +314,15 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
             float *normed = (float *)malloc(sizeof(float) * rows * dim);
             float *scores = (float *)malloc(sizeof(float) * group * max_keys);
             float *rot = (float *)malloc(sizeof(float) * head_dim);
-            int mine_failed = normed == NULL || scores == NULL || rot == NULL;
+            /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
+            const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
+            q4_input q4 = {NULL, NULL, 0};
+            if (parts != NULL) {
+                q4.xt = (float *)malloc(sizeof(float) * (rows * widest + rows * (widest / 32) + 1));
+                q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * widest;
+            }
+            int mine_failed = normed == NULL || scores == NULL || rot == NULL ||
+                              (parts != NULL && q4.xt == NULL);
 #pragma omp atomic
             failed += mine_failed;
 #pragma omp barrier
@@ -270,9 +337,15 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
                 float *k_store = (float *)(intptr_t)entry[K_CACHE];
                 float *v_store = (float *)(intptr_t)entry[V_CACHE];
                 /* 1. QKV of the normed stream (each thread norms for itself: no barrier) */
+                const int64_t *lp = parts == NULL ? NULL : parts + layer * PARTS_WIDTH;
                 rms_norm(x, (const float *)(intptr_t)entry[ATTN_NORM], normed, rows, dim, eps);
-                project((int)layouts[L_QKV], (const float *)(intptr_t)entry[WQKV], dim, qkv_out,
-                        normed, dim, rows, qkv, qkv_out, v0, v1, 0);
+                q4.ready = 0;
+                if (lp != NULL)
+                    project_parts(lp + L_QKV * PROJ_WIDTH, dim, normed, dim, rows, qkv, qkv_out, v0,
+                                  v1, 0, &q4);
+                else
+                    project((int)layouts[L_QKV], (const float *)(intptr_t)entry[WQKV], dim,
+                            qkv_out, normed, dim, rows, qkv, qkv_out, v0, v1, 0);
 #pragma omp barrier
                 /* 2. per (row, KV head): rotary on its q group and k, K/V into the cache at
                  * the row's position */
@@ -305,17 +378,30 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
                            head_dim);
                 }
                 /* (implicit barrier) 4. O projection into the residual stream */
-                project((int)layouts[L_O], (const float *)(intptr_t)entry[WO], q_out, dim,
-                        attended, q_out, rows, x, dim, d0, d1, 1);
+                q4.ready = 0;
+                if (lp != NULL)
+                    project_parts(lp + L_O * PROJ_WIDTH, q_out, attended, q_out, rows, x, dim, d0,
+                                  d1, 1, &q4);
+                else
+                    project((int)layouts[L_O], (const float *)(intptr_t)entry[WO], q_out, dim,
+                            attended, q_out, rows, x, dim, d0, d1, 1);
 #pragma omp barrier
                 /* 5. gate and up of the same outputs, then SiLU(gate) * up */
                 rms_norm(x, (const float *)(intptr_t)entry[MLP_NORM], normed, rows, dim, eps);
                 const float *w_gu = (const float *)(intptr_t)entry[W_GATE_UP];
-                const int gu_layout = (int)layouts[L_GATE_UP];
-                project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn, f0,
-                        f1, 0);
-                project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn,
-                        ffn + f0, ffn + f1, 0);
+                const int gu_layout = layouts == NULL ? 0 : (int)layouts[L_GATE_UP];
+                q4.ready = 0;
+                if (lp != NULL) {
+                    const int64_t *gu = lp + L_GATE_UP * PROJ_WIDTH;
+                    project_parts(gu, dim, normed, dim, rows, gate_up, 2 * ffn, f0, f1, 0, &q4);
+                    project_parts(gu, dim, normed, dim, rows, gate_up, 2 * ffn, ffn + f0,
+                                  ffn + f1, 0, &q4);
+                } else {
+                    project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn,
+                            f0, f1, 0);
+                    project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn,
+                            ffn + f0, ffn + f1, 0);
+                }
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *gr = gate_up + r * 2 * ffn;
                     float *hr = hidden + r * ffn;
@@ -324,13 +410,19 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
                 }
 #pragma omp barrier
                 /* 6. down projection into the residual stream */
-                project((int)layouts[L_DOWN], (const float *)(intptr_t)entry[W_DOWN], ffn, dim,
-                        hidden, ffn, rows, x, dim, d0, d1, 1);
+                q4.ready = 0;
+                if (lp != NULL)
+                    project_parts(lp + L_DOWN * PROJ_WIDTH, ffn, hidden, ffn, rows, x, dim, d0, d1,
+                                  1, &q4);
+                else
+                    project((int)layouts[L_DOWN], (const float *)(intptr_t)entry[W_DOWN], ffn,
+                            dim, hidden, ffn, rows, x, dim, d0, d1, 1);
 #pragma omp barrier
             }
             free(normed);
             free(scores);
             free(rot);
+            free(q4.xt);
         }
     }
     free(qkv);
@@ -338,4 +430,24 @@ int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float 
     free(gate_up);
     free(hidden);
     return failed != 0;
+}
+
+int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,
+                            const float *cos, const float *sin, const int64_t *pages,
+                            const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
+                            int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
+                            int64_t block_size, int64_t width, float eps, float scale,
+                            int n_threads) {
+    return run_stack(table, layouts, NULL, x, cos, sin, pages, n_keys, rows, n_layers, dim,
+                     n_heads, kv, head_dim, ffn, block_size, width, eps, scale, n_threads);
+}
+
+int fused_decode_layers_mixed(const int64_t *table, const int64_t *parts, float *x,
+                              const float *cos, const float *sin, const int64_t *pages,
+                              const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
+                              int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
+                              int64_t block_size, int64_t width, float eps, float scale,
+                              int n_threads) {
+    return run_stack(table, NULL, parts, x, cos, sin, pages, n_keys, rows, n_layers, dim,
+                     n_heads, kv, head_dim, ffn, block_size, width, eps, scale, n_threads);
 }

@@ -77,12 +77,14 @@ static inline void qb_halves_to_floats(const uint16_t *in, float *out, int64_t n
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + i))));
-    if (i < n) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (i < n) { /* the short tail in one masked step */
         const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
         _mm512_mask_storeu_ps(out + i, mask,
                               _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, in + i)));
         return;
     }
+#endif
 #elif defined(__F16C__)
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));

@@ -1,0 +1,198 @@
+"""The mixed fused decode stack (projections as float32 or quantized parts) equals the per-op
+decode of the same model whose weights are the parts' dequantized values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from models.llama import LlamaArgs, LlamaModel, random_state_dict
+from models.llama.fused_decode import FusedDecodeStack
+from models.llama.layers import DecoderLayer
+from runtime.backends import native_kernels
+from runtime.backends.native_kernels import (
+    STACK_PROJECTIONS,
+    DecodeStackGeometry,
+    FusedDecodeLayers,
+    StackPart,
+)
+from runtime.quant.gguf_blocks import repack
+from tests.runtime.quant_fixtures import raw_blocks
+
+REASON = native_kernels.unavailable_reason()
+pytestmark = pytest.mark.skipif(
+    REASON is not None, reason=f"the native CPU kernels need a C compiler (gcc): {REASON}"
+)
+ROWS = (1, 2, 3, 4)
+# Per projection (qkv, o, gate_up, down): the parts' (type, output rows) or ("F32", rows).
+# dim 256, q 256, k = v 128, ffn 512: every K type's 256-value super-blocks fit each input.
+MIXES = {
+    "q4_k_m-like": (
+        (("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)),
+        (("F32", 256),),
+        (("Q4_0", 512), ("Q8_0", 512)),
+        (("Q4_1", 256),),
+    ),
+    "straddling": (
+        (("Q8_0", 512),),
+        (("Q4_K", 256),),
+        (("F32", 512), ("Q6_K", 512)),
+        (("Q6_K", 144), ("Q4_0", 80), ("F32", 32)),
+    ),
+}
+
+
+class _MixedKernel(FusedDecodeLayers):
+    """The fused stack's kernel with the projections taken from a parts table (the model's
+    own float32 weights, which hold the same values, are ignored)."""
+
+    def __init__(self, parts: torch.Tensor) -> None:
+        self._inner = native_kernels.fused_decode_layers()
+        self._parts = parts
+
+    def unchecked(
+        self,
+        geometry: DecodeStackGeometry,
+        table: torch.Tensor,
+        layouts: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pages: torch.Tensor,
+        n_keys: torch.Tensor,
+    ) -> None:
+        self._inner.unchecked_mixed(geometry, table, self._parts, x, cos, sin, pages, n_keys)
+
+
+def _quantize_weights(
+    model: LlamaModel, mix: str, layout: int, seed: int
+) -> list[list[list[StackPart]]]:
+    """Each layer's projections as the mix's parts, the model's weights set to their values."""
+    layers: list[list[list[StackPart]]] = []
+    for index, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        projections: list[list[StackPart]] = []
+        for p, (name, parts) in enumerate(zip(STACK_PROJECTIONS, MIXES[mix], strict=True)):
+            weight = getattr(layer, name).weight  # [out, in] (the default layout)
+            cols, start, made = weight.shape[1], 0, []
+            for k, (type_name, rows) in enumerate(parts):
+                rows_of = slice(start, start + rows)
+                if type_name == "F32":
+                    part = weight[rows_of].contiguous()
+                    made.append(part if layout == 0 else part.T.contiguous())
+                else:
+                    raw = raw_blocks(type_name, rows, cols, seed + 97 * index + 7 * p + k, 0.02)
+                    matrix = repack(type_name, raw, rows, cols)
+                    with torch.no_grad():
+                        weight[rows_of] = matrix.dequantize()
+                    made.append(matrix)
+                start += rows
+            projections.append(made)
+        layers.append(projections)
+    return layers
+
+
+def _geometry(args: LlamaArgs) -> DecodeStackGeometry:
+    return DecodeStackGeometry(
+        n_layers=args.n_layers,
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        ffn_dim=args.ffn_dim,
+        block_size=0,
+        norm_eps=args.norm_eps,
+    )
+
+
+@given(
+    mix=st.sampled_from(sorted(MIXES)),
+    layout=st.sampled_from([0, 1]),
+    positions=st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**10),
+)
+def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
+    mix: str, layout: int, positions: list[int], threads: int, seed: int
+) -> None:
+    args = LlamaArgs(
+        dim=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=64,
+        ffn_dim=512,
+        head_dim=64,
+        max_seq_len=64,
+        name="tiny-random-quant-fused",
+    )
+    model = LlamaModel.from_state_dict(args, random_state_dict(args, seed=seed))
+    layers = _quantize_weights(model, mix, layout, seed)
+    parts = native_kernels.stack_parts_table(_geometry(args), layers, (layout,) * 4)
+    generator = torch.Generator().manual_seed(seed)
+    block_size, rows = 4, len(positions)
+    width = max(positions) // block_size + 1
+    blocks = rows * width
+    model.configure_paged_attention(block_size=block_size, max_num_blocks=blocks)
+    shape = model.kv_cache_shape(blocks)
+    cache = [
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(args.n_layers)
+    ]
+    pages = torch.randperm(blocks, generator=generator).view(rows, width)
+    tokens = torch.randint(0, args.vocab_size, (rows,), generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    results = []
+    try:
+        for mixed in (False, True):
+            copy = [(k.clone(), v.clone()) for k, v in cache]
+            model.set_kv_cache(copy)
+            if mixed:
+                stack = FusedDecodeStack(model, ROWS, ROWS)
+                stack._kernel = _MixedKernel(parts)  # the stack's inputs, the parts' weights
+                model.fused_decode = stack
+            try:
+                logits = model.decode(
+                    tokens, positions=torch.tensor(positions), page_table=pages.to(torch.int32)
+                )
+            finally:
+                model.fused_decode = None
+                model.set_kv_cache(None)
+            results.append((logits, [t for pair in copy for t in pair]))
+    finally:
+        torch.set_num_threads(before)
+    (per_op, per_op_cache), (fused, fused_cache) = results
+    torch.testing.assert_close(fused, per_op, atol=1e-4, rtol=1e-4)
+    for got, expected in zip(fused_cache, per_op_cache, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_parts_table_names_the_bad_projection() -> None:
+    args = LlamaArgs(
+        dim=64,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        vocab_size=16,
+        ffn_dim=64,
+        head_dim=32,
+        max_seq_len=8,
+    )
+    geometry = _geometry(args)
+    good: list[list[StackPart]] = [
+        [torch.zeros(128, 64)],
+        [torch.zeros(64, 64)],
+        [torch.zeros(128, 64)],
+        [torch.zeros(64, 64)],
+    ]
+    assert native_kernels.stack_parts_table(geometry, [good]).shape == (1, 72)
+    short: list[list[StackPart]] = [good[0], good[1], [torch.zeros(100, 64)], good[3]]
+    with pytest.raises(ValueError, match="layer 0 w_gate_up: parts hold 100 output rows"):
+        native_kernels.stack_parts_table(geometry, [short])
+    matrix = repack("Q8_0", raw_blocks("Q8_0", 128, 32, seed=0), 128, 32)
+    narrow: list[list[StackPart]] = [[matrix], good[1], good[2], good[3]]
+    with pytest.raises(ValueError, match=r"layer 0 wqkv: blocks \[128, 32\]"):
+        native_kernels.stack_parts_table(geometry, [narrow])
