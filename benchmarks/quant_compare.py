@@ -6,7 +6,8 @@ llama.cpp (llama-cpp-python, as a `--worker` subprocess) and this runtime with
 `--weights stored` decode a 128-token prompt at batch 1; the read limit is the file's
 projection bytes (what one decode step streams) over the measured read bandwidth. On the
 Q4_1 file it also runs the batch-32 mixed decode-only benchmark stored against float32, and
-the peak RSS of a `generate` run in a fresh process for both (`ru_maxrss`).
+the peak RSS of a `generate` run in a fresh process for both (`VmHWM`: the
+process's own peak; `ru_maxrss` would start at this parent's).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 Log = Callable[[str], None]
 
 _RSS_SCRIPT = """
-import json, resource, sys
+import json, sys
 sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads({threads})
@@ -35,7 +36,8 @@ try:
     out = Generator(ex).generate([[1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=8)
 finally:
     ex.close()
-print(json.dumps({{"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+from runtime.backends.memory import peak_resident_bytes
+print(json.dumps({{"peak_rss_mb": peak_resident_bytes() / 2**20}}))
 """
 
 

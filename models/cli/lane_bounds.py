@@ -11,7 +11,6 @@ imported, before any weights load); the weights are the model's parameter count 
 from __future__ import annotations
 
 import argparse
-import resource
 from typing import TYPE_CHECKING
 
 from models.cli.errors import UsageError
@@ -34,7 +33,9 @@ def weight_bytes(model: LlamaArgs, dtype: str) -> int:
 
 def process_base_bytes() -> int:
     """This process's peak resident memory (what a fresh worker costs before its weights)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    from runtime.backends.memory import peak_resident_bytes
+
+    return peak_resident_bytes()
 
 
 def check_lane_memory(args: argparse.Namespace, model: LlamaArgs) -> None:

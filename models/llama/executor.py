@@ -60,11 +60,12 @@ class LlamaExecutor(ModelExecutor):
             progress=progress,
         )
         self.loaded = loaded
+        # Its own machine: loading weights is no phase transition of the executor.
         self.journal.record(
-            machine=self.owner_name,
+            machine="weights",
             trigger="load",
             source="-",
-            dest="CONSTRUCTED",
+            dest="LOADED",
             started=time.time(),
             duration_s=0.0,
             outcome=Outcome.OK,

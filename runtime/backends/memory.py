@@ -7,11 +7,13 @@ device's is `torch.cuda.mem_get_info`.
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 import torch
 
 _MEMINFO = Path("/proc/meminfo")
+_STATUS = Path("/proc/self/status")
 _CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -48,6 +50,21 @@ def available_memory_bytes(device: torch.device | str) -> int | None:
         return None
     figures = [value for value in (_meminfo_available(), _cgroup_headroom()) if value is not None]
     return min(figures) if figures else None
+
+
+def peak_resident_bytes() -> int:
+    """This process's own peak resident memory (`VmHWM`).
+
+    `ru_maxrss` is not this: a child started by vfork/exec (Python's `subprocess`) inherits
+    its parent's peak, so a fresh worker measured that way reports gigabytes it never held.
+    """
+    try:
+        for line in _STATUS.read_text(encoding="ascii").splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def format_bytes(count: int) -> str:

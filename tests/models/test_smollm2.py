@@ -189,21 +189,23 @@ def test_gguf_tokenizer_matches_transformers_on_random_text(
 
 
 _PEAK_SCRIPT = """
-import json, os, resource, sys
+import json, os, sys
 import models.llama.sources as sources
 import gguf, numpy, safetensors, tokenizers  # noqa: F401  (imports are not loading cost)
 from models.llama.gguf_weights import GGUFFile
 def current():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# This process's own peak: ru_maxrss would start at pytest's (gigabytes late in a full run).
+from runtime.backends.memory import peak_resident_bytes
+base = peak_resident_bytes()
 loaded = sources.load_model("smollm2-135m", with_tokenizer=False, weights=sys.argv[1])
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = peak_resident_bytes()
 file_bytes = sum(
     int(t.n_bytes) for t in GGUFFile.open(sources.smollm2_gguf_path()).reader.tensors
 )
 print(json.dumps({
-    "grown": (peak - base) * 1024,
-    "peak": peak * 1024,
+    "grown": peak - base,
+    "peak": peak,
     "final": current(),
     "weights": loaded.model.weight_bytes(),
     "file_tensor_bytes": file_bytes,

@@ -717,12 +717,12 @@ def test_non_final_chunk_outputs_are_released_at_once(harness: PrefillHarness) -
             events.append(f"prefill@{int(kwargs['chunk_start'][0])}")
             return harness.model.prefill(tokens, **kwargs)
 
-    outputs: list[int] = []
+    outputs: list[torch.Tensor] = []  # kept alive, so no later tensor can reuse their ids
 
     def release(value: Any) -> list[BaseException]:
         if isinstance(value, torch.Tensor):
             events.append("release-step-output")
-            outputs.append(id(value))
+            outputs.append(value)
         else:
             events.append("release-owned")
         return []
@@ -744,7 +744,7 @@ def test_non_final_chunk_outputs_are_released_at_once(harness: PrefillHarness) -
         "prefill@64",
     ]
     assert len(result.owned) == 4 and result.owned[-1] is result.value
-    assert id(result.value) not in outputs
+    assert all(result.value is not output for output in outputs)
     harness.runtime.assemble([(prepared, result)], batch_size=1)
 
 
