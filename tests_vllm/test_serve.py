@@ -6,6 +6,7 @@ The server runs as `python -m models.vllm_plugin.cli serve` (`tests_vllm.serving
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from tests_vllm.conftest import generate_oracle
@@ -46,25 +47,24 @@ def test_vllm_serve_on_the_wheels_gguf_keeps_its_blocks_and_equals_generate_stor
     prompt = "The three primary colours are"
     oracle = generate_oracle("smollm2-135m", [prompt], 12, "--weights", "stored")[0]
     stats_file = tmp_path / "stats.json"
-    settings = {"stats_interval_s": 0, "stats_file": str(stats_file)}
+    settings = {"stats_interval_s": 0.5, "stats_file": str(stats_file)}
     extra = (
         "--max-num-seqs", "2",
         "--max-model-len", "256",
         "--served-model-name", "smollm2",
         "--additional-config", json.dumps({"llm_runtime": settings}),
     )  # fmt: skip
+    payload = {
+        "model": "smollm2",
+        "prompt": oracle["prompt_token_ids"],
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     with running_server(smollm2_folder, tmp_path / "serve.log", *extra) as server:
-        reply = request(
-            server.base + "/v1/completions",
-            {
-                "model": "smollm2",
-                "prompt": oracle["prompt_token_ids"],
-                "max_tokens": 12,
-                "temperature": 0,
-                "return_token_ids": True,
-            },
-            timeout=300,
-        )
+        reply = request(server.base + "/v1/completions", payload, timeout=300)
+        time.sleep(1.0)  # the next request's first step reports the counters (stats_file)
+        request(server.base + "/v1/completions", {**payload, "max_tokens": 1}, timeout=300)
     assert_family_gone(server)
     assert reply["choices"][0]["token_ids"] == oracle["token_ids"], (reply, oracle)
     stats = json.loads(stats_file.read_text())["stats"]
