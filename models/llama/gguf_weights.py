@@ -17,13 +17,14 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 import numpy as np
 import torch
 
 from models.llama.config import LlamaArgs
+from models.llama.gguf_reader import GGUFContents, GGUFTensor, read_gguf
 from models.llama.weights import (
     EMBED,
     FINAL_NORM,
@@ -36,9 +37,6 @@ from models.llama.weights import (
     layer_name,
 )
 from runtime.quant.gguf_blocks import STORED_TYPES, permute_rows, repack
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
 
 logger = logging.getLogger(__name__)
 
@@ -78,50 +76,20 @@ def gguf_name_map(tensor_names: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def _checked_reader(path: Path, size: int) -> GGUFReader:
-    """A `GGUFReader` that checks every tensor record before it maps the tensor's data."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderField
-
-    class CheckedReader(GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-            for field in fields:
-                parts = field.parts
-                name = bytes(parts[1]).decode("utf-8", errors="replace")
-                code = int(parts[4][0])
-                dims = [int(d) for d in parts[3].tolist()]
-                where = f"GGUF file {str(path)!r}: tensor {name!r}"
-                try:
-                    qtype = GGMLQuantizationType(code)
-                except ValueError:
-                    known = sorted(t.name for t in GGMLQuantizationType)
-                    raise ModelFileError(
-                        f"{where} has unknown type code {code}: known types are {', '.join(known)}"
-                    ) from None
-                values, type_size = GGML_QUANT_SIZES[qtype]
-                if dims and dims[0] % values:
-                    raise ModelFileError(
-                        f"{where} of type {qtype.name} has rows of {dims[0]} values, not a "
-                        f"multiple of the type's block of {values}: the file is corrupt"
-                    )
-                n_bytes = int(np.prod(dims)) * type_size // values
-                end = int(start_offs + int(parts[5][0])) + n_bytes
-                if end > size:
-                    raise ModelFileError(
-                        f"{where} of type {qtype.name} ends at byte {end} but the file has "
-                        f"{size}: the file is truncated"
-                    )
-            super()._build_tensors(start_offs, fields)
-
-    return CheckedReader(str(path))
-
-
 @attrs.frozen
 class GGUFFile:
     """An opened GGUF file: decoded metadata and the (memory-mapped) tensor records."""
 
     path: Path
-    metadata: Mapping[str, object]
-    reader: GGUFReader
+    contents: GGUFContents
+
+    @property
+    def metadata(self) -> Mapping[str, object]:
+        return self.contents.metadata
+
+    @property
+    def tensors(self) -> tuple[GGUFTensor, ...]:
+        return self.contents.tensors
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFFile:
@@ -135,20 +103,19 @@ class GGUFFile:
                 "b'GGUF'"
             )
         try:
-            reader = _checked_reader(file, size)
-            metadata = {key: field.contents() for key, field in reader.fields.items()}
+            contents = read_gguf(file)
         except ModelFileError:
             raise
-        except Exception as error:  # the reader fails in many ways on a damaged file
+        except Exception as error:  # a damaged header fails in many ways
             raise ModelFileError(
                 f"GGUF file {str(file)!r} ({size} bytes) is truncated or corrupt: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        return cls(path=file, metadata=metadata, reader=reader)
+        return cls(path=file, contents=contents)
 
     @property
     def tensor_names(self) -> frozenset[str]:
-        return frozenset(t.name for t in self.reader.tensors)
+        return frozenset(t.name for t in self.tensors)
 
     def args(self) -> LlamaArgs:
         return LlamaArgs.from_gguf_metadata(self.metadata, self.tensor_names)
@@ -175,12 +142,12 @@ def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def _dequantize_gguf_tensor(tensor: ReaderTensor) -> torch.Tensor:
+def _dequantize_gguf_tensor(tensor: GGUFTensor) -> torch.Tensor:
     """One GGUF tensor as a torch tensor in PyTorch (row-major, reversed ggml) shape."""
     from gguf import GGMLQuantizationType, quants
 
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    qtype = GGMLQuantizationType(tensor.tensor_type)
+    shape = tuple(reversed(tensor.shape))
+    qtype = tensor.tensor_type
     raw = tensor.data
     if qtype == GGMLQuantizationType.F32:
         array = np.asarray(raw, dtype=np.float32)
@@ -226,18 +193,16 @@ class GGUFWeights:
 
 
 def _load_one(
-    tensor: ReaderTensor, canonical: str, args: LlamaArgs, keep_blocks: bool, dtype: torch.dtype
+    tensor: GGUFTensor, canonical: str, args: LlamaArgs, keep_blocks: bool, dtype: torch.dtype
 ) -> tuple[WeightValue, str, bool]:
     """One canonical tensor, its GGUF type name, and whether it stayed in blocks."""
-    from gguf import GGMLQuantizationType
-
-    type_name = GGMLQuantizationType(tensor.tensor_type).name
+    type_name = tensor.tensor_type.name
     heads = None
     if canonical.endswith("self_attn.q_proj.weight"):
         heads = args.n_heads
     elif canonical.endswith("self_attn.k_proj.weight"):
         heads = args.n_kv_heads
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(tensor.shape))
     if keep_blocks and type_name in STORED_TYPES and len(shape) == 2:
         matrix = repack(type_name, tensor.data, shape[0], shape[1])
         if heads is not None:
@@ -257,7 +222,7 @@ def load_gguf(
     weights: WeightsMode = "float32",
 ) -> GGUFWeights:
     """A GGUF file's tensors as canonical HF-layout tensors (see the module docstring)."""
-    tensors = {t.name: t for t in gguf_file.reader.tensors}
+    tensors = {t.name: t for t in gguf_file.tensors}
     name_map = gguf_name_map(tensors)
     unknown = sorted(set(tensors) - set(name_map))
     if unknown:
@@ -267,8 +232,7 @@ def load_gguf(
             ", ".join(unknown[:_MAX_LISTED]),
         )
     shapes = {
-        canonical: tuple(int(d) for d in reversed(tensors[name].shape.tolist()))
-        for name, canonical in name_map.items()
+        canonical: tuple(reversed(tensors[name].shape)) for name, canonical in name_map.items()
     }
     check_shapes(args, shapes, source=str(gguf_file.path))
     wanted = set(expected_shapes(args))
@@ -281,6 +245,7 @@ def load_gguf(
         value, type_name, kept = _load_one(
             tensors[name], canonical, args, weights == "stored", dtype
         )
+        gguf_file.contents.drop_pages()  # copied: the file's pages need not add to the peak
         counts = stored if kept else dequantized
         counts[type_name] = counts.get(type_name, 0) + 1
         out[canonical] = value

@@ -21,6 +21,7 @@ from models.llama.kernels import KernelPlan, ProjectionShape, check_plan_fits, p
 from models.llama.layers import Projection
 from models.progress import ProgressSink
 from runtime.backends import native_kernels
+from runtime.backends.heap import release_free_heap
 from runtime.json_types import JSONObject, JSONValue
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class KernelPlanHooks:
             if self._replay_plan is None and self.device.type == "cpu":
                 # The fused decode stack is timed against the per-op path as just applied.
                 self.apply_kernel_plan(choose_fused_decode(self._model(), plan))
+            release_free_heap()  # the layouts tried and dropped (~150 MB for SmolLM2 Q4_1)
         assert self.kernel_plan is not None
         return self.kernel_plan.to_json()
 

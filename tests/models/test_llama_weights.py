@@ -24,7 +24,7 @@ from models.llama import (
     random_state_dict,
 )
 from models.llama.gguf_weights import unpermute_rope_rows
-from models.llama.weights import LM_HEAD
+from models.llama.weights import LM_HEAD, ModelFileError, check_finite
 from tests.models.llama_oracle import full_prefill_logits
 
 
@@ -259,3 +259,17 @@ def test_random_state_dict_is_seeded() -> None:
     c = random_state_dict(args, seed=4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("at", [0, 1_500_000, -1])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_in_any_chunk_is_refused(at: int, bad: float) -> None:
+    # Rows of 1000: the check goes through this tensor in slices of about 1M values.
+    weight = torch.zeros(2_000, 1_000)
+    weight.view(-1)[at] = bad
+    with pytest.raises(ModelFileError, match=r"tensor 'w' holds 1 NaN or infinite value\(s\)"):
+        check_finite({"w": weight, "ok": torch.ones(3)}, source="test")
+    for value in (torch.tensor(bad), torch.tensor([1.0, bad])):  # 0-D and 1-D too
+        with pytest.raises(ModelFileError, match="not finite"):
+            check_finite({"w": value}, source="test")
+    check_finite({"w": torch.zeros(2_000, 1_000), "n": torch.tensor(1.0)}, source="test")

@@ -201,7 +201,7 @@ base = peak_resident_bytes()
 loaded = sources.load_model("smollm2-135m", with_tokenizer=False, weights=sys.argv[1])
 peak = peak_resident_bytes()
 file_bytes = sum(
-    int(t.n_bytes) for t in GGUFFile.open(sources.smollm2_gguf_path()).reader.tensors
+    int(t.n_bytes) for t in GGUFFile.open(sources.smollm2_gguf_path()).tensors
 )
 print(json.dumps({
     "grown": peak - base,
