@@ -68,7 +68,9 @@ def tile_buffer_bytes() -> int:
 
 def _q_tiles(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
     x = _as_f32(rows)
-    out_t = torch.empty(matrix.rows, x.shape[0])
+    # Written tile by tile into its columns: no transposed full-size copy (the LM head's
+    # [256, 49152] would be 50 MB twice).
+    out = torch.empty(x.shape[0], matrix.rows)
     step = min(_TILE_ROWS, matrix.rows)
     buffer = _tile_buffer(step * matrix.cols)
     native = _native_available()
@@ -79,8 +81,8 @@ def _q_tiles(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
             native_kernels.quant_matmul().dequantize_rows(matrix, start, stop, tile)
         else:
             tile.copy_(matrix.dequantize(start, stop))
-        torch.mm(tile, x.t(), out=out_t[start:stop])
-    return out_t.t().contiguous()
+        torch.mm(x, tile.t(), out=out[:, start:stop])
+    return out
 
 
 # Converted copies for `torch_int4`, by matrix identity (kept alive with the matrix).
