@@ -171,20 +171,15 @@ def load_executor(
 ) -> LlamaExecutor:
     """Load `model` (a name, HF directory or .gguf) and build its executor in CONSTRUCTED.
 
-    Every argument is checked before any weights load. `progress` (a `models.progress`
-    sink, e.g. `ConsoleProgress()`, or a bare warmup callback) shows the model load, KV
-    allocation, warmup cases and capture; the executor keeps it for generation. `kernels`: a
-    kernel plan (or the path of a saved one, `--kernels FILE`) that warmup applies instead of
-    timing kernels. `cpu_features`: the CPU probe's answer (default: probe this host);
-    bfloat16 on CPU needs native bf16. `weights` (`--weights`): `stored` keeps a GGUF's
-    Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors in their blocks; `float32` / `bfloat16` dequantize
-    every tensor into the model's dtype (which must then be the same).
+    Every argument is checked before any weights load. `progress` (a `models.progress` sink
+    or a bare warmup callback) shows load, KV allocation, warmup and capture, and stays for
+    generation. `kernels`: a kernel plan (or its file, `--kernels FILE`) that warmup applies
+    instead of timing. `cpu_features`: the CPU probe's answer (bfloat16 on CPU needs native
+    bf16). `weights` (`--weights`): `stored` keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors
+    in their blocks; `float32` / `bfloat16` dequantize every tensor to the model's dtype.
     """
     sink = as_progress(progress)
-    _check_dtype(dtype, device, cpu_features)
-    _check_weights(weights, dtype)
-    plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
-    trace = TraceConfig.of(trace_mode)
+    plan, trace = _checked_choices(dtype, device, cpu_features, weights, kernels, trace_mode)
     _check_geometry(block_size, num_blocks, max_batch_size, max_prefill_chunk_size, max_seq_len)
     target = make_device(device, faults=faults)
     with sink.step(f"load model {model}"):
@@ -199,8 +194,7 @@ def load_executor(
         loaded.args.max_seq_len, max_seq_len, block_size, max_batch_size, num_blocks
     )
     if plan is not None:
-        where = f"--kernels {kernels}" if isinstance(kernels, str | Path) else "kernels"
-        loaded.model.replay_kernels(plan, where=where)
+        loaded.model.replay_kernels(plan, where=_kernels_flag(kernels))
     return build_executor(
         loaded,
         device=target,
@@ -215,6 +209,26 @@ def load_executor(
         warmup=warmup,
         progress=sink,
     )
+
+
+def _checked_choices(
+    dtype: str,
+    device: str,
+    cpu_features: CpuFeatures | None,
+    weights: str,
+    kernels: str | Path | KernelPlan | None,
+    trace_mode: str,
+) -> tuple[KernelPlan | None, TraceConfig]:
+    """The dtype, weights, kernel plan and trace mode checked (before any weights load)."""
+    _check_dtype(dtype, device, cpu_features)
+    _check_weights(weights, dtype)
+    plan = load_kernel_plan(kernels) if isinstance(kernels, str | Path) else kernels
+    return plan, TraceConfig.of(trace_mode)
+
+
+def _kernels_flag(kernels: str | Path | KernelPlan | None) -> str:
+    """How a replayed plan's errors name it: the flag with its file, or the argument."""
+    return f"--kernels {kernels}" if isinstance(kernels, str | Path) else "kernels"
 
 
 def _check_dtype(dtype: str, device: str, cpu_features: CpuFeatures | None) -> None:
