@@ -239,6 +239,20 @@ class StateMachine:
         )
         return dest
 
+    def note(self, operation: str, detail: str) -> None:
+        """Journal a call that is legal here but has nothing to do (an idempotent no-op)."""
+        state = _name(self._holder.state)
+        self.journal.record(
+            machine=self.owner,
+            trigger=operation,
+            source=state,
+            dest=state,
+            started=now(),
+            duration_s=0.0,
+            outcome=Outcome.OK,
+            detail=f"no-op: {detail}",
+        )
+
     def transact(
         self,
         trigger: str,
