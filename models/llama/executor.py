@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
@@ -18,6 +19,8 @@ from lifecycle.journal import Journal, Outcome
 from models.executor import ModelExecutor, ModelExecutorConfig
 from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
 from models.llama.kernels import KernelPlan, load_kernel_plan
+from models.llama.model import LlamaModel
+from models.llama.residency import check_state_dtypes
 from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import LoadedModel, load_model
 from models.llama.tokenizer import LlamaTokenizer
@@ -50,6 +53,8 @@ class LlamaExecutor(ModelExecutor):
         device: Device,
         journal: Journal | None = None,
         progress: ProgressSink | None = None,
+        seed: int = 0,
+        weights: WeightsMode = "stored",
     ) -> None:
         super().__init__(
             loaded.model,
@@ -60,6 +65,9 @@ class LlamaExecutor(ModelExecutor):
             progress=progress,
         )
         self.loaded = loaded
+        self.loaded_seed = seed
+        """The tiny-random seed the weights came from (a reload by name uses it too)."""
+        self.weights_mode: WeightsMode = weights
         # Its own machine: loading weights is no phase transition of the executor.
         self.journal.record(
             machine="weights",
@@ -71,6 +79,29 @@ class LlamaExecutor(ModelExecutor):
             outcome=Outcome.OK,
             detail=f"weights {loaded.weights}: {_megabytes(loaded.model.weight_bytes())} resident",
         )
+
+    def _prepare_reload(self, source: object) -> object:
+        """Accept a model name or path (loaded as this executor's weights are: same dtype
+        and weights mode), a `LoadedModel`, a `LlamaModel` or a canonical state dict."""
+        return super()._prepare_reload(self._reload_source(source))
+
+    def _reload_source(self, source: object) -> object:
+        model = self.loaded.model
+        if isinstance(source, LoadedModel):
+            return source.model
+        if isinstance(source, str | Path):
+            return load_model(
+                source,
+                dtype=model.dtype,
+                device="cpu",
+                seed=self.loaded_seed,
+                with_tokenizer=False,
+                weights=self.weights_mode,
+            ).model
+        if isinstance(source, Mapping):
+            check_state_dtypes(source, model.dtype)
+            return LlamaModel.from_state_dict(model.args, source, dtype=model.dtype)
+        return source
 
     def memory_summary(self) -> str:
         """Resident bytes of the weights, the KV cache and the workspace (for `bringup`)."""
@@ -202,6 +233,8 @@ def load_executor(
         device_sampling=device_sampling,
         warmup=warmup,
         progress=sink,
+        seed=seed,
+        weights=cast(WeightsMode, weights),
     )
 
 
@@ -283,6 +316,8 @@ def build_executor(
     warmup: WarmupConfig | None = None,
     progress: ProgressSink | None = None,
     journal: Journal | None = None,
+    seed: int = 0,
+    weights: WeightsMode = "stored",
 ) -> LlamaExecutor:
     """An executor in CONSTRUCTED over an already loaded model, with this KV geometry.
 
@@ -322,4 +357,12 @@ def build_executor(
         max_seq_len=max_seq_len,
         policy=policy,
     )
-    return LlamaExecutor(loaded, config, device=device, progress=progress, journal=journal)
+    return LlamaExecutor(
+        loaded,
+        config,
+        device=device,
+        progress=progress,
+        journal=journal,
+        seed=seed,
+        weights=weights,
+    )

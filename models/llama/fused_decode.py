@@ -123,6 +123,10 @@ class FusedDecodeStack:
         self._table_for: tuple[LayerCache, ...] | None = None
         self._table = torch.empty(0, STACK_TABLE_WIDTH, dtype=torch.int64)
 
+    def forget_addresses(self) -> None:
+        """Rebuild the layer table on the next call (the weights moved: sleep, wake)."""
+        self._table_for = None
+
     def runs(self, rows: int) -> bool:
         """Whether a decode of `rows` active rows takes this path (its bucket chose it)."""
         if rows > FUSED_MAX_ROWS:
