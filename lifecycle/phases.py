@@ -8,7 +8,7 @@ or transitions themselves.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 from lifecycle.machine import MachineTable, StateSpec, TransitionSpec
 
@@ -92,6 +92,17 @@ START_PHASES = LIVE_PHASES[: LIVE_PHASES.index(Phase.SERVING)]
 """Where `start()` may run from: the start-up phases before SERVING."""
 AWAKE_PHASES = (Phase.SERVING, Phase.DRAINING, Phase.DRAINED)
 """Phases where weights and the KV cache are on the device (a `wake()` there is a no-op)."""
+
+NOT_SERVING: dict[Enum, str] = {
+    Phase.DRAINING: "admission is closed while draining; call drain() to finish",
+    Phase.DRAINED: "the host is drained; call serve() to resume",
+    Phase.SLEEPING: "the host is asleep; call wake()",
+    Phase.WEIGHTS_AWAKE: (
+        "only the weights are awake; the KV cache and traces are not: call "
+        "wake(tags=('kv_cache',)) first"
+    ),
+}
+"""Why a request call is refused after start-up (the reason its `PhaseError` carries)."""
 
 HOST_TRANSITIONS: tuple[TransitionSpec, ...] = (
     TransitionSpec("resolve_capacity", (Phase.CONSTRUCTED,), Phase.CAPACITY_RESOLVED),

@@ -20,6 +20,7 @@ import torch
 
 from lifecycle import Phase, guarded, host_table
 from lifecycle.journal import Journal
+from lifecycle.phases import NOT_SERVING
 from models.executor_config import ModelExecutorConfig as ModelExecutorConfig
 from models.executor_config import require_exact_type
 from models.executor_sleep import ExecutorSleep
@@ -66,16 +67,8 @@ _NEXT_CALLS = {
     P.CAPTURED: ("start", "serve"),
     P.SERVING: ("prefill_forward", "decode_forward", "drain", "close"),
 }
-_NOT_SERVING: dict[Enum, str] = {
-    P.DRAINING: "admission is closed while draining; call drain() to finish",
-    P.DRAINED: "the host is drained; call serve() to resume",
-    P.SLEEPING: "the host is asleep; call wake()",
-    P.WEIGHTS_AWAKE: (
-        "only the weights are awake; the KV cache and traces are not: call "
-        "wake(tags=('kv_cache',)) first"
-    ),
-}
-"""Why a request call is refused after start-up (before any device work)."""
+_NOT_SERVING = NOT_SERVING
+
 _ASLEEP: dict[Enum, str] = {phase: _NOT_SERVING[phase] for phase in (P.SLEEPING, P.WEIGHTS_AWAKE)}
 # The onward calls from COMPILED depend on the trace mode: only one of capture()/serve() can
 # succeed there, and errors and `bringup` list exactly the calls that can.

@@ -166,7 +166,17 @@ class ExecutorSleep(LifecycleHost):
             )
         return None
 
+    @property
+    def serving_blocked(self) -> str | None:
+        """Why a drained lane may not serve yet, or None (what a lane group reads)."""
+        return self._resume_blocked()
+
     # -- reload ----------------------------------------------------------------------------------
+
+    def check_reload_source(self, source: object) -> None:
+        """Check `source` as `reload_weights` would, copying nothing (a lane group checks
+        every lane before any lane reloads)."""
+        self._prepare_reload(source)
 
     def _prepare_reload(self, source: object) -> object:
         pairs_of = getattr(self.model, "reload_pairs", None)

@@ -22,6 +22,7 @@ def tiny_executor(
     warmup: WarmupConfig | None = None,
     device_sampling: bool = True,
     max_seq_len: int = 64,
+    seed: int = 0,
 ) -> LlamaExecutor:
     """A tiny-random executor in CONSTRUCTED (same seed -> same weights)."""
     return load_executor(
@@ -35,6 +36,7 @@ def tiny_executor(
         faults=faults,
         warmup=warmup or WarmupConfig(prefill_batch_sizes=(1, 2, 4)),
         device_sampling=device_sampling,
+        seed=seed,
     )
 
 
