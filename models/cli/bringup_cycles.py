@@ -62,7 +62,7 @@ def cycle_steps(
     """The steps of `cycles` drain/sleep/wake cycles, each ending with `request`."""
 
     def sleep() -> str:
-        executor.sleep(level)  # type: ignore[attr-defined]
+        executor.sleep(level)
         live = _live_allocations(executor)
         record.asleep_allocations.append(live)
         return f"live allocations while asleep: {live}"
@@ -75,15 +75,13 @@ def cycle_steps(
 
     steps: list[Step] = []
     for cycle in range(1, cycles + 1):
-        steps.append((f"drain #{cycle}", executor.drain))  # type: ignore[attr-defined]
+        steps.append((f"drain #{cycle}", executor.drain))
         steps.append((f"sleep({level}) #{cycle}", sleep))
         if level == 2:
-            wake: Callable[..., None] = executor.wake  # type: ignore[attr-defined]
-            reload: Callable[[str], None] = executor.reload_weights  # type: ignore[attr-defined]
-            steps.append((f"wake weights #{cycle}", lambda: wake(tags=("weights",))))
-            steps.append((f"reload_weights #{cycle}", lambda: reload(source)))
-            steps.append((f"wake kv_cache #{cycle}", lambda: wake(tags=("kv_cache",))))
+            steps.append((f"wake weights #{cycle}", lambda: executor.wake(tags=("weights",))))
+            steps.append((f"reload_weights #{cycle}", lambda: executor.reload_weights(source)))
+            steps.append((f"wake kv_cache #{cycle}", lambda: executor.wake(tags=("kv_cache",))))
         else:
-            steps.append((f"wake #{cycle}", executor.wake))  # type: ignore[attr-defined]
+            steps.append((f"wake #{cycle}", executor.wake))
         steps.append((f"request #{cycle}", ask))
     return steps

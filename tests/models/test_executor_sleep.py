@@ -220,9 +220,9 @@ def test_mismatching_reload_is_refused_naming_the_tensor_and_changes_nothing() -
     with pytest.raises(ValueError, match="up_proj"):
         executor.reload_weights(bad)
     half = {k: v.half() if k.endswith("norm.weight") else v for k, v in state.items()}
-    with pytest.raises(WeightMismatchError, match="norm.weight"):
+    with pytest.raises(WeightMismatchError, match=r"norm\.weight"):
         executor.reload_weights(half)
-    with pytest.raises(WeightMismatchError, match="'embed_tokens.weight' is missing"):
+    with pytest.raises(WeightMismatchError, match=r"'embed_tokens\.weight' is missing"):
         executor.reload_weights(load_model("tiny-random-mha-tied", with_tokenizer=False))
     assert executor.phase is Phase.DRAINED
     for key, value in model.resident_weights().items():
