@@ -152,6 +152,9 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
     def reset_prefix_cache(self) -> None:
         """The KV contents stay valid; vLLM's own block pool forgets its hashes."""
 
+    def reset_encoder_cache(self) -> None:
+        """No encoder, so no encoder cache (vLLM resets it when it pauses for sleep)."""
+
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep (`--enable-sleep-mode`): the facade target drains and sleeps."""
         self.runner.sleep(level)
