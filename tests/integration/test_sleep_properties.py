@@ -76,6 +76,7 @@ class SleepWakeMachine(RuleBasedStateMachine):
         self.executor.start()
         self.generator = Generator(self.executor)
         self.stream: GenerationStream | None = None
+        self.sleeps = 0
 
     # -- the check every call goes through -------------------------------------------------------
 
@@ -127,6 +128,52 @@ class SleepWakeMachine(RuleBasedStateMachine):
         self.stream = stream
         self.attempt("step", lambda: next(stream, None))
 
+    @precondition(
+        lambda self: (
+            self.executor.phase is Phase.SERVING and (self.stream is None or self.stream.done)
+        )
+    )
+    @rule()
+    def generate(self) -> None:
+        """A whole greedy generation; its tokens must equal a fresh executor's."""
+        completions = self.attempt("generate", lambda: self.generator.generate(PROMPTS, PARAMS))
+        if completions is not None:
+            self.check_completions(completions)
+            event(f"generate checked after {self.sleeps} sleep(s)")
+
+    @precondition(
+        lambda self: (
+            self.executor.phase is Phase.SERVING and (self.stream is None or self.stream.done)
+        )
+    )
+    @rule(level=st.sampled_from([1, 2]), staged=st.booleans(), fault=faults(60))
+    def cycle(self, level: int, staged: bool, fault: tuple[str, int] | None) -> None:
+        """drain, sleep, wake (staged or whole, with a reload after level 2), then a checked
+        generation: the sequence an RL loop runs, a fault anywhere in it."""
+        executor = self.executor
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("drain", executor.drain),
+            (f"sleep({level})", lambda: executor.sleep(level)),
+        ]
+        reload = ("reload", lambda: executor.reload_weights("tiny-random"))
+        if staged:
+            steps.append(("wake(weights)", lambda: executor.wake(tags=("weights",))))
+            steps += [reload] if level == 2 else []
+            steps.append(("wake(kv_cache)", lambda: executor.wake(tags=("kv_cache",))))
+        else:
+            steps.append(("wake()", executor.wake))
+            steps += [reload, ("serve", executor.serve)] if level == 2 else []
+        self.arm(fault)
+        for name, call in steps:
+            injected = self.device.injected_total
+            self.attempt(f"cycle {name}", call)
+            if self.device.injected_total != injected:
+                return
+        self.device.plan = FaultPlan()
+        assert executor.phase is Phase.SERVING
+        self.sleeps += 1
+        self.generate()
+
     @precondition(lambda self: self.stream is not None and not self.stream.done)
     @rule(fault=FAULTS)
     def finish_stream(self, fault: tuple[str, int] | None) -> None:
@@ -159,6 +206,7 @@ class SleepWakeMachine(RuleBasedStateMachine):
     def sleep(self, level: int, fault: tuple[str, int] | None) -> None:
         self.arm(fault)
         self.attempt(f"sleep({level})", lambda: self.executor.sleep(level))
+        self.sleeps += self.executor.phase is Phase.SLEEPING
 
     @precondition(lambda self: self.executor.phase in (Phase.SLEEPING, Phase.WEIGHTS_AWAKE))
     @rule(
