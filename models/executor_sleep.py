@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.host import LifecycleHost
+from lifecycle.machine import guarded
+from lifecycle.phases import Phase
 from models.lane_components import LaneCallbacks, LaneComponents
 from models.progress import ProgressSink
 from runtime.backends.base import Device
@@ -173,6 +175,7 @@ class ExecutorSleep(LifecycleHost):
 
     # -- reload ----------------------------------------------------------------------------------
 
+    @guarded(Phase.DRAINED, Phase.WEIGHTS_AWAKE)
     def check_reload_source(self, source: object) -> None:
         """Check `source` as `reload_weights` would, copying nothing (a lane group checks
         every lane before any lane reloads)."""

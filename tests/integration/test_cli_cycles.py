@@ -48,6 +48,19 @@ def test_cycles_over_two_lanes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "live allocations while asleep: [0]" in out
 
 
+def test_the_host_diagram_shows_the_sleep_phases(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "lifecycle", "diagram", "--machine", "host")
+    assert status == 0
+    for edge in (
+        "SERVING --> DRAINING: drain",
+        "DRAINED --> SLEEPING: sleep",
+        "SLEEPING --> WEIGHTS_AWAKE: wake_weights",
+        "WEIGHTS_AWAKE --> DRAINED: wake_kv_cache",
+        "DRAINED --> SERVING: serve",
+    ):
+        assert edge in out
+
+
 def test_a_bad_sleep_level_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = run(capsys, "bringup", *SMALL, "--cycle", "1", "--sleep-level", "3")
     assert status == 2 and "--sleep-level" in err
