@@ -673,7 +673,8 @@ class ModelExecutor(ExecutorSleep):
         return self.components.held_resources()
 
     def _do_close(self) -> Sequence[BaseException]:
-        return self._release_components()
+        failures = self._release_components()
+        return failures or self._return_weights()
 
 
 def _same(detail: str) -> str:

@@ -93,6 +93,20 @@ class ExecutorSleep(LifecycleHost):
             self._kv_handle = None
         return failures
 
+    def _return_weights(self) -> list[BaseException]:
+        """At close: give the borrowed model back its level-1 weights (they were only lent to
+        the host memory). Weights a level-2 sleep dropped stay empty: a model that silently
+        computed with zeros would be worse than one that fails."""
+        residency = self.residency
+        if residency is None or not residency.asleep or residency.level != 1:
+            return []
+        try:
+            residency.wake()
+        except BaseException as error:
+            logger.warning("%s: returning the weights failed: %s", self.owner_name, error)
+            return [error]
+        return []
+
     def _raise_release_failures(self, failures: Sequence[BaseException]) -> None:
         """Raise the first failure marked as leaving resources (the host faults)."""
         primary = failures[0]

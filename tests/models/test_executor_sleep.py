@@ -263,3 +263,21 @@ def test_failed_release_during_sleep_faults_and_close_retries() -> None:
     executor.close()
     assert executor.phase is Phase.TERMINAL
     assert device.live_allocations == 0
+
+
+def test_close_while_asleep_gives_the_model_back_its_kept_weights() -> None:
+    executor = tiny_executor(max_batch_size=2)
+    model = executor.loaded.model
+    executor.start()
+    kept = {k: v.clone() for k, v in model.resident_weights().items()}
+    executor.drain()
+    executor.sleep(1)
+    executor.close()
+    assert all(torch.equal(v, kept[k]) for k, v in model.resident_weights().items())
+    dropped = tiny_executor(max_batch_size=2)
+    dropped.start()
+    dropped.drain()
+    dropped.sleep(2)
+    dropped.close()  # dropped weights stay empty: zeros would compute gibberish silently
+    assert all(v.numel() == 0 for v in dropped.loaded.model.resident_weights().values())
+    assert dropped.device.live_allocations == 0
