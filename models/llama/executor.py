@@ -53,8 +53,6 @@ class LlamaExecutor(ModelExecutor):
         device: Device,
         journal: Journal | None = None,
         progress: ProgressSink | None = None,
-        seed: int = 0,
-        weights: WeightsMode = "stored",
     ) -> None:
         super().__init__(
             loaded.model,
@@ -65,9 +63,6 @@ class LlamaExecutor(ModelExecutor):
             progress=progress,
         )
         self.loaded = loaded
-        self.loaded_seed = seed
-        """The tiny-random seed the weights came from (a reload by name uses it too)."""
-        self.weights_mode: WeightsMode = weights
         # Its own machine: loading weights is no phase transition of the executor.
         self.journal.record(
             machine="weights",
@@ -94,9 +89,9 @@ class LlamaExecutor(ModelExecutor):
                 source,
                 dtype=model.dtype,
                 device="cpu",
-                seed=self.loaded_seed,
+                seed=self.loaded.seed,
                 with_tokenizer=False,
-                weights=self.weights_mode,
+                weights=self.loaded.weights_mode,
             ).model
         if isinstance(source, Mapping):
             check_state_dtypes(source, model.dtype)
@@ -233,8 +228,6 @@ def load_executor(
         device_sampling=device_sampling,
         warmup=warmup,
         progress=sink,
-        seed=seed,
-        weights=cast(WeightsMode, weights),
     )
 
 
@@ -316,8 +309,6 @@ def build_executor(
     warmup: WarmupConfig | None = None,
     progress: ProgressSink | None = None,
     journal: Journal | None = None,
-    seed: int = 0,
-    weights: WeightsMode = "stored",
 ) -> LlamaExecutor:
     """An executor in CONSTRUCTED over an already loaded model, with this KV geometry.
 
@@ -357,12 +348,4 @@ def build_executor(
         max_seq_len=max_seq_len,
         policy=policy,
     )
-    return LlamaExecutor(
-        loaded,
-        config,
-        device=device,
-        progress=progress,
-        journal=journal,
-        seed=seed,
-        weights=weights,
-    )
+    return LlamaExecutor(loaded, config, device=device, progress=progress, journal=journal)

@@ -174,6 +174,16 @@ class SleepWakeMachine(RuleBasedStateMachine):
         self.sleeps += 1
         self.generate()
 
+    @precondition(
+        lambda self: (
+            self.executor.phase is Phase.SERVING and (self.stream is None or self.stream.done)
+        )
+    )
+    @rule(level=st.sampled_from([1, 2]), staged=st.booleans())
+    def clean_cycle(self, level: int, staged: bool) -> None:
+        """A cycle without a fault (drawn as often as one with): the output check runs."""
+        self.cycle(level, staged, None)
+
     @precondition(lambda self: self.stream is not None and not self.stream.done)
     @rule(fault=FAULTS)
     def finish_stream(self, fault: tuple[str, int] | None) -> None:
@@ -272,7 +282,7 @@ class SleepWakeMachine(RuleBasedStateMachine):
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 SleepWakeMachine.TestCase.settings = settings(
     settings.default,
-    max_examples=300 if THOROUGH else 30,
-    stateful_step_count=40 if THOROUGH else 16,
+    max_examples=300 if THOROUGH else 25,
+    stateful_step_count=40 if THOROUGH else 12,
 )
 TestSleepWakeMachine = SleepWakeMachine.TestCase

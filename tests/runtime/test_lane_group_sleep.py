@@ -98,7 +98,7 @@ def test_a_reload_one_lane_refuses_changes_no_lane(group: LaneGroupExecutor) -> 
     group.drain()
     state = load_model("tiny-random", seed=1, with_tokenizer=False).model.canonical_state_dict()
     name = "model.norm.weight"
-    with pytest.raises(ValueError, match=r"'model\.norm\.weight'"):
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \[63\]"):
         group.reload_weights(dict(state, **{name: state[name][:-1]}))
     assert group.phase is Phase.DRAINED
     group.serve()
