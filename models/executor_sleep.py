@@ -51,6 +51,8 @@ class ExecutorSleep(LifecycleHost):
     page_table_layout: PageTableLayout
     residency: WeightResidency | None
     kv_generation: int
+    _served_manifest: JSONValue = None
+    """The coverage manifest served before the last sleep (a wake must recapture the same)."""
     _kv_handle: KVCacheHandle | None
     _lane_callbacks: LaneCallbacks
 
@@ -125,6 +127,9 @@ class ExecutorSleep(LifecycleHost):
     def _do_sleep(self, level: int) -> str:
         before = device_live_bytes(self.device)
         held = self._lane_holdings()
+        served = _manifest_json(self.components)
+        if served is not None:
+            self._served_manifest = served
         weights = 0
         if self.residency is not None and not self.residency.asleep:
             weights = self.residency.sleep(level)
@@ -133,7 +138,7 @@ class ExecutorSleep(LifecycleHost):
             self._raise_release_failures(failures)
         after = device_live_bytes(self.device)
         freed = "" if before is None or after is None else f"{format_bytes(before - after)} "
-        kept = "kept in host memory" if level == 1 else "dropped"
+        kept = "kept in host memory" if level == 1 else "weights dropped, buffers kept"
         return (
             f"level {level}: released {freed}of allocations ({held}), weights and buffers "
             f"{format_bytes(weights)} ({kept}); live allocations "
@@ -151,7 +156,7 @@ class ExecutorSleep(LifecycleHost):
 
     def _do_wake_kv_cache(self) -> str:
         previous = self.components
-        manifest = _manifest_json(previous)
+        manifest = self._served_manifest
         fresh = self._build_components()
         fresh.warmup.adopt_derivation(previous.warmup)
         self._install_components(fresh)

@@ -36,7 +36,7 @@ def test_cycles_at_level_2_wake_in_stages_and_reload(capsys: pytest.CaptureFixtu
     table = table_of(out)
     for step in ("sleep(2) #1", "wake weights #1", "reload_weights #1", "wake kv_cache #1"):
         assert step in table
-    assert "(dropped)" in table and "copied in place" in table
+    assert "weights dropped, buffers kept" in table and "copied in place" in table
     assert "1 cycle(s): output identical to the first request in every cycle: yes" in out
 
 
