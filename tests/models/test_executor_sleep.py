@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 
@@ -281,3 +282,30 @@ def test_close_while_asleep_gives_the_model_back_its_kept_weights() -> None:
     dropped.close()  # dropped weights stay empty: zeros would compute gibberish silently
     assert all(v.numel() == 0 for v in dropped.loaded.model.resident_weights().values())
     assert dropped.device.live_allocations == 0
+
+
+def test_a_reload_that_moved_addresses_recaptures_the_traces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    executor = tiny_executor(trace_mode="decode_only", max_batch_size=2)
+    executor.start()
+    before = greedy(executor)
+    executor.drain()
+    residency = executor.residency
+    assert residency is not None
+    real = residency.reload
+
+    def moved(pairs: object) -> object:
+        return attrs.evolve(real(pairs), addresses_kept=False)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(residency, "reload", moved)
+    captured = executor.device.traces_captured_total  # type: ignore[attr-defined]
+    executor.reload_weights("tiny-random")
+    entry = [e for e in executor.journal if e.trigger == "reload_weights"][-1]
+    assert "addresses moved, traces recaptured" in entry.detail
+    assert executor.device.traces_captured_total > captured  # type: ignore[attr-defined]
+    assert executor.phase is Phase.DRAINED
+    executor.serve()
+    assert greedy(executor) == before
+    executor.close()
+    assert executor.device.live_allocations == 0
