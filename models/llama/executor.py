@@ -19,6 +19,7 @@ from lifecycle.journal import Journal, Outcome
 from models.executor import ModelExecutor, ModelExecutorConfig
 from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
 from models.llama.kernels import KernelPlan, load_kernel_plan
+from models.llama.layers import Projection
 from models.llama.model import LlamaModel
 from models.llama.residency import check_state_dtypes
 from models.llama.sampling import LlamaSampler, SamplerConfig
@@ -35,6 +36,7 @@ from runtime.config import (
     WarmupConfig,
     require_positive_int,
 )
+from runtime.json_types import JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,16 @@ class LlamaExecutor(ModelExecutor):
             f"weights {_megabytes(model.weight_bytes())} ({self.loaded.weights}), "
             f"KV {_megabytes(kv)}, workspace {_megabytes(model.workspace_bytes())}"
         )
+
+    def runtime_summary(self) -> dict[str, JSONValue]:
+        """The execution counters, plus how the weights are held (vLLM's stats show them)."""
+        summary = super().runtime_summary()
+        model = self.loaded.model
+        summary["weight_bytes"] = model.weight_bytes()
+        summary["block_weight_projections"] = sum(
+            1 for module in model.modules() if isinstance(module, Projection) and module.blocks
+        )
+        return summary
 
     @property
     def tokenizer(self) -> LlamaTokenizer | None:
