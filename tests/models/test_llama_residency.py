@@ -13,8 +13,10 @@ from models import load_executor
 from models.generation.generator import GenerationParams, Generator
 from models.llama import LlamaArgs, load_model, random_state_dict
 from models.llama.executor import LlamaExecutor
+from models.llama.fused_decode import FusedDecodeStack
 from models.llama.layers import Projection
 from runtime.weight_reload import WeightMismatchError
+from runtime.weight_residency import WeightResidency
 from tests.gguf_files import MIXED, write_llama_gguf
 
 ARGS = LlamaArgs.tiny_random("q256")
@@ -85,3 +87,28 @@ def test_a_reload_in_another_form_is_refused_naming_the_tensor(files: Path) -> N
     after = executor.loaded.model.resident_weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
     executor.close()
+
+
+def test_the_fused_stack_over_blocks_reads_the_woken_weights(files: Path) -> None:
+    """The mixed stack's parts table holds block addresses: after a level-2 sleep, a wake and
+    a reload the weights live elsewhere and the stack must read them there."""
+    path = gguf(files, MIXED)
+    model = load_model(path, weights="stored", with_tokenizer=False).model
+    model.fused_decode = FusedDecodeStack(model, buckets=[1], rows=[1])
+    block_size, blocks = 16, 4
+    model.configure_paged_attention(block_size=block_size, max_num_blocks=blocks)
+    shape = model.kv_cache_shape(blocks)
+    model.set_kv_cache([[torch.zeros(shape), torch.zeros(shape)] for _ in model.layers])
+    tokens, pos, pages = torch.tensor([7]), torch.tensor([0]), torch.tensor([[0, 1, 2, 3]])
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.decode(tokens, positions=pos, page_table=pages)
+
+    want = step()
+    residency = WeightResidency(model)
+    residency.sleep(2)
+    residency.wake()
+    source = load_model(path, weights="stored", with_tokenizer=False).model
+    residency.reload(model.reload_pairs(source))
+    assert torch.equal(step(), want)
