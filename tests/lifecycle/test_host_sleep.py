@@ -97,9 +97,12 @@ def test_level_2_waits_in_drained_until_a_reload() -> None:
     host.wake()
     assert host.phase is Phase.DRAINED
     assert "stays DRAINED: weights dropped" in host.journal.entries[-1].detail
-    with pytest.raises(PhaseError, match="reload_weights"):
+    with pytest.raises(PhaseError, match="reload_weights") as refused:
         host.serve()
+    assert "serve" not in host.next_calls and "serve" not in refused.value.next_calls
+    assert "reload_weights" in host.next_calls
     host.reload_weights("same")
+    assert "serve" in host.next_calls
     host.serve()
     assert host.phase is Phase.SERVING
 
