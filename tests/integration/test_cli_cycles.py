@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from models.cli.bringup_cycles import CycleRecord
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.test_cli import SMALL, run
 
 CYCLE = [*SMALL, "--max-batch", "2", "--progress", "never"]

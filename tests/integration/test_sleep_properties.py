@@ -23,6 +23,7 @@ from lifecycle import Phase, PhaseError
 from models.generation import GenerationParams, Generator
 from models.generation.stream import GenerationStream
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]

@@ -20,6 +20,7 @@ from models.llama.executor import LlamaExecutor
 from models.llama.sources import load_model
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.weight_reload import WeightMismatchError
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]

@@ -14,6 +14,7 @@ import pytest
 from lifecycle import Phase
 from models.generation import GenerationParams, Generator
 from models.llama.executor import LlamaExecutor
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]]

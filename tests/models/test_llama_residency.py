@@ -18,6 +18,7 @@ from models.llama.layers import Projection
 from runtime.weight_reload import WeightMismatchError
 from runtime.weight_residency import WeightResidency
 from tests.gguf_files import MIXED, write_llama_gguf
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 
 ARGS = LlamaArgs.tiny_random("q256")
 PROMPTS = [[5, 17, 99, 3], [200, 201, 7]]

@@ -18,6 +18,7 @@ from models.generation import GenerationParams, Generator
 from models.llama.sources import load_model
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]
