@@ -283,7 +283,7 @@ class SleepWakeMachine(RuleBasedStateMachine):
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 SleepWakeMachine.TestCase.settings = settings(
     settings.default,
-    max_examples=300 if THOROUGH else 25,
-    stateful_step_count=40 if THOROUGH else 12,
+    max_examples=500 if THOROUGH else 60,
+    stateful_step_count=40 if THOROUGH else 16,
 )
 TestSleepWakeMachine = SleepWakeMachine.TestCase
