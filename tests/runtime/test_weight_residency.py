@@ -87,6 +87,17 @@ def test_a_failed_host_copy_leaves_the_model_awake(monkeypatch: pytest.MonkeyPat
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(toy), strict=True))
 
 
+def test_a_model_another_host_put_to_sleep_is_refused() -> None:
+    toy = Toy()
+    first, second = WeightResidency(toy), WeightResidency(toy)
+    first.sleep(1)
+    with pytest.raises(RuntimeError, match="another host sharing this model"):
+        second.sleep(1)
+    assert not second.asleep
+    first.wake()
+    assert toy.w.numel() == 12
+
+
 @pytest.mark.parametrize(
     ("source", "match"),
     [
