@@ -29,11 +29,11 @@ sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads({threads})
 from models import load_executor
-from models.generation import Generator
+from models.generation import GenerationParams, Generator
 ex = load_executor({model!r}, weights={weights!r}, max_batch_size=1)
 ex.start()
 try:
-    out = Generator(ex).generate([[1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=8)
+    out = Generator(ex).generate([[1, 2, 3, 4, 5, 6, 7, 8]], GenerationParams(max_new_tokens=8))
 finally:
     ex.close()
 from runtime.backends.memory import peak_resident_bytes

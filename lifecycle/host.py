@@ -60,6 +60,13 @@ class LifecycleHost:
         self._lifecycle: StateMachine = (table or self.PHASE_TABLE).build(
             owner=owner_name or type(self).__name__, journal=journal
         )
+        self._lifecycle.adjust_next_calls = self._adjust_next_calls
+
+    def _adjust_next_calls(self, state: Enum, calls: tuple[str, ...]) -> tuple[str, ...]:
+        """Onward calls that can succeed: no `serve()` while serving is blocked."""
+        if state is P.DRAINED and self._resume_blocked():
+            return tuple(call for call in calls if call != "serve")
+        return calls
 
     # -- introspection -------------------------------------------------------------------
 

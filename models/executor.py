@@ -208,7 +208,7 @@ class ModelExecutor(ExecutorSleep):
         """Traced coverage after capture, else the eager coverage warmup compiled."""
         if self.warmup.coverage_manifest is not None:
             return self.warmup.coverage_manifest
-        if self.phase in (P.COMPILED, P.CAPTURED, P.SERVING):
+        if self.phase in (P.COMPILED, P.CAPTURED, P.SERVING, P.DRAINING, P.DRAINED):
             return self.warmup.eager_manifest()
         return None
 
@@ -673,7 +673,8 @@ class ModelExecutor(ExecutorSleep):
         return self.components.held_resources()
 
     def _do_close(self) -> Sequence[BaseException]:
-        return self._release_components()
+        failures = self._release_components()
+        return failures or self._return_weights()
 
 
 def _same(detail: str) -> str:

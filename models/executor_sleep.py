@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.host import LifecycleHost
+from lifecycle.machine import guarded
+from lifecycle.phases import Phase
 from models.lane_components import LaneCallbacks, LaneComponents
 from models.progress import ProgressSink
 from runtime.backends.base import Device
@@ -49,6 +51,8 @@ class ExecutorSleep(LifecycleHost):
     page_table_layout: PageTableLayout
     residency: WeightResidency | None
     kv_generation: int
+    _served_manifest: JSONValue = None
+    """The coverage manifest served before the last sleep (a wake must recapture the same)."""
     _kv_handle: KVCacheHandle | None
     _lane_callbacks: LaneCallbacks
 
@@ -91,6 +95,20 @@ class ExecutorSleep(LifecycleHost):
             self._kv_handle = None
         return failures
 
+    def _return_weights(self) -> list[BaseException]:
+        """At close: give the borrowed model back its level-1 weights (they were only lent to
+        the host memory). Weights a level-2 sleep dropped stay empty: a model that silently
+        computed with zeros would be worse than one that fails."""
+        residency = self.residency
+        if residency is None or not residency.asleep or residency.level != 1:
+            return []
+        try:
+            residency.wake()
+        except BaseException as error:
+            logger.warning("%s: returning the weights failed: %s", self.owner_name, error)
+            return [error]
+        return []
+
     def _raise_release_failures(self, failures: Sequence[BaseException]) -> None:
         """Raise the first failure marked as leaving resources (the host faults)."""
         primary = failures[0]
@@ -109,6 +127,9 @@ class ExecutorSleep(LifecycleHost):
     def _do_sleep(self, level: int) -> str:
         before = device_live_bytes(self.device)
         held = self._lane_holdings()
+        served = _manifest_json(self.components)
+        if served is not None:
+            self._served_manifest = served
         weights = 0
         if self.residency is not None and not self.residency.asleep:
             weights = self.residency.sleep(level)
@@ -117,7 +138,7 @@ class ExecutorSleep(LifecycleHost):
             self._raise_release_failures(failures)
         after = device_live_bytes(self.device)
         freed = "" if before is None or after is None else f"{format_bytes(before - after)} "
-        kept = "kept in host memory" if level == 1 else "dropped"
+        kept = "kept in host memory" if level == 1 else "weights dropped, buffers kept"
         return (
             f"level {level}: released {freed}of allocations ({held}), weights and buffers "
             f"{format_bytes(weights)} ({kept}); live allocations "
@@ -135,7 +156,7 @@ class ExecutorSleep(LifecycleHost):
 
     def _do_wake_kv_cache(self) -> str:
         previous = self.components
-        manifest = _manifest_json(previous)
+        manifest = self._served_manifest
         fresh = self._build_components()
         fresh.warmup.adopt_derivation(previous.warmup)
         self._install_components(fresh)
@@ -173,6 +194,7 @@ class ExecutorSleep(LifecycleHost):
 
     # -- reload ----------------------------------------------------------------------------------
 
+    @guarded(Phase.DRAINED, Phase.WEIGHTS_AWAKE)
     def check_reload_source(self, source: object) -> None:
         """Check `source` as `reload_weights` would, copying nothing (a lane group checks
         every lane before any lane reloads)."""

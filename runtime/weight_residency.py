@@ -98,6 +98,13 @@ class WeightResidency:
         """
         assert self._kept is None, "sleep() of a residency that is already asleep"
         weights, buffers = self._tensors()
+        empty = [name for name, t in (*weights.items(), *buffers.items()) if t.numel() == 0]
+        if empty:
+            raise RuntimeError(
+                f"cannot sleep: the model's tensor {empty[0]!r} holds no storage, so another "
+                "host sharing this model put it to sleep; wake that host first, or give each "
+                "host its own model"
+            )
         kept: dict[str, _Kept] = {}
         for name, tensor in weights.items():
             kept[name] = self._keep(tensor, host_copies.host_copy(tensor) if level == 1 else None)

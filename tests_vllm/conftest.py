@@ -28,12 +28,14 @@ def cli() -> list[str]:
     return [str(local if local.exists() else MAIN_VENV_CLI)]
 
 
-def generate_oracle(model: str, prompts: list[str], max_new_tokens: int) -> list[dict[str, Any]]:
-    """`llm-runtime generate --json` for `prompts` (greedy): prompt and generated token ids."""
+def generate_oracle(
+    model: str, prompts: list[str], max_new_tokens: int, *extra: str
+) -> list[dict[str, Any]]:
+    """`llm-runtime generate --json *extra` for `prompts` (greedy): prompt and generated ids."""
     command = [*cli(), "generate", "--model", model, "--max-new-tokens", str(max_new_tokens)]
     for prompt in prompts:
         command += ["--prompt", prompt]
-    command += ["--json", "--temperature", "0"]
+    command += ["--json", "--temperature", "0", *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -19,6 +19,7 @@ from lifecycle.journal import Journal, Outcome
 from models.executor import ModelExecutor, ModelExecutorConfig
 from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
 from models.llama.kernels import KernelPlan, load_kernel_plan
+from models.llama.layers import Projection
 from models.llama.model import LlamaModel
 from models.llama.residency import check_state_dtypes
 from models.llama.sampling import LlamaSampler, SamplerConfig
@@ -35,6 +36,7 @@ from runtime.config import (
     WarmupConfig,
     require_positive_int,
 )
+from runtime.json_types import JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ class LlamaExecutor(ModelExecutor):
         device: Device,
         journal: Journal | None = None,
         progress: ProgressSink | None = None,
-        seed: int = 0,
-        weights: WeightsMode = "stored",
     ) -> None:
         super().__init__(
             loaded.model,
@@ -65,9 +65,6 @@ class LlamaExecutor(ModelExecutor):
             progress=progress,
         )
         self.loaded = loaded
-        self.loaded_seed = seed
-        """The tiny-random seed the weights came from (a reload by name uses it too)."""
-        self.weights_mode: WeightsMode = weights
         # Its own machine: loading weights is no phase transition of the executor.
         self.journal.record(
             machine="weights",
@@ -94,9 +91,9 @@ class LlamaExecutor(ModelExecutor):
                 source,
                 dtype=model.dtype,
                 device="cpu",
-                seed=self.loaded_seed,
+                seed=self.loaded.seed,
                 with_tokenizer=False,
-                weights=self.weights_mode,
+                weights=self.loaded.weights_mode,
             ).model
         if isinstance(source, Mapping):
             check_state_dtypes(source, model.dtype)
@@ -112,6 +109,16 @@ class LlamaExecutor(ModelExecutor):
             f"weights {_megabytes(model.weight_bytes())} ({self.loaded.weights}), "
             f"KV {_megabytes(kv)}, workspace {_megabytes(model.workspace_bytes())}"
         )
+
+    def runtime_summary(self) -> dict[str, JSONValue]:
+        """The execution counters, plus how the weights are held (vLLM's stats show them)."""
+        summary = super().runtime_summary()
+        model = self.loaded.model
+        summary["weight_bytes"] = model.weight_bytes()
+        summary["block_weight_projections"] = sum(
+            1 for module in model.modules() if isinstance(module, Projection) and module.blocks
+        )
+        return summary
 
     @property
     def tokenizer(self) -> LlamaTokenizer | None:
@@ -233,8 +240,6 @@ def load_executor(
         device_sampling=device_sampling,
         warmup=warmup,
         progress=sink,
-        seed=seed,
-        weights=cast(WeightsMode, weights),
     )
 
 
@@ -316,8 +321,6 @@ def build_executor(
     warmup: WarmupConfig | None = None,
     progress: ProgressSink | None = None,
     journal: Journal | None = None,
-    seed: int = 0,
-    weights: WeightsMode = "stored",
 ) -> LlamaExecutor:
     """An executor in CONSTRUCTED over an already loaded model, with this KV geometry.
 
@@ -357,12 +360,4 @@ def build_executor(
         max_seq_len=max_seq_len,
         policy=policy,
     )
-    return LlamaExecutor(
-        loaded,
-        config,
-        device=device,
-        progress=progress,
-        journal=journal,
-        seed=seed,
-        weights=weights,
-    )
+    return LlamaExecutor(loaded, config, device=device, progress=progress, journal=journal)

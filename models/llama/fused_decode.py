@@ -1,5 +1,9 @@
 """The fused decode path: every decoder layer of a few-row float32 decode step in one native call.
 
+Projections held in quantized blocks (`--weights stored`) run the same stack over a parts
+table (`native_kernels.stack_parts_table`): each block is unpacked in registers as it
+streams, with float32 activations and accumulators, so a decode step reads the file's bytes.
+
 Why: at batch 1 the per-op path runs about 1,000 small torch ops a step (norms, rotary,
 views, copies, residual adds) around the weight-streaming products; their overhead is a
 third of the step. `runtime/backends/native/fused_decode_layers.c` runs the whole stack in
@@ -26,7 +30,12 @@ from models.llama.config import LlamaArgs
 from models.llama.kernels import FUSED_MAX_ROWS
 from models.llama.layers import DecoderLayer, Projection
 from runtime.backends import native_kernels
-from runtime.backends.native_kernels import STACK_TABLE_WIDTH, DecodeStackGeometry
+from runtime.backends.native_kernels import (
+    STACK_MAX_PARTS,
+    STACK_TABLE_WIDTH,
+    DecodeStackGeometry,
+    StackPart,
+)
 
 
 class StackSource(Protocol):
@@ -67,27 +76,51 @@ def fused_unsupported_reason(model: StackSource) -> str | None:
     for layer in model.layers:
         for name in _PROJECTIONS:
             held = getattr(layer, name, None)
-            if isinstance(held, Projection) and held.blocks is not None:
-                return f"the fused decode stack reads float32 weights, {name} is in blocks"
+            if (
+                isinstance(held, Projection)
+                and held.blocks is not None
+                and len(held.blocks) > STACK_MAX_PARTS
+            ):
+                return (
+                    f"the fused decode stack takes at most {STACK_MAX_PARTS} block parts per "
+                    f"projection, {name} has {len(held.blocks)}"
+                )
     return native_kernels.unavailable_reason()
 
 
 def _layer_addresses(layer: DecoderLayer, cache: LayerCache) -> list[int]:
-    """One row of the kernel's layer table (order fixed by `fused_decode_layers.c`)."""
-    weights = [
+    """One row of the kernel's layer table (order fixed by `fused_decode_layers.c`); a
+    projection held in blocks has address 0 there (the parts table holds it)."""
+    held: list[Projection | torch.Tensor] = [
         layer.input_layernorm.weight,
-        layer.wqkv.weight,
-        layer.wo.weight,
+        layer.wqkv,
+        layer.wo,
         layer.post_attention_layernorm.weight,
-        layer.w_gate_up.weight,
-        layer.w_down.weight,
+        layer.w_gate_up,
+        layer.w_down,
         cache[0],
         cache[1],
     ]
-    for tensor in weights:
+    addresses = []
+    for item in held:
+        if isinstance(item, Projection) and item.blocks is not None:
+            addresses.append(0)
+            continue
+        tensor = item.weight if isinstance(item, Projection) else item
         if tensor.dtype != torch.float32 or not tensor.is_contiguous():
             raise ValueError("the fused decode stack needs contiguous float32 weights and caches")
-    return [tensor.data_ptr() for tensor in weights]
+        addresses.append(tensor.data_ptr())
+    return addresses
+
+
+def _stack_parts(layer: DecoderLayer) -> list[list[StackPart]]:
+    """A layer's four projections as the mixed stack's parts (blocks, or the float weight)."""
+    parts: list[list[StackPart]] = []
+    for name in _PROJECTIONS:
+        projection = _projection(layer, name)
+        held = projection.blocks
+        parts.append(list(held) if held is not None else [projection.weight])
+    return parts
 
 
 class FusedDecodeStack:
@@ -122,10 +155,27 @@ class FusedDecodeStack:
         )
         self._table_for: tuple[LayerCache, ...] | None = None
         self._table = torch.empty(0, STACK_TABLE_WIDTH, dtype=torch.int64)
+        # Block weights run the mixed stack; its parts table holds their addresses, so it is
+        # built on first use after the plan laid the weights out, and again after they moved.
+        self._mixed = any(
+            _projection(layer, n).blocks is not None for layer in layers for n in _PROJECTIONS
+        )
+        self._parts: torch.Tensor | None = None
 
     def forget_addresses(self) -> None:
-        """Rebuild the layer table on the next call (the weights moved: sleep, wake)."""
+        """Rebuild the layer and parts tables on the next call (the weights moved: sleep,
+        wake, reload)."""
         self._table_for = None
+        self._parts = None
+
+    def _parts_table(self) -> torch.Tensor:
+        if self._parts is None:
+            self._parts = native_kernels.stack_parts_table(
+                self._geometry,
+                [_stack_parts(layer) for layer in self._layers],
+                self._layouts.tolist(),
+            )
+        return self._parts
 
     def runs(self, rows: int) -> bool:
         """Whether a decode of `rows` active rows takes this path (its bucket chose it)."""
@@ -163,16 +213,12 @@ class FusedDecodeStack:
         if geometry.block_size != block_size:
             geometry = attrs.evolve(geometry, block_size=block_size)
             self._geometry = geometry
-        self._kernel.unchecked(
-            geometry,
-            self._table_of(cache),
-            self._layouts,
-            x,
-            cos,
-            sin,
-            pages.contiguous(),
-            (pos + 1).contiguous(),
-        )
+        table, pages, n_keys = self._table_of(cache), pages.contiguous(), (pos + 1).contiguous()
+        if not self._mixed:
+            self._kernel.unchecked(geometry, table, self._layouts, x, cos, sin, pages, n_keys)
+        else:
+            parts = self._parts_table()
+            self._kernel.unchecked_mixed(geometry, table, parts, x, cos, sin, pages, n_keys)
         return x
 
 

@@ -8,6 +8,7 @@ argument is refused before weights load or device memory is touched.
 
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Mapping
 from pathlib import Path
@@ -126,11 +127,15 @@ def _hf_value(hf_config: Any, name: str) -> Any:
 
 
 def engine_model_name(hf_config: Any, override: str | None) -> str:
+    """What to load: `override` (the engine's model) unless it is a folder written from a
+    GGUF, whose config names the GGUF (`WEIGHTS_SOURCE_KEY`): then the GGUF's own blocks."""
+    source = _hf_value(hf_config, WEIGHTS_SOURCE_KEY)
+    if override is not None and not _names_source(override):
+        return override
+    if isinstance(source, str) and source:
+        return source
     if override is not None:
         return override
-    source = _hf_value(hf_config, WEIGHTS_SOURCE_KEY)
-    if isinstance(source, str) and source:
-        return source  # a folder written from a GGUF: serve the GGUF's own blocks
     for field in ("name_or_path", "_name_or_path"):
         value = _hf_value(hf_config, field)
         if isinstance(value, str | Path) and str(value):
@@ -139,6 +144,15 @@ def engine_model_name(hf_config: Any, override: str | None) -> str:
         "hf_config names no model (name_or_path is empty); pass model=<name or path> to "
         "initialize_vllm_model"
     )
+
+
+def _names_source(model: str) -> bool:
+    """Whether `model` is a folder whose config.json names a weights source."""
+    config = Path(model) / "config.json"
+    try:
+        return WEIGHTS_SOURCE_KEY in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 def check_hf_config(hf_config: Any, loaded: LoadedModel) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from models.llama.executor import LlamaExecutor, load_executor
@@ -11,6 +13,16 @@ from runtime.config import WarmupConfig
 
 BLOCK = 4
 CHUNK = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models are dominated by thread synchronisation; one thread is faster and steadier
+    (a module imports this fixture to use it)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def tiny_executor(

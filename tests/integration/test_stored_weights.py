@@ -17,6 +17,7 @@ import torch
 from models import load_executor
 from models.generation.generator import GenerationParams, Generator
 from models.llama import LlamaArgs, greedy_generate, load_model, random_state_dict
+from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.llama.kernels import KernelPlanError
 from models.llama.layers import Projection
 from tests.gguf_files import MIXED, write_llama_gguf
@@ -64,6 +65,31 @@ def test_mixed_file_keeps_q6k_parts_beside_q4k_in_one_fused_projection(files: Pa
     assert layer.wqkv.block_source == "Q4_K+Q6_K"  # v in Q6_K, q and k in Q4_K
     assert layer.wqkv.blocks is not None and len(layer.wqkv.blocks) == 2
     assert layer.w_down.block_source == "Q6_K"
+
+
+@pytest.mark.parametrize("qtype", [*STORED, MIXED])
+def test_the_fused_stack_over_blocks_gives_the_per_op_tokens(files: Path, qtype: str) -> None:
+    model = load_model(_gguf(files, qtype), weights="stored").model
+    reason = fused_unsupported_reason(model)
+    if reason is not None:
+        pytest.skip(f"the fused stack cannot run here ({reason}); install gcc")
+    per_op = greedy_generate(model, PROMPTS, 12)
+    stack = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4))
+    calls = []
+    hidden = stack.hidden
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(args[2].shape[0])
+        return hidden(*args)
+
+    stack.hidden = counted  # type: ignore[method-assign]
+    model.fused_decode = stack
+    try:
+        fused = greedy_generate(model, PROMPTS, 12)
+    finally:
+        model.fused_decode = None
+    assert calls and max(calls) == len(PROMPTS), calls  # every decode step took the stack
+    assert fused == per_op
 
 
 def test_types_without_block_kernels_are_dequantized_and_named(files: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from models.llama.executor import LlamaExecutor
 from models.llama.sources import load_model
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.weight_reload import WeightMismatchError
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
@@ -263,3 +265,48 @@ def test_failed_release_during_sleep_faults_and_close_retries() -> None:
     executor.close()
     assert executor.phase is Phase.TERMINAL
     assert device.live_allocations == 0
+
+
+def test_close_while_asleep_gives_the_model_back_its_kept_weights() -> None:
+    executor = tiny_executor(max_batch_size=2)
+    model = executor.loaded.model
+    executor.start()
+    kept = {k: v.clone() for k, v in model.resident_weights().items()}
+    executor.drain()
+    executor.sleep(1)
+    executor.close()
+    assert all(torch.equal(v, kept[k]) for k, v in model.resident_weights().items())
+    dropped = tiny_executor(max_batch_size=2)
+    dropped.start()
+    dropped.drain()
+    dropped.sleep(2)
+    dropped.close()  # dropped weights stay empty: zeros would compute gibberish silently
+    assert all(v.numel() == 0 for v in dropped.loaded.model.resident_weights().values())
+    assert dropped.device.live_allocations == 0
+
+
+def test_a_reload_that_moved_addresses_recaptures_the_traces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    executor = tiny_executor(trace_mode="decode_only", max_batch_size=2)
+    executor.start()
+    before = greedy(executor)
+    executor.drain()
+    residency = executor.residency
+    assert residency is not None
+    real = residency.reload
+
+    def moved(pairs: object) -> object:
+        return attrs.evolve(real(pairs), addresses_kept=False)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(residency, "reload", moved)
+    captured = executor.device.traces_captured_total  # type: ignore[attr-defined]
+    executor.reload_weights("tiny-random")
+    entry = [e for e in executor.journal if e.trigger == "reload_weights"][-1]
+    assert "addresses moved, traces recaptured" in entry.detail
+    assert executor.device.traces_captured_total > captured  # type: ignore[attr-defined]
+    assert executor.phase is Phase.DRAINED
+    executor.serve()
+    assert greedy(executor) == before
+    executor.close()
+    assert executor.device.live_allocations == 0

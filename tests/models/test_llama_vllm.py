@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from models.llama.vllm import (
     HostDecodeOutput,
     LlamaVLLMModel,
 )
-from models.llama.vllm_engine_args import HUB_ALIASES
+from models.llama.vllm_engine_args import HUB_ALIASES, WEIGHTS_SOURCE_KEY, engine_model_name
 from runtime.backends import TorchDevice
 
 TINY = LlamaArgs.tiny_random()
@@ -105,6 +107,23 @@ def test_bad_arguments_are_refused(
 
 def test_hub_ids_of_shipped_weights_are_aliased() -> None:
     assert HUB_ALIASES["HuggingFaceTB/SmolLM2-135M-Instruct"] == "smollm2-135m"
+
+
+def test_a_folder_written_from_a_gguf_serves_the_gguf(tmp_path: Path) -> None:
+    """vLLM passes its model folder as `model`; a folder that names its GGUF serves the
+    GGUF's blocks, any other folder itself."""
+    written, plain = tmp_path / "from-gguf", tmp_path / "plain"
+    for folder, config in (
+        (written, {WEIGHTS_SOURCE_KEY: "/models/x.Q4_1.gguf", "_name_or_path": "x"}),
+        (plain, {"_name_or_path": "y"}),
+    ):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    names_gguf = {WEIGHTS_SOURCE_KEY: "/models/x.Q4_1.gguf", "_name_or_path": str(written)}
+    assert engine_model_name(names_gguf, str(written)) == "/models/x.Q4_1.gguf"
+    assert engine_model_name(names_gguf, None) == "/models/x.Q4_1.gguf"
+    assert engine_model_name({"_name_or_path": str(plain)}, str(plain)) == str(plain)
+    assert engine_model_name(names_gguf, "tiny-random") == "tiny-random"  # a caller's choice
 
 
 def test_engine_geometry_is_adopted_and_bad_specs_change_nothing() -> None:

@@ -18,6 +18,7 @@ from models.generation import GenerationParams, Generator
 from models.llama.sources import load_model
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]
@@ -98,7 +99,7 @@ def test_a_reload_one_lane_refuses_changes_no_lane(group: LaneGroupExecutor) -> 
     group.drain()
     state = load_model("tiny-random", seed=1, with_tokenizer=False).model.canonical_state_dict()
     name = "model.norm.weight"
-    with pytest.raises(ValueError, match=r"'model\.norm\.weight'"):
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \[63\]"):
         group.reload_weights(dict(state, **{name: state[name][:-1]}))
     assert group.phase is Phase.DRAINED
     group.serve()

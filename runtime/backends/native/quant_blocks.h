@@ -45,6 +45,10 @@ typedef struct {
 #define QB_OUTS 4
 /* Output rows per tile: their blocks stay in L1/L2 while every group of 4 rows uses them. */
 #define QB_TILE 16
+/* Bytes ahead of the block being read that each weight row's stream is prefetched. */
+#ifndef QB_PREFETCH
+#define QB_PREFETCH 2048
+#endif
 
 static inline float qb_half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -194,6 +198,9 @@ static inline __attribute__((always_inline)) void qb_q4_tile(
     }
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b < nb; ++b) {
+        if ((b & 3) == 0)
+            for (int k = 0; k < NO; ++k)
+                _mm_prefetch((const char *)(qs + k * qs_stride + b * 16 + QB_PREFETCH), _MM_HINT_T0);
         __m512 xw[QB_ROWS], xl[QB_ROWS];
         for (int r = 0; r < R; ++r) {
             xw[r] = _mm512_loadu_ps(xt + r * ldx + b * 32);
@@ -229,6 +236,10 @@ static inline __attribute__((always_inline)) void qb_q8_tile(
         for (int r = 0; r < R; ++r) acc[k][r] = _mm512_setzero_ps();
     const int64_t chunks = block / 16;
     for (int64_t b = 0; b < nb; ++b) {
+        if ((b & 1) == 0)
+            for (int k = 0; k < NO; ++k)
+                _mm_prefetch((const char *)(qs + k * qs_stride + b * block + QB_PREFETCH),
+                             _MM_HINT_T0);
         __m512 part[QB_OUTS][QB_ROWS];
         for (int k = 0; k < NO; ++k)
             for (int r = 0; r < R; ++r) part[k][r] = _mm512_setzero_ps();
