@@ -25,6 +25,7 @@ from runtime.config import PageTableLayout
 from runtime.json_types import JSONValue
 from runtime.model_contract import PagedModel
 from runtime.paged_kv_cache import KVCacheHandle
+from runtime.program_compiler import CompiledProgram
 from runtime.weight_reload import ReloadPair
 from runtime.weight_residency import WeightResidency
 
@@ -41,6 +42,18 @@ def device_live_bytes(device: object) -> int | None:
     return None
 
 
+def programs_are_host_metadata(device: object) -> bool:
+    """Whether the device's compiled programs hold no device memory (through wrappers), so a
+    wake may adopt them instead of compiling every warmup case again."""
+    probe: object = device
+    while probe is not None:
+        held = getattr(type(probe), "programs_hold_device_memory", None)
+        if isinstance(held, bool):
+            return not held
+        probe = getattr(probe, "inner", None)
+    return False
+
+
 class ExecutorSleep(LifecycleHost):
     """Drain, sleep, wake and reload hooks over the lane's components and weights."""
 
@@ -54,6 +67,7 @@ class ExecutorSleep(LifecycleHost):
     _served_manifest: JSONValue = None
     """The coverage manifest served before the last sleep (a wake must recapture the same)."""
     _kv_handle: KVCacheHandle | None
+    _slept_programs: tuple[CompiledProgram, ...] = ()
     _lane_callbacks: LaneCallbacks
 
     # -- supplied by ModelExecutor ---------------------------------------------------------------
@@ -130,6 +144,8 @@ class ExecutorSleep(LifecycleHost):
         served = _manifest_json(self.components)
         if served is not None:
             self._served_manifest = served
+        compiled = self.components.program_compiler.compiled_programs
+        self._slept_programs = compiled if programs_are_host_metadata(self.device) else ()
         weights = 0
         if self.residency is not None and not self.residency.asleep:
             weights = self.residency.sleep(level)
@@ -159,6 +175,9 @@ class ExecutorSleep(LifecycleHost):
         manifest = self._served_manifest
         fresh = self._build_components()
         fresh.warmup.adopt_derivation(previous.warmup)
+        # Programs that are host metadata come back as they were: warmup's compile calls then
+        # find them, and the wake runs the model only to capture traces.
+        fresh.program_compiler.adopt(self._slept_programs)
         self._install_components(fresh)
         before = device_live_bytes(self.device)
         try:
