@@ -43,7 +43,7 @@ tests)
     step pytest_cuda 240 $PY -m pytest -q -p no:cacheprovider -o addopts="-ra" \
         tests/runtime/test_cuda_device.py tests/runtime/test_torch_device.py \
         tests/models/test_graph_safe.py tests/runtime/test_device_sampler.py \
-        tests/integration/test_cli.py
+        tests/integration/test_cli.py tests/models/test_executor_sleep_cuda.py
     ;;
 bench)
     MODEL=${MODEL:-smollm2-135m}

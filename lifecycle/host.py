@@ -12,16 +12,24 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from enum import Enum
 from typing import ClassVar, TypeVar
 
 from lifecycle.errors import attach_cleanup_failures, left_resources
 from lifecycle.journal import Journal
 from lifecycle.machine import MachineTable, StateMachine, guard_table, guarded
-from lifecycle.phases import HOST_TABLE, LIVE_PHASES, Phase
+from lifecycle.phases import AWAKE_PHASES, HOST_TABLE, LIVE_PHASES, START_PHASES, Phase
+from lifecycle.sleep_args import check_sleep_level, check_wake_tags
 
 T = TypeVar("T")
 
-_PRE_SERVING = tuple(phase for phase in LIVE_PHASES if phase is not Phase.SERVING)
+P = Phase
+_AFTER_START: dict[Enum, str] = {
+    phase: "the host has started; start() runs once"
+    for phase in LIVE_PHASES
+    if phase not in START_PHASES
+}
+_DRAIN_FIRST = "drain() first: nothing may be in flight"
 FAULT_ADVICE = (
     "call close(): it retries every release and ends the host (TERMINAL), or leaves it "
     "CLOSING when something still cannot be released (close() again retries); then "
@@ -52,6 +60,13 @@ class LifecycleHost:
         self._lifecycle: StateMachine = (table or self.PHASE_TABLE).build(
             owner=owner_name or type(self).__name__, journal=journal
         )
+        self._lifecycle.adjust_next_calls = self._adjust_next_calls
+
+    def _adjust_next_calls(self, state: Enum, calls: tuple[str, ...]) -> tuple[str, ...]:
+        """Onward calls that can succeed: no `serve()` while serving is blocked."""
+        if state is P.DRAINED and self._resume_blocked():
+            return tuple(call for call in calls if call != "serve")
+        return calls
 
     # -- introspection -------------------------------------------------------------------
 
@@ -128,6 +143,34 @@ class LifecycleHost:
         """What components hold that a failed release left behind (empty when nothing)."""
         return ()
 
+    def _do_drain(self) -> str:
+        """Complete or retire every in-flight lease and read (admission is already closed)."""
+        return ""
+
+    def _do_sleep(self, level: int) -> str:
+        """Release traces, programs and the KV cache; move or drop the weights (`level`)."""
+        return ""
+
+    def _do_wake_weights(self) -> str:
+        """Bring the weights (and every non-weight buffer) back onto the device."""
+        return ""
+
+    def _do_wake_kv_cache(self) -> str:
+        """Allocate the KV cache, warm up and capture again, as start-up does."""
+        return ""
+
+    def _prepare_reload(self, source: object) -> object:
+        """Check `source` against the resident weights before any device work."""
+        return source
+
+    def _do_reload_weights(self, prepared: object) -> str:
+        """Copy checked weights in place."""
+        return ""
+
+    def _resume_blocked(self) -> str | None:
+        """Why DRAINED may not serve yet (e.g. level-2 weights not reloaded), or None."""
+        return None
+
     # -- faults ----------------------------------------------------------------------------
 
     def _fault_if_holding(self, operation: str, error: BaseException) -> None:
@@ -192,18 +235,21 @@ class LifecycleHost:
             )
         self._transact("capture", self._do_capture)
 
-    @guarded(Phase.COMPILED, Phase.CAPTURED)
+    @guarded(Phase.COMPILED, Phase.CAPTURED, Phase.DRAINED)
     def serve(self) -> None:
-        """COMPILED (no traces) or CAPTURED -> SERVING."""
+        """COMPILED (no traces) or CAPTURED -> SERVING; DRAINED -> SERVING resumes."""
         if self.phase is Phase.COMPILED and self._requires_capture():
             raise self._lifecycle.refusal(
                 "serve", {Phase.CAPTURED}, reason="traces must be captured first; call capture()"
             )
+        blocked = self._resume_blocked() if self.phase is Phase.DRAINED else None
+        if blocked:
+            raise self._lifecycle.refusal("serve", {Phase.DRAINED}, reason=blocked)
         self._transact("serve", self._do_serve)
 
     @guarded(
-        *_PRE_SERVING,
-        reasons={Phase.SERVING: "the host is already serving; start() runs once"},
+        *START_PHASES,
+        reasons={**_AFTER_START, Phase.SERVING: "the host is already serving; start() runs once"},
     )
     def start(self) -> None:
         """Run every phase from wherever the host is up to SERVING (once: refused after)."""
@@ -221,6 +267,89 @@ class LifecycleHost:
             self.serve()
         if self.phase is not Phase.SERVING:
             raise self._lifecycle.refusal("start", {Phase.SERVING} - {self.phase})
+
+    # -- drain, sleep, wake, reload ------------------------------------------------------------
+
+    @guarded(P.SERVING, P.DRAINING, P.DRAINED, P.SLEEPING, P.WEIGHTS_AWAKE)
+    def drain(self) -> None:
+        """SERVING -> DRAINING (admission closed) -> DRAINED (in-flight work retired).
+
+        A failed retirement leaves DRAINING, where `drain()` again retries; in DRAINED and
+        while asleep there is nothing in flight and the call is a journaled no-op.
+        """
+        if self.phase not in (P.SERVING, P.DRAINING):
+            self._lifecycle.note("drain", f"nothing in flight in {self.phase.name}")
+            return
+        if self.phase is P.SERVING:
+            self._lifecycle.fire("drain", detail="admission closed")
+        self._transact("drained", self._do_drain)
+
+    @guarded(
+        P.DRAINED,
+        P.WEIGHTS_AWAKE,
+        P.SLEEPING,
+        reasons={P.SERVING: _DRAIN_FIRST, P.DRAINING: "drain() has not finished; call drain()"},
+    )
+    def sleep(self, level: int = 1) -> None:
+        """DRAINED or WEIGHTS_AWAKE -> SLEEPING; a no-op (journaled) while SLEEPING.
+
+        Level 1 keeps the weights in host memory; level 2 drops them (`reload_weights`
+        after the weights wake). Non-weight buffers are kept at both levels.
+        """
+        level = check_sleep_level(level)
+        if self.phase is P.SLEEPING:
+            self._lifecycle.note("sleep", f"already SLEEPING; sleep(level={level}) changes nothing")
+            return
+        self._transact("sleep", lambda: self._do_sleep(level))
+
+    @guarded(P.SLEEPING, P.WEIGHTS_AWAKE, *AWAKE_PHASES)
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Wake the named stages in order: weights (-> WEIGHTS_AWAKE), then the KV cache
+        (allocate, warm up, capture: -> DRAINED, then SERVING unless serving is blocked).
+
+        None wakes both. A stage already awake is a journaled no-op.
+        """
+        wanted = check_wake_tags(tags)
+        if self.phase in AWAKE_PHASES:
+            self._lifecycle.note("wake", f"already awake in {self.phase.name}")
+            return
+        if self.phase is P.SLEEPING and "weights" not in wanted:
+            raise self._lifecycle.refusal(
+                "wake",
+                {P.WEIGHTS_AWAKE},
+                reason="wake(tags=('kv_cache',)) needs the weights awake first: call "
+                "wake(tags=('weights',)) or wake()",
+            )
+        if self.phase is P.SLEEPING:
+            self._transact("wake_weights", self._do_wake_weights)
+        elif "weights" in wanted:
+            self._lifecycle.note("wake", "the weights are already awake")
+        if "kv_cache" in wanted:
+            self._transact("wake_kv_cache", self._do_wake_kv_cache)
+            self._resume_after_wake()
+
+    def _resume_after_wake(self) -> None:
+        blocked = self._resume_blocked()
+        if blocked:
+            self._lifecycle.note("serve", f"stays DRAINED: {blocked}")
+            return
+        self._transact("serve", self._do_serve)
+
+    @guarded(
+        P.DRAINED,
+        P.WEIGHTS_AWAKE,
+        reasons={
+            P.SERVING: _DRAIN_FIRST,
+            P.SLEEPING: "the weights are asleep: call wake(tags=('weights',)) first",
+        },
+    )
+    def reload_weights(self, source: object) -> None:
+        """Replace the weights in place from `source` (same names, shapes and dtypes).
+
+        Checked before any device work; a mismatch is refused naming the first tensor.
+        """
+        prepared = self._prepare_reload(source)
+        self._transact("reload_weights", lambda: self._do_reload_weights(prepared))
 
     def close(self) -> None:
         """Release everything; legal in every phase, idempotent once TERMINAL.

@@ -116,12 +116,14 @@ class _StateHolder:
 class StateMachine:
     """One owner's live machine: current state, guarded refusals, transactional triggers."""
 
-    __slots__ = ("_holder", "_machine", "journal", "owner", "table")
+    __slots__ = ("_holder", "_machine", "adjust_next_calls", "journal", "owner", "table")
 
     def __init__(self, table: MachineTable, *, owner: str, journal: Journal | None) -> None:
         self.table = table
         self.owner = owner
         self.journal = journal if journal is not None else Journal()
+        self.adjust_next_calls: Callable[[Enum, tuple[str, ...]], tuple[str, ...]] | None = None
+        """The owner's say on its onward calls in a state (drops one that would be refused)."""
         self._holder = _StateHolder()
         self._machine = Machine(
             model=self._holder,
@@ -147,7 +149,9 @@ class StateMachine:
 
     def next_calls(self) -> tuple[str, ...]:
         """The calls that move the owner onwards from where it is now."""
-        return self.table.spec(self._holder.state).next_calls
+        state = self._holder.state
+        calls = self.table.spec(state).next_calls
+        return calls if self.adjust_next_calls is None else self.adjust_next_calls(state, calls)
 
     def refusal(
         self,
@@ -238,6 +242,20 @@ class StateMachine:
             detail=detail,
         )
         return dest
+
+    def note(self, operation: str, detail: str) -> None:
+        """Journal a call that is legal here but has nothing to do (an idempotent no-op)."""
+        state = _name(self._holder.state)
+        self.journal.record(
+            machine=self.owner,
+            trigger=operation,
+            source=state,
+            dest=state,
+            started=now(),
+            duration_s=0.0,
+            outcome=Outcome.OK,
+            detail=f"no-op: {detail}",
+        )
 
     def transact(
         self,

@@ -8,7 +8,7 @@ or transitions themselves.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 from lifecycle.machine import MachineTable, StateSpec, TransitionSpec
 
@@ -23,6 +23,10 @@ class Phase(StrEnum):
     COMPILED = "COMPILED"
     CAPTURED = "CAPTURED"
     SERVING = "SERVING"
+    DRAINING = "DRAINING"
+    DRAINED = "DRAINED"
+    SLEEPING = "SLEEPING"
+    WEIGHTS_AWAKE = "WEIGHTS_AWAKE"
     CLOSING = "CLOSING"
     FAULTED = "FAULTED"
     TERMINAL = "TERMINAL"
@@ -45,6 +49,10 @@ PHASE_DESCRIPTIONS: dict[Phase, str] = {
     Phase.COMPILED: "every configured program compiled (warmup complete)",
     Phase.CAPTURED: "traces captured; the compile gate is closed",
     Phase.SERVING: "requests may run",
+    Phase.DRAINING: "admission closed; in-flight leases and reads completing",
+    Phase.DRAINED: "nothing in flight; weights, KV cache and traces resident",
+    Phase.SLEEPING: "traces, programs, KV cache and weights off the device",
+    Phase.WEIGHTS_AWAKE: "weights on the device; KV cache and traces still asleep",
     Phase.CLOSING: "cleanup ran but left resources; close() again retries",
     Phase.FAULTED: "a failed call left resources unreleased; only close() is legal",
     Phase.TERMINAL: "everything released; construct a new host",
@@ -57,7 +65,11 @@ GENERIC_NEXT_CALLS: dict[Phase, tuple[str, ...]] = {
     Phase.ALLOCATED: ("compile",),
     Phase.COMPILED: ("capture", "serve"),
     Phase.CAPTURED: ("serve",),
-    Phase.SERVING: ("close",),
+    Phase.SERVING: ("drain", "close"),
+    Phase.DRAINING: ("drain", "close"),
+    Phase.DRAINED: ("serve", "sleep", "reload_weights", "close"),
+    Phase.SLEEPING: ("wake", "close"),
+    Phase.WEIGHTS_AWAKE: ("reload_weights", "wake", "sleep", "close"),
     Phase.CLOSING: ("close",),
     Phase.FAULTED: ("close",),
     Phase.TERMINAL: (),
@@ -71,7 +83,26 @@ LIVE_PHASES = _LIVE = (
     Phase.COMPILED,
     Phase.CAPTURED,
     Phase.SERVING,
+    Phase.DRAINING,
+    Phase.DRAINED,
+    Phase.SLEEPING,
+    Phase.WEIGHTS_AWAKE,
 )
+START_PHASES = LIVE_PHASES[: LIVE_PHASES.index(Phase.SERVING)]
+"""Where `start()` may run from: the start-up phases before SERVING."""
+AWAKE_PHASES = (Phase.SERVING, Phase.DRAINING, Phase.DRAINED)
+"""Phases where weights and the KV cache are on the device (a `wake()` there is a no-op)."""
+
+NOT_SERVING: dict[Enum, str] = {
+    Phase.DRAINING: "admission is closed while draining; call drain() to finish",
+    Phase.DRAINED: "the host is drained; call serve() to resume",
+    Phase.SLEEPING: "the host is asleep; call wake()",
+    Phase.WEIGHTS_AWAKE: (
+        "only the weights are awake; the KV cache and traces are not: call "
+        "wake(tags=('kv_cache',)) first"
+    ),
+}
+"""Why a request call is refused after start-up (the reason its `PhaseError` carries)."""
 
 HOST_TRANSITIONS: tuple[TransitionSpec, ...] = (
     TransitionSpec("resolve_capacity", (Phase.CONSTRUCTED,), Phase.CAPACITY_RESOLVED),
@@ -79,7 +110,16 @@ HOST_TRANSITIONS: tuple[TransitionSpec, ...] = (
     TransitionSpec("allocate", (Phase.SEALED,), Phase.ALLOCATED),
     TransitionSpec("compile", (Phase.ALLOCATED,), Phase.COMPILED, "warmup complete"),
     TransitionSpec("capture", (Phase.COMPILED,), Phase.CAPTURED, "trace mode decode_only/all"),
-    TransitionSpec("serve", (Phase.COMPILED, Phase.CAPTURED), Phase.SERVING),
+    TransitionSpec("serve", (Phase.COMPILED, Phase.CAPTURED, Phase.DRAINED), Phase.SERVING),
+    TransitionSpec("drain", (Phase.SERVING,), Phase.DRAINING, "admission closed"),
+    TransitionSpec("drained", (Phase.DRAINING,), Phase.DRAINED, "in-flight work retired"),
+    TransitionSpec("sleep", (Phase.DRAINED, Phase.WEIGHTS_AWAKE), Phase.SLEEPING),
+    TransitionSpec("wake_weights", (Phase.SLEEPING,), Phase.WEIGHTS_AWAKE),
+    TransitionSpec(
+        "wake_kv_cache", (Phase.WEIGHTS_AWAKE,), Phase.DRAINED, "allocate, warm up, capture"
+    ),
+    TransitionSpec("reload_weights", (Phase.DRAINED,), Phase.DRAINED, "in place"),
+    TransitionSpec("reload_weights", (Phase.WEIGHTS_AWAKE,), Phase.WEIGHTS_AWAKE, "in place"),
     TransitionSpec("fault", _LIVE, Phase.FAULTED, "work left resources unreleased"),
     TransitionSpec(
         "close_incomplete", (*_LIVE, Phase.CLOSING, Phase.FAULTED), Phase.CLOSING, "orphans left"

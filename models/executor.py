@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Literal, Unpack, overload
 
 import attrs
 import torch
 
-from lifecycle import LifecycleHost, Phase, guarded, host_table
+from lifecycle import Phase, guarded, host_table
 from lifecycle.journal import Journal
+from lifecycle.phases import NOT_SERVING
 from models.executor_config import ModelExecutorConfig as ModelExecutorConfig
 from models.executor_config import require_exact_type
+from models.executor_sleep import ExecutorSleep
 from models.lane_capacity import KVCapacityError as KVCapacityError
 from models.lane_capacity import (
     check_kv_memory,
@@ -28,7 +31,7 @@ from models.lane_capacity import (
     check_warmup_extent,
     server_cache_blocks,
 )
-from models.lane_components import LaneCallbacks, build_lane_components
+from models.lane_components import LaneCallbacks, LaneComponents, build_lane_components
 from models.progress import ProgressSink, as_progress
 from runtime.backends.base import Device, Event
 from runtime.backends.memory import format_bytes
@@ -49,6 +52,7 @@ from runtime.sampling import BufferedSampler, SamplingParams
 from runtime.steps import DecodeStep
 from runtime.validation import require_bool
 from runtime.warmup_manifest import CoverageManifest
+from runtime.weight_residency import WeightResidency
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +65,11 @@ _NEXT_CALLS = {
     P.SEALED: ("start", "allocate_kv_cache"),
     P.ALLOCATED: ("start", "warmup_prefill", "warmup_decode"),
     P.CAPTURED: ("start", "serve"),
-    P.SERVING: ("prefill_forward", "decode_forward", "close"),
+    P.SERVING: ("prefill_forward", "decode_forward", "drain", "close"),
 }
+_NOT_SERVING = NOT_SERVING
+
+_ASLEEP: dict[Enum, str] = {phase: _NOT_SERVING[phase] for phase in (P.SLEEPING, P.WEIGHTS_AWAKE)}
 # The onward calls from COMPILED depend on the trace mode: only one of capture()/serve() can
 # succeed there, and errors and `bringup` list exactly the calls that can.
 EAGER_EXECUTOR_TABLE = host_table(
@@ -84,7 +91,7 @@ class PreflightedPrefill:
     lane: int
 
 
-class ModelExecutor(LifecycleHost):
+class ModelExecutor(ExecutorSleep):
     """One lane: composition, phase-guarded calls, and cleanup in the seed's order."""
 
     PHASE_TABLE = EXECUTOR_TABLE
@@ -118,19 +125,32 @@ class ModelExecutor(LifecycleHost):
         self.progress: ProgressSink = as_progress(progress)
         kv = config.paged_kv_cache
         self.page_table_layout = config.page_table_layout(kv.num_blocks or kv.max_num_blocks)
-        components = build_lane_components(
-            model,
-            config,
-            layout=self.page_table_layout,
-            device=device,
-            journal=self.journal,
-            owner_name=owner_name,
-            callbacks=LaneCallbacks(
-                ensure_sampling_buffers=self.ensure_sampling_buffers,
-                validate_bound_cache=self._validate_cache_argument,
-                progress=self.progress,
-            ),
+        self._lane_callbacks = LaneCallbacks(
+            ensure_sampling_buffers=self.ensure_sampling_buffers,
+            validate_bound_cache=self._validate_cache_argument,
+            progress=self.progress,
         )
+        self._kv_handle: KVCacheHandle | None = None
+        self.kv_generation = 0
+        """Counts KV allocations: block tables of an older generation describe lost contents."""
+        resident = callable(getattr(model, "resident_weights", None))
+        self.residency = WeightResidency(model) if resident else None  # type: ignore[arg-type]
+        self._install_components(self._build_components())
+
+    def _build_components(self) -> LaneComponents:
+        """Fresh runtime components of this lane (start-up, and each wake of the KV cache)."""
+        return build_lane_components(
+            self.model,
+            self.config,
+            layout=self.page_table_layout,
+            device=self.device,
+            journal=self.journal,
+            owner_name=self.owner_name,
+            callbacks=self._lane_callbacks,
+        )
+
+    def _install_components(self, components: LaneComponents) -> None:
+        """Make `components` the lane's own (the executor releases them)."""
         self.components = components
         self.kv_cache_manager = components.kv_cache_manager
         self.output_reader = components.output_reader
@@ -141,9 +161,20 @@ class ModelExecutor(LifecycleHost):
         self.trace_compiler = components.trace_compiler
         self.traced_executor = components.traced_executor
         self.warmup = components.warmup
-        self._kv_handle: KVCacheHandle | None = None
-        traced = self.traced_executor if config.trace.decode_enabled else None
+        traced = self.traced_executor if self.config.trace.decode_enabled else None
         self._decode_target: EagerExecutor | TracedExecutor = traced or self.eager_executor
+
+    def _release_sampling(self) -> Callable[[], object] | None:
+        """The sampler's release, when this lane samples on the device."""
+        return self._sampler().release if self.config.device_sampling_enabled else None
+
+    def _warm_and_capture(self) -> None:
+        """Every configured warmup, then capture when traced (the KV stage of a wake)."""
+        self._prefill_warmup(None, None, None)
+        self._decode_warmup(None, None, None)
+        if self.config.traced:
+            with self.progress.step("capture traces"):
+                self.warmup.capture_pending_traces()
 
     # -- geometry ---------------------------------------------------------------------------------
 
@@ -177,7 +208,7 @@ class ModelExecutor(LifecycleHost):
         """Traced coverage after capture, else the eager coverage warmup compiled."""
         if self.warmup.coverage_manifest is not None:
             return self.warmup.coverage_manifest
-        if self.phase in (P.COMPILED, P.CAPTURED, P.SERVING):
+        if self.phase in (P.COMPILED, P.CAPTURED, P.SERVING, P.DRAINING, P.DRAINED):
             return self.warmup.eager_manifest()
         return None
 
@@ -230,6 +261,7 @@ class ModelExecutor(LifecycleHost):
         manager = self.kv_cache_manager
         with self.progress.step("allocate KV cache") as step:
             self._kv_handle = manager.allocate()
+            self.kv_generation += 1
             step.advance(0, f"{format_bytes(manager.nbytes)} in {num_blocks} blocks")
         return (
             f"KV {manager.nbytes} bytes in {manager.config.num_blocks} blocks x "
@@ -288,7 +320,7 @@ class ModelExecutor(LifecycleHost):
             )
         sampler.materialize(self.device)
 
-    @guarded(*_SETUP)
+    @guarded(*_SETUP, reasons=_ASLEEP)
     def compile_prefill(
         self, *, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
     ) -> tuple[CompiledProgram, ...]:
@@ -299,7 +331,7 @@ class ModelExecutor(LifecycleHost):
             batch = self.eager_executor.prefill_batch("compile_prefill", arguments)
             return (target or self.eager_executor).compile_prefill_batch(batch)
 
-    @guarded(*_SETUP)
+    @guarded(*_SETUP, reasons=_ASLEEP)
     def compile_decode(
         self, *, kv_cache: object = None, **arguments: Unpack[DecodeArguments]
     ) -> CompiledProgram:
@@ -371,7 +403,7 @@ class ModelExecutor(LifecycleHost):
         chosen = f"; {kernels['summary']}" if isinstance(kernels, dict) else ""
         return f"{programs} programs compiled in {seconds:.2f} s{chosen}"
 
-    @guarded(*_SETUP)
+    @guarded(*_SETUP, reasons=_ASLEEP)
     def warmup_prefill(
         self,
         *,
@@ -384,7 +416,7 @@ class ModelExecutor(LifecycleHost):
             self._prefill_warmup(kv_cache, can_sample_on_device, enable_trace)
         self._after_warmup()
 
-    @guarded(*_SETUP)
+    @guarded(*_SETUP, reasons=_ASLEEP)
     def warmup_decode(
         self,
         *,
@@ -493,7 +525,7 @@ class ModelExecutor(LifecycleHost):
             )
         return self.traced_executor
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     def prefill_forward(
         self,
         *,
@@ -516,7 +548,7 @@ class ModelExecutor(LifecycleHost):
             self._fault_if_holding("prefill_forward", error)
             raise
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     def decode_forward(
         self,
         *,
@@ -541,7 +573,7 @@ class ModelExecutor(LifecycleHost):
             self._fault_if_holding("decode_forward", error)
             raise
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     def decode_step(self, step: DecodeStep) -> object:
         """`decode_forward` of a typed step (what a lane group sends its lanes).
 
@@ -562,7 +594,7 @@ class ModelExecutor(LifecycleHost):
             self._fault_if_holding("decode_forward", error)
             raise
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     @overload
     def read_decode_output(
         self, raw: object, *, async_read: Literal[True]
@@ -581,7 +613,7 @@ class ModelExecutor(LifecycleHost):
             self._fault_if_holding("read_decode_output", error)
             raise
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     def process_decode_output_host(
         self, host_value: object, *, is_tokens: bool = False
     ) -> DecodeHostOutput:
@@ -592,7 +624,7 @@ class ModelExecutor(LifecycleHost):
             self._fault_if_holding("process_decode_output_host", error)
             raise
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     def preflight_prefill(
         self, *, lane: int = 0, kv_cache: object = None, **arguments: Unpack[PrefillArguments]
     ) -> PreflightedPrefill:
@@ -604,7 +636,7 @@ class ModelExecutor(LifecycleHost):
         prepared = traced.preflight_prefill(self.eager_executor.prepare_prefill(batch))
         return PreflightedPrefill(prepared, batch.batch_size, batch.sampling_params, lane)
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=_NOT_SERVING)
     def execute_preflighted_prefill(self, *, preflighted: PreflightedPrefill) -> PrefillOutput:
         """Replay a request `preflight_prefill` accepted (rows in source order)."""
         if not isinstance(preflighted, PreflightedPrefill):
@@ -641,18 +673,8 @@ class ModelExecutor(LifecycleHost):
         return self.components.held_resources()
 
     def _do_close(self) -> Sequence[BaseException]:
-        sampling = self._sampler().release if self.config.device_sampling_enabled else None
-        steps = self.components.cleanup_steps(sampling)
-        failures: list[BaseException] = []
-        for name, step in steps:
-            try:
-                step()
-            except BaseException as error:
-                logger.warning("%s: cleanup of %s failed: %s", self.owner_name, name, error)
-                failures.append(error)
-        if not failures:
-            self._kv_handle = None
-        return failures
+        failures = self._release_components()
+        return failures or self._return_weights()
 
 
 def _same(detail: str) -> str:

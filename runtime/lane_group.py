@@ -18,9 +18,10 @@ from typing import TypeVar, Unpack
 import attrs
 import torch
 
-from lifecycle import LifecycleHost, Phase, PhaseError, guarded
+from lifecycle import Phase, PhaseError, guarded
 from lifecycle.errors import attach_cleanup_failures
 from lifecycle.journal import Journal
+from lifecycle.phases import NOT_SERVING
 from runtime.config import TraceConfig
 from runtime.decode_batch import DecodeArguments
 from runtime.lane_routing import (
@@ -48,6 +49,7 @@ from runtime.lanes.boundary import (
     check_traced_executions,
 )
 from runtime.lanes.fanout import LaneFanOut, close_all
+from runtime.lanes.group_sleep import GroupSleep
 from runtime.lanes.group_table import (
     BEFORE_ALLOCATED,
     GROUP_TABLE,
@@ -67,7 +69,7 @@ T = TypeVar("T")
 P = Phase
 
 
-class LaneGroupExecutor(LaneGroupView, LifecycleHost):
+class LaneGroupExecutor(LaneGroupView, GroupSleep):
     """Data-parallel lanes behind one lane's API; global slots, per-lane KV caches."""
 
     PHASE_TABLE = GROUP_TABLE
@@ -105,6 +107,9 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self._boundary = GroupBoundary(owner_name, self.per_lane_max_batch_size)
         self._reset_owed = [False] * len(lanes)
         self._kv_handles: list[object] | None = None
+        self.kv_generation = 0
+        """Counts KV allocations (start-up and every wake): a generator's block tables of an
+        older generation describe contents that are gone."""
         self._kernels_shared = False
         self.requires_prefill_trace_warmup = True
         self.step_host_seconds = 0.0
@@ -261,6 +266,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
     def _do_allocate(self) -> str:
         self._kv_handles = self._lanes.each("allocate_kv_cache")
+        self.kv_generation += 1
         self._refresh()
         return f"{len(self.lanes)} lanes allocated, {self.live_allocations} device tensors"
 
@@ -311,6 +317,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
                 for trigger in ("resolve_capacity", "seal", "allocate"):
                     self._lifecycle.fire(trigger, detail=f"{len(self.lanes)} lanes")
                 self._kv_handles = handles
+                self.kv_generation += 1
                 return handles
             if self.phase is P.CONSTRUCTED:
                 super(LaneGroupExecutor, self).resolve_capacity(None)
@@ -436,18 +443,19 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
         self._guard("capture", lambda: super(LaneGroupExecutor, self).capture())
 
     def _do_serve(self) -> str:
-        self._lanes.each("serve")
+        waiting = [i for i, fact in enumerate(self.facts) if fact.phase != P.SERVING.value]
+        self._lanes.each("serve", lanes=waiting)
         self._refresh()
         return f"{len(self.lanes)} lanes serving, {self.max_batch_size} global slots"
 
-    @guarded(P.COMPILED, P.CAPTURED)
+    @guarded(P.COMPILED, P.CAPTURED, P.DRAINED)
     def serve(self) -> None:
-        """COMPILED/CAPTURED -> SERVING on every lane."""
+        """COMPILED/CAPTURED -> SERVING on every lane; DRAINED -> SERVING resumes."""
         self._guard("serve", lambda: super(LaneGroupExecutor, self).serve())
 
     # -- prefill --------------------------------------------------------------------------------
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=NOT_SERVING)
     def prefill_forward(
         self,
         *,
@@ -505,7 +513,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
     # -- decode ---------------------------------------------------------------------------------
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=NOT_SERVING)
     def decode_forward(
         self,
         *,
@@ -561,7 +569,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
                 self._reset_owed[index] = True
         return active
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=NOT_SERVING)
     def read_decode_output(
         self, tt_out: object, *, async_read: bool = False
     ) -> list[object] | tuple[list[object], list[object]]:
@@ -579,7 +587,7 @@ class LaneGroupExecutor(LaneGroupView, LifecycleHost):
 
         return self._guard("read_decode_output", work)
 
-    @guarded(P.SERVING)
+    @guarded(P.SERVING, reasons=NOT_SERVING)
     def process_decode_output_host(self, tt_out: object, *, is_tokens: bool = False) -> LaneOutput:
         """Complete every lane's read concurrently and concatenate (int64 when tokens)."""
         hosts = one_per_lane("tt_out", tt_out, len(self.lanes))

@@ -10,7 +10,7 @@ attempt to compile a new one is refused and counted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import TypeVar
 
@@ -229,6 +229,20 @@ class ProgramCompiler:
         if signature is not None:
             self._check_collision(key, signature, program)
         return program
+
+    def adopt(self, programs: Iterable[CompiledProgram]) -> int:
+        """Register programs a released compiler of the same lane compiled, without running
+        them again (a wake's warmup then finds them compiled). Only for backends whose
+        programs are host metadata (`programs_hold_device_memory` false): a program is its
+        key, signature and output contract. Legal while the gate is open; returns the count."""
+        self._check_usable()
+        if self.gate_closed:
+            raise self._lifecycle.refusal("adopt", frozenset({CompilerState.OPEN}))
+        count = 0
+        for program in programs:
+            if self._programs.setdefault(program.key, program) is program:
+                count += 1
+        return count
 
     # -- compilation ----------------------------------------------------------------------------
 

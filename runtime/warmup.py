@@ -287,6 +287,12 @@ class WarmupCoordinator:
             self.kernel_choice = choose_model_kernels(self.config, self._progress)
         return self.kernel_choice
 
+    def adopt_derivation(self, previous: WarmupCoordinator) -> None:
+        """Reuse `previous`'s kernel choice and derived coverage (a wake re-warms the same
+        lane, so neither is measured or derived again)."""
+        self.kernel_choice = previous.kernel_choice
+        self._plans.update(previous._plans)
+
     # -- state ----------------------------------------------------------------------------------
 
     @property

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from models.cli.bringup_cycles import CycleRecord, cycle_steps
 from models.cli.bringup_report import (
     count_detail,
     counts,
@@ -33,6 +34,7 @@ from models.cli.loading import (
 )
 
 if TYPE_CHECKING:
+    from lifecycle.journal import JournalEntry
     from models.cli.executor_view import CliExecutor
     from runtime.warmup_manifest import CoverageManifest
 
@@ -51,10 +53,17 @@ def bringup(args: argparse.Namespace) -> int:
     executor = load_from_args(args, progress, faults=args.fault)
     if args.num_blocks is not None:
         _check_kv_memory(executor, args.num_blocks)
-    rows, manifest, failure = _run_steps(executor, _steps(executor, args.num_blocks))
+    record = CycleRecord()
+    rows, manifest, failure = _run_steps(executor, _steps(executor, args, record))
     close_progress(progress)
     print_table(rows)
     print()
+    if args.cycle and failure is None:
+        print(record.summary())
+        problem = record.verdict()
+        if problem is not None:
+            failure = ("cycles", RuntimeError(problem))
+        print()
     print_manifest(manifest, args.coverage_out)
     if failure is not None:
         print_failure(executor, *failure)
@@ -113,9 +122,18 @@ def _check_kv_memory(executor: CliExecutor, blocks: int) -> None:
         raise UsageError(f"--num-blocks {blocks}: {one_line(error)}") from error
 
 
-def _steps(executor: CliExecutor, num_blocks: int | None) -> list[Step]:
-    """The phase calls in lifecycle order (capture only for a traced executor)."""
+def _steps(executor: CliExecutor, args: argparse.Namespace, record: CycleRecord) -> list[Step]:
+    """The phase calls in lifecycle order (capture only for a traced executor), then the
+    request, `--cycle` sleep/wake cycles and close."""
     from runtime.config import TraceConfig
+
+    num_blocks = args.num_blocks
+
+    def request() -> str:
+        text = _bringup_request(executor)
+        if not record.outputs:
+            record.outputs.append(text)
+        return text
 
     steps: list[Step] = [
         ("resolve_capacity", lambda: executor.resolve_capacity(num_blocks)),
@@ -127,7 +145,15 @@ def _steps(executor: CliExecutor, num_blocks: int | None) -> list[Step]:
     if TraceConfig.of(executor.trace_mode).enabled:
         steps.append(("capture", executor.capture))
     steps.append(("serve", executor.serve))
-    steps.append(("request", lambda: _bringup_request(executor)))
+    steps.append(("request", request))
+    steps += cycle_steps(
+        executor,
+        cycles=args.cycle,
+        level=args.sleep_level,
+        source=args.model,
+        request=lambda: _bringup_request(executor),
+        record=record,
+    )
     steps.append(("close", executor.close))
     return steps
 
@@ -167,17 +193,32 @@ def _run_steps(
             result = call()
         except Exception as error:
             seconds = time.perf_counter() - clock
-            detail = journal_detail(executor.journal.entries[before:])
+            detail = journal_detail(_step_entries(executor, name, before))
             rows.append((name, f"{seconds:.3f}", f"FAILED: {one_line(error)} {detail}".strip()))
             return rows, manifest, (name, error)
         seconds = time.perf_counter() - clock
         parts = (
             count_detail(counted, counts(executor)) if name != "close" else "",
-            journal_detail(executor.journal.entries[before:]),
+            journal_detail(_step_entries(executor, name, before)),
             result if isinstance(result, str) else "",
         )
         rows.append((name, f"{seconds:.3f}", "; ".join(p for p in parts if p)))
     return rows, manifest, None
+
+
+def _step_entries(executor: CliExecutor, name: str, before: int) -> list[JournalEntry]:
+    """The journal entries of one step; a cycle step (`wake #2`) keeps the host's own and,
+    in a lane group, each lane host's (`lane0.LlamaExecutor`), whose details carry the bytes
+    released and restored (not every warmup case)."""
+    entries = list(executor.journal.entries[before:])
+    if "#" in name:
+        owner = executor.owner_name
+        entries = [
+            e
+            for e in entries
+            if e.machine == owner or (e.machine.startswith("lane") and e.machine.count(".") == 1)
+        ]
+    return entries
 
 
 def _close_after_failure(executor: CliExecutor) -> None:

@@ -39,7 +39,7 @@ class ArgumentSpec(TypedDict, total=False):
     """The `add_argument` keywords an option uses."""
 
     action: str
-    choices: Sequence[str]
+    choices: Sequence[object]
     default: object
     help: str
     metavar: str
@@ -187,6 +187,20 @@ OPTIONS: dict[str, ArgumentSpec] = {
         default=None,
         help="write the coverage manifest JSON to this file (its folder must exist)",
     ),
+    "--cycle": dict(
+        type=non_negative_int,
+        default=0,
+        help="after the bring-up request, run N drain/sleep/wake cycles, each with the same "
+        "request: per step its time and the bytes released and restored; while asleep the "
+        "device must hold no allocation and every cycle must answer as the first",
+    ),
+    "--sleep-level": dict(
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="sleep level of --cycle: 1 keeps the weights in host memory; 2 drops them and "
+        "each cycle wakes the weights, reloads them from --model, then wakes the KV cache",
+    ),
     # bench
     "--batch-sizes": dict(
         type=batch_sizes, default="1,8,32", help="comma-separated batch sizes to measure"
@@ -241,6 +255,8 @@ SUBCOMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
         "--warmup",
         "--fault",
         "--coverage-out",
+        "--cycle",
+        "--sleep-level",
         *COMMON_OPTIONS,
     ),
     "bench": (

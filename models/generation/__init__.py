@@ -6,6 +6,7 @@ detokenization with stop strings), `generator` (request validation, the public c
 """
 
 from models.generation.block_manager import BlockManager, BlockTable, NoFreeBlocksError
+from models.generation.drain import DrainResult, HandedBack
 from models.generation.generator import Generator
 from models.generation.params import GenerationParams
 from models.generation.results import Completion, GenerationStats, StreamEvent
@@ -19,11 +20,13 @@ __all__ = [
     "BlockTable",
     "ByteTokenizer",
     "Completion",
+    "DrainResult",
     "FinishReason",
     "GenerationParams",
     "GenerationStats",
     "GenerationStream",
     "Generator",
+    "HandedBack",
     "NoFreeBlocksError",
     "Scheduler",
     "SequenceState",

@@ -13,6 +13,7 @@ from typing import Protocol, TypeAlias
 import torch
 
 from models.generation.block_manager import BlockManager
+from models.generation.drain import DrainResult, drain_stream
 from models.generation.params import DEFAULT_TOP_K, GenerationParams
 from models.generation.prompt_ids import prompt_token_ids, text_tokenizer
 from models.generation.results import Completion, GenerationStats
@@ -78,6 +79,7 @@ class Generator:
         self.enable_prefix_cache = enable_prefix_cache
         self._tokenizer = tokenizer
         self._block_managers: tuple[BlockManager, ...] | None = None
+        self._kv_generation: object = None
         self._active: GenerationStream | None = None
         self.last_stats = GenerationStats()
 
@@ -132,7 +134,12 @@ class Generator:
     @property
     def block_managers(self) -> tuple[BlockManager, ...]:
         """One block manager and prefix cache per lane (a lane group's block ids are lane-local);
-        created once the executor's KV capacity is known."""
+        created once the executor's KV capacity is known, and again whenever the executor
+        allocated its KV cache anew (a wake): cached prefixes of the old cache are gone."""
+        generation = getattr(self.executor, "kv_generation", None)
+        if generation != self._kv_generation:
+            self._block_managers = None
+            self._kv_generation = generation
         if self._block_managers is None:
             num_blocks = self.executor.num_blocks
             block_size = self.executor.block_size
@@ -162,6 +169,25 @@ class Generator:
     def reset_after_failure(self) -> None:
         """Drop block tables whose KV contents are unknown after a failed device call."""
         self._block_managers = None
+
+    def drain(self, *, finish: bool = True) -> DrainResult:
+        """Drain the executor without losing a request of the running stream.
+
+        `finish=True` runs the stream to its end first; `finish=False` stops it between steps
+        and hands the unfinished requests back (`HandedBack.resume_token_ids`). Then the
+        executor drains (SERVING -> DRAINED).
+        """
+        if not isinstance(finish, bool):
+            raise TypeError(f"finish must be bool, got {finish!r}")
+        drain = getattr(self.executor, "drain", None)
+        if not callable(drain):
+            raise TypeError(f"{type(self.executor).__name__} has no drain()")
+        result = DrainResult((), ())
+        stream = self._active
+        if stream is not None and not stream.done:
+            result = drain_stream(stream, finish=finish)
+        drain()
+        return result
 
     # -- request validation ------------------------------------------------------------------------
 

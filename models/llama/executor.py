@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
@@ -19,6 +20,8 @@ from models.executor import ModelExecutor, ModelExecutorConfig
 from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
 from models.llama.kernels import KernelPlan, load_kernel_plan
 from models.llama.layers import Projection
+from models.llama.model import LlamaModel
+from models.llama.residency import check_state_dtypes
 from models.llama.sampling import LlamaSampler, SamplerConfig
 from models.llama.sources import LoadedModel, load_model
 from models.llama.tokenizer import LlamaTokenizer
@@ -73,6 +76,29 @@ class LlamaExecutor(ModelExecutor):
             outcome=Outcome.OK,
             detail=f"weights {loaded.weights}: {_megabytes(loaded.model.weight_bytes())} resident",
         )
+
+    def _prepare_reload(self, source: object) -> object:
+        """Accept a model name or path (loaded as this executor's weights are: same dtype
+        and weights mode), a `LoadedModel`, a `LlamaModel` or a canonical state dict."""
+        return super()._prepare_reload(self._reload_source(source))
+
+    def _reload_source(self, source: object) -> object:
+        model = self.loaded.model
+        if isinstance(source, LoadedModel):
+            return source.model
+        if isinstance(source, str | Path):
+            return load_model(
+                source,
+                dtype=model.dtype,
+                device="cpu",
+                seed=self.loaded.seed,
+                with_tokenizer=False,
+                weights=self.loaded.weights_mode,
+            ).model
+        if isinstance(source, Mapping):
+            check_state_dtypes(source, model.dtype)
+            return LlamaModel.from_state_dict(model.args, source, dtype=model.dtype)
+        return source
 
     def memory_summary(self) -> str:
         """Resident bytes of the weights, the KV cache and the workspace (for `bringup`)."""

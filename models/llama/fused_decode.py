@@ -156,12 +156,26 @@ class FusedDecodeStack:
         self._table_for: tuple[LayerCache, ...] | None = None
         self._table = torch.empty(0, STACK_TABLE_WIDTH, dtype=torch.int64)
         # Block weights run the mixed stack; its parts table holds their addresses, so it is
-        # built once the plan has laid the weights out (they do not move afterwards).
+        # built on first use after the plan laid the weights out, and again after they moved.
+        self._mixed = any(
+            _projection(layer, n).blocks is not None for layer in layers for n in _PROJECTIONS
+        )
         self._parts: torch.Tensor | None = None
-        if any(_projection(layer, n).blocks is not None for layer in layers for n in _PROJECTIONS):
+
+    def forget_addresses(self) -> None:
+        """Rebuild the layer and parts tables on the next call (the weights moved: sleep,
+        wake, reload)."""
+        self._table_for = None
+        self._parts = None
+
+    def _parts_table(self) -> torch.Tensor:
+        if self._parts is None:
             self._parts = native_kernels.stack_parts_table(
-                self._geometry, [_stack_parts(layer) for layer in layers], self._layouts.tolist()
+                self._geometry,
+                [_stack_parts(layer) for layer in self._layers],
+                self._layouts.tolist(),
             )
+        return self._parts
 
     def runs(self, rows: int) -> bool:
         """Whether a decode of `rows` active rows takes this path (its bucket chose it)."""
@@ -200,10 +214,11 @@ class FusedDecodeStack:
             geometry = attrs.evolve(geometry, block_size=block_size)
             self._geometry = geometry
         table, pages, n_keys = self._table_of(cache), pages.contiguous(), (pos + 1).contiguous()
-        if self._parts is None:
+        if not self._mixed:
             self._kernel.unchecked(geometry, table, self._layouts, x, cos, sin, pages, n_keys)
         else:
-            self._kernel.unchecked_mixed(geometry, table, self._parts, x, cos, sin, pages, n_keys)
+            parts = self._parts_table()
+            self._kernel.unchecked_mixed(geometry, table, parts, x, cos, sin, pages, n_keys)
         return x
 
 

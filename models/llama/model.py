@@ -43,6 +43,7 @@ from models.llama.config import LlamaArgs
 from models.llama.graph_safe import static_decode, static_prefill, stream_capturing
 from models.llama.kernel_hooks import KernelPlanHooks
 from models.llama.layers import DecoderLayer, Projection, rope_tables
+from models.llama.residency import forget_block_descriptors, reload_pairs, weight_tensors
 from models.llama.weights import (
     EMBED,
     FINAL_NORM,
@@ -56,6 +57,7 @@ from runtime.backends.heap import release_free_heap
 from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
 from runtime.quant.matrix import QuantizedMatrix
 from runtime.sampling.sampler import DeviceSampler
+from runtime.weight_reload import ReloadPair
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +237,32 @@ class LlamaModel(KernelPlanHooks, nn.Module):
             for suffix, tensor in layer.canonical_tensors().items():
                 out[layer_name(i, suffix)] = tensor
         return out
+
+    # ------------------------------------------------------------- residency (sleep/wake)
+    def resident_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight tensor as stored, by module name (what sleep moves)."""
+        return weight_tensors(self, oriented=False)
+
+    def resident_buffers(self) -> dict[str, torch.Tensor]:
+        """The non-weight tensors the forward reads: the rotary tables."""
+        return {"rope.cos": self._rope_cos, "rope.sin": self._rope_sin}
+
+    def reload_pairs(self, source: object) -> tuple[ReloadPair, ...]:
+        """This model's weights paired with `source`'s (another `LlamaModel`) for an in-place
+        reload; `WeightMismatchError` names the first tensor that differs."""
+        if not isinstance(source, LlamaModel):
+            raise TypeError(
+                f"source must be a LlamaModel (or, through LlamaExecutor.reload_weights, a "
+                f"model name, path or state dict), got {type(source).__name__}"
+            )
+        return reload_pairs(self, source)
+
+    def weights_moved(self) -> None:
+        """Forget cached weight addresses and the gather workspace (sleep, wake, reload)."""
+        forget_block_descriptors(self)
+        if self.fused_decode is not None:
+            self.fused_decode.forget_addresses()
+        self._workspace = None
 
     # ------------------------------------------------------------- contract: metadata
     @property

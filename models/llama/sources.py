@@ -125,6 +125,10 @@ class LoadedModel:
     weights: str = "float32"
     """How the weights are held: `stored` (with the GGUF types kept and dequantized), or the
     dtype every tensor was converted to."""
+    seed: int = 0
+    """The tiny-random seed (a reload by name draws the same weights)."""
+    weights_mode: WeightsMode = "stored"
+    """The `weights=` argument the load used (a reload by name uses it too)."""
 
 
 @attrs.frozen
@@ -244,5 +248,11 @@ def load_model(
         weights_held,
     )
     return LoadedModel(
-        model=model, args=args, tokenizer=loaded.tokenizer, source=source, weights=weights_held
+        model=model,
+        args=args,
+        tokenizer=loaded.tokenizer,
+        source=source,
+        weights=weights_held,
+        seed=seed,
+        weights_mode=weights,
     )

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import ClassVar, Literal, overload
 
 import attrs
@@ -44,6 +45,7 @@ from models.llama.vllm_engine_args import (
     engine_options,
 )
 from models.llama.vllm_outputs import DecodeOutput, HostDecodeOutput
+from models.vllm_sleep import FacadeSleepMode, SleepTarget
 from runtime.backends.base import Device, DeviceTensor
 from runtime.config import PagedKVCacheConfig, TraceConfig, require_positive_int
 from runtime.decode_staging import DecodeHostOutput
@@ -71,13 +73,14 @@ class _TargetHolder:
             logger.warning("dropped vLLM facade: cleanup failed: %s", error)
 
 
-class LlamaVLLMModel:
+class LlamaVLLMModel(FacadeSleepMode):
     """The model object a vLLM engine drives; one per engine, over one execution target."""
 
     model_capabilities: ClassVar[dict[str, bool]] = {
         "supports_prefix_caching": True,
         "supports_sample_on_device": True,
         "supports_async_decode": True,
+        "supports_sleep_mode": True,
     }
 
     def __init__(
@@ -217,6 +220,17 @@ class LlamaVLLMModel:
     def executor(self) -> LlamaExecutor:
         """The execution target the facade drives (a lane executor)."""
         return self._holder.target
+
+    @property
+    def sleep_target(self) -> SleepTarget:
+        """Sleep mode drives the execution target (`FacadeSleepMode`)."""
+        return self.executor
+
+    @property
+    def weights_source(self) -> str | Path:
+        """The weights this facade loaded (a path, or a preset's name)."""
+        source = self.loaded.source
+        return source.path if source.path is not None else source.name
 
     @property
     def phase(self) -> Phase:

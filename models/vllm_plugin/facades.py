@@ -8,8 +8,8 @@ the runner is typed against the contract rather than one family's class.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, Protocol, cast, overload
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, cast, overload, runtime_checkable
 
 import torch
 
@@ -98,6 +98,19 @@ class VLLMFacade(Protocol):
     def runtime_summary(self) -> Mapping[str, object]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SleepModeFacade(Protocol):
+    """A facade with vLLM's sleep mode (`models.vllm_sleep.FacadeSleepMode`)."""
+
+    def sleep(self, level: int = 1) -> None: ...
+    def wake_up(self, tags: Sequence[str] | None = None) -> object | None: ...
+    def reload_weights(
+        self,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights_path: str | None = None,
+    ) -> None: ...
 
 
 class VLLMFacadeClass(Protocol):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +49,7 @@ from models.vllm_plugin.device_sampling import (
     host_runtime_sampler,
     sample_rows_on_host,
 )
-from models.vllm_plugin.facades import FacadeOutput, VLLMFacade, facade_class
+from models.vllm_plugin.facades import FacadeOutput, SleepModeFacade, VLLMFacade, facade_class
 from models.vllm_plugin.pending_step import IssuedDecode, IssuedStep, PendingStep
 from models.vllm_plugin.sampling import (
     build_sampling_metadata,
@@ -266,6 +266,44 @@ class LLMRuntimeModelRunner:
                     num_blocks=self.decode_width,  # blocks per request: the page-table width
                     can_sample_on_device=self.device_sampling,
                 )
+
+    # -- sleep mode -----------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Finish the last step, then drain and sleep the facade's target (vLLM has paused
+        scheduling and aborted or finished every request first)."""
+        facade = self._sleep_mode()
+        self._finish_previous_step()
+        clock = time.perf_counter()
+        facade.sleep(level)
+        self.kv_cache = None
+        logger.info("llm-runtime asleep (level %d) in %.2f s", level, time.perf_counter() - clock)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """Wake `tags`; the KV stage hands back the handle every later step passes."""
+        clock = time.perf_counter()
+        handle = self._sleep_mode().wake_up(tags)
+        if handle is not None:
+            self.kv_cache = handle
+        logger.info(
+            "llm-runtime woke %s in %.2f s", tags or "everything", time.perf_counter() - clock
+        )
+
+    def reload_weights(
+        self,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None,
+        weights_path: str | None,
+    ) -> None:
+        self._sleep_mode().reload_weights(weights_iterator, weights_path)
+
+    def _sleep_mode(self) -> SleepModeFacade:
+        facade = self.facade
+        if not isinstance(facade, SleepModeFacade):
+            raise ValueError(
+                f"the facade {self.facade_name} has no sleep mode (sleep, wake_up, "
+                "reload_weights); start vLLM without --enable-sleep-mode"
+            )
+        return facade
 
     # -- one scheduler step ---------------------------------------------------------------------
 

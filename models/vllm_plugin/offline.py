@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict
 
@@ -53,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM's --no-async-scheduling (by default on where the facade has async decode)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="run the request list N times")
+    parser.add_argument(
+        "--sleep-cycle",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="with --enable-sleep-mode: after the first run, sleep at this level, wake the "
+        "weights, reload them (level 2), wake the KV cache, then run the requests again",
+    )
     return parser.parse_args(argv)
 
 
@@ -105,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(**_engine_options(args, has_tokenizer))
     startup = time.perf_counter() - clock
     runs = _timed_runs(llm, requests, has_tokenizer, args.repeat)
+    cycle: dict[str, float | bool] | None = None
+    if args.sleep_cycle is not None:
+        cycle = _sleep_cycle(llm, args.sleep_cycle)
+        runs += _timed_runs(llm, requests, has_tokenizer, 1)
     stats: dict[str, float] | None = None
     if args.platform == "llm-runtime":
         stats = llm.collective_rpc("runtime_stats")[0]
@@ -117,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "runtime_stats": stats,
         "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+        "sleep_cycle": cycle,
     }
     args.out.write_text(json.dumps(report))
     del llm
@@ -136,6 +149,8 @@ def _engine_options(args: argparse.Namespace, has_tokenizer: bool) -> dict[str, 
         "seed": 0,
         "disable_log_stats": False,
     }
+    if args.sleep_cycle is not None:
+        options["enable_sleep_mode"] = True
     if args.no_async_scheduling:
         options["async_scheduling"] = False
     for key, value in (
@@ -191,6 +206,24 @@ def _timed_runs(
             }
         )
     return runs
+
+
+def _sleep_cycle(llm: LLM, level: int) -> dict[str, float | bool]:
+    """vLLM's sleep mode, staged: each step's seconds and whether the engine said it slept."""
+    report: dict[str, float | bool] = {"level": level}
+
+    def step(name: str, call: Callable[[], object]) -> None:
+        clock = time.perf_counter()
+        call()
+        report[f"{name}_seconds"] = time.perf_counter() - clock
+        report[f"sleeping_after_{name}"] = bool(llm.llm_engine.is_sleeping())
+
+    step("sleep", lambda: llm.sleep(level=level))
+    step("wake_weights", lambda: llm.wake_up(tags=["weights"]))
+    if level == 2:
+        step("reload", lambda: llm.collective_rpc("reload_weights"))
+    step("wake_kv_cache", lambda: llm.wake_up(tags=["kv_cache"]))
+    return report
 
 
 def _sampling_options(request: Mapping[str, object]) -> dict[str, object]:

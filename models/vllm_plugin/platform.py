@@ -141,6 +141,11 @@ class RuntimePlatform:
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         adapt_config(vllm_config, super().check_and_update_config)  # type: ignore[misc]
 
+    def is_sleep_mode_available(self) -> bool:
+        """`--enable-sleep-mode`: the worker's facade sleeps and wakes through its lifecycle
+        (drain, sleep, staged wake, reload), whatever vLLM's platform would say."""
+        return True
+
     @classmethod
     def validate_request(
         cls, processed_inputs: EngineInput | None, params: SamplingParams | PoolingParams | None

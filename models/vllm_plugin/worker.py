@@ -9,6 +9,7 @@ so vLLM's arithmetic turns it back into that count; vLLM's memory profiler never
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,11 +152,30 @@ class LLMRuntimeWorker(WorkerBase):  # type: ignore[misc]
     def reset_prefix_cache(self) -> None:
         """The KV contents stay valid; vLLM's own block pool forgets its hashes."""
 
+    def reset_encoder_cache(self) -> None:
+        """No encoder, so no encoder cache (vLLM resets it when it pauses for sleep)."""
+
     def sleep(self, level: int = 1) -> None:
-        logger.warning("sleep mode is not supported by the llm-runtime worker; ignored")
+        """vLLM's sleep (`--enable-sleep-mode`): the facade target drains and sleeps."""
+        self.runner.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        logger.warning("sleep mode is not supported by the llm-runtime worker; ignored")
+        """Wake `tags` ("weights", then "kv_cache"; None: both) in the facade target."""
+        self.runner.wake_up(tags)
+
+    def reload_weights(
+        self,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        """`LLM.collective_rpc("reload_weights")`: in place, from the loaded file by default."""
+        if not is_checkpoint_format:
+            raise ValueError(
+                "reload_weights(is_checkpoint_format=False) is not supported by the llm-runtime "
+                "worker: pass checkpoint (Hugging Face) names"
+            )
+        self.runner.reload_weights(weights_iterator, weights_path)
 
     def shutdown(self) -> None:
         if self.model_runner is not None:

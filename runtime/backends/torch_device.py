@@ -90,6 +90,10 @@ class TorchDevice(AccountedDevice[torch.Tensor]):
     stream, as CUDA graphs require), so lazy initialisation never happens inside a capture.
     """
 
+    programs_hold_device_memory = False
+    """A compiled program is a key and an output contract over eager torch calls; what a
+    captured CUDA graph holds is a trace's, released with the traces."""
+
     def __init__(self, device: str | torch.device = "cpu", *, graph_warmup_runs: int = 2) -> None:
         try:
             resolved = torch.device(device)

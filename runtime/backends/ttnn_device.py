@@ -115,6 +115,9 @@ class TtnnDevice(AccountedDevice[DeviceTensor]):
     eagerly (program compilation must not happen inside a trace) and frees that run's outputs.
     """
 
+    programs_hold_device_memory = True
+    """ttnn compiles programs into the device's program cache."""
+
     def __init__(
         self,
         device_id: int = 0,

@@ -30,7 +30,7 @@ def _group_table() -> MachineTable:
             P.ALLOCATED: ("warmup_prefill", "warmup_decode"),
             P.COMPILED: ("capture", "serve"),
             P.CAPTURED: ("serve",),
-            P.SERVING: ("prefill_forward", "decode_forward", "close"),
+            P.SERVING: ("prefill_forward", "decode_forward", "drain", "close"),
         },
     )
     states = tuple(

@@ -55,6 +55,11 @@ LANE_CALLS = frozenset(
         "decode_forward",
         "read_decode_output",
         "process_decode_output_host",
+        "drain",
+        "sleep",
+        "wake",
+        "check_reload_source",
+        "reload_weights",
     }
 )
 
@@ -135,6 +140,8 @@ class LaneFacts:
     held_resources: tuple[str, ...] = ()
     """What the lane holds that a finished call should have released (its components')."""
     """Each layer's K (and V) shape once capacity is resolved (empty before, or unknown)."""
+    serving_blocked: str | None = None
+    """Why the lane may not resume serving after a wake (level-2 weights not reloaded)."""
     fault_attempts: tuple[tuple[str, int], ...] = ()
     faults_injected: int = 0
 
@@ -207,6 +214,7 @@ def _served_facts(target: object, *, with_tokenizer: bool) -> LaneFacts:
         coverage_manifest=getattr(target, "coverage_manifest", None),
         torch_threads=torch.get_num_threads(),
         kv_bytes_per_block=getattr(kv_manager, "bytes_per_block", None),
+        serving_blocked=getattr(target, "serving_blocked", None),
         fault_attempts=tuple((getattr(device, "attempts", None) or {}).items()),
         faults_injected=int(getattr(device, "injected_total", 0)),
     )

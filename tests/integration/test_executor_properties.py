@@ -55,6 +55,9 @@ CALLS = [
     "decode",
     "prefill",
     "decode",
+    "drain",
+    "sleep",
+    "wake",
     "close",
 ]
 
@@ -127,7 +130,7 @@ class ComposedHost(RuleBasedStateMachine):
             self._advise(error)
             # A failed transition never moves forward; composite calls (start,
             # allocate_kv_cache) keep the transitions that completed before the failure.
-            if call in ("start", "allocate_kv_cache"):
+            if call in ("start", "allocate_kv_cache", "drain", "wake"):
                 assert self.host.phase not in (Phase.CLOSING, Phase.TERMINAL), (call, error)
             else:
                 assert self.host.phase in (before, Phase.FAULTED), (call, error)
@@ -172,6 +175,8 @@ class ComposedHost(RuleBasedStateMachine):
                 prompt_lens=torch.tensor([6]),
                 empty_slots=[0],
             )
+        elif call == "reload_weights":
+            host.reload_weights(shared_model())  # its own weights: an in-place no-change
         elif call == "decode":
             host.decode_forward(
                 tokens=torch.tensor([5, 6]),

@@ -253,6 +253,19 @@ class EngineDriver:
         if self.trace_mode in ("all", "decode_only"):
             self.model.warmup_model_decode(enable_trace=True, **decode_kwargs)
 
+    # -- sleep mode (vLLM's `LLM.sleep` / `wake_up` / `collective_rpc("reload_weights")`) ---------
+
+    def sleep(self, level: int) -> None:
+        """Sleep the facade; like vLLM at level >= 1, forget every cached prefix."""
+        self.model.sleep(level)
+        self.pool = BlockPool(self.num_blocks, self.block_size)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake `tags`; once the KV stage is awake, every later call passes its new handle."""
+        handle = self.model.wake_up(tags)
+        if handle is not None:
+            self.kv_cache = handle
+
     # -- steps -------------------------------------------------------------------------------------
 
     def _sample_host(self, logits: torch.Tensor, rows: int) -> list[int]:

@@ -69,7 +69,7 @@ def test_guard_table_of_host() -> None:
     assert table["request"] == {Phase.SERVING}
     assert table["warm"] == {Phase.ALLOCATED, Phase.COMPILED}
     assert table["seal"] == {Phase.CAPACITY_RESOLVED}
-    assert table["serve"] == {Phase.COMPILED, Phase.CAPTURED}
+    assert table["serve"] == {Phase.COMPILED, Phase.CAPTURED, Phase.DRAINED}
 
 
 def test_close_is_idempotent_and_terminal_absorbing() -> None:
