@@ -35,6 +35,7 @@ def test_capabilities_are_declared() -> None:
         "supports_prefix_caching": True,
         "supports_sample_on_device": True,
         "supports_async_decode": True,
+        "supports_sleep_mode": True,
     }
 
 
