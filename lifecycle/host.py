@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from enum import Enum
 from typing import ClassVar, TypeVar
@@ -30,6 +30,15 @@ _AFTER_START: dict[Enum, str] = {
     if phase not in START_PHASES
 }
 _DRAIN_FIRST = "drain() first: nothing may be in flight"
+# Why `sleep` and `reload_weights` are refused where they are (a lane group guards the same).
+SLEEP_REFUSALS: Mapping[Enum, str] = {
+    P.SERVING: _DRAIN_FIRST,
+    P.DRAINING: "drain() has not finished; call drain()",
+}
+RELOAD_REFUSALS: Mapping[Enum, str] = {
+    P.SERVING: _DRAIN_FIRST,
+    P.SLEEPING: "the weights are asleep: call wake(tags=('weights',)) first",
+}
 FAULT_ADVICE = (
     "call close(): it retries every release and ends the host (TERMINAL), or leaves it "
     "CLOSING when something still cannot be released (close() again retries); then "
@@ -288,7 +297,7 @@ class LifecycleHost:
         P.DRAINED,
         P.WEIGHTS_AWAKE,
         P.SLEEPING,
-        reasons={P.SERVING: _DRAIN_FIRST, P.DRAINING: "drain() has not finished; call drain()"},
+        reasons=SLEEP_REFUSALS,
     )
     def sleep(self, level: int = 1) -> None:
         """DRAINED or WEIGHTS_AWAKE -> SLEEPING; a no-op (journaled) while SLEEPING.
@@ -335,14 +344,7 @@ class LifecycleHost:
             return
         self._transact("serve", self._do_serve)
 
-    @guarded(
-        P.DRAINED,
-        P.WEIGHTS_AWAKE,
-        reasons={
-            P.SERVING: _DRAIN_FIRST,
-            P.SLEEPING: "the weights are asleep: call wake(tags=('weights',)) first",
-        },
-    )
+    @guarded(P.DRAINED, P.WEIGHTS_AWAKE, reasons=RELOAD_REFUSALS)
     def reload_weights(self, source: object) -> None:
         """Replace the weights in place from `source` (same names, shapes and dtypes).
 

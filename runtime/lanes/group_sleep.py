@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from lifecycle import LifecycleHost, Phase, guarded
+from lifecycle.host import RELOAD_REFUSALS, SLEEP_REFUSALS
 from lifecycle.phases import AWAKE_PHASES
 from runtime.lanes.fanout import LaneFanOut
 from runtime.lanes.protocol import Lane, LaneFacts, LaneFailure, RemoteLaneError
 
 T = TypeVar("T")
 P = Phase
-_DRAIN_FIRST = "drain() first: nothing may be in flight"
 
 
 def _agreed(facts: Sequence[LaneFacts], phase: Phase, stage: str) -> None:
@@ -60,7 +60,7 @@ class GroupSleep(LifecycleHost):
         P.DRAINED,
         P.WEIGHTS_AWAKE,
         P.SLEEPING,
-        reasons={P.SERVING: _DRAIN_FIRST, P.DRAINING: "drain() has not finished; call drain()"},
+        reasons=SLEEP_REFUSALS,
     )
     def sleep(self, level: int = 1) -> None:
         """Put every lane to sleep at `level` (1 or 2)."""
@@ -71,14 +71,7 @@ class GroupSleep(LifecycleHost):
         """Wake the named stages on every lane, one stage at a time across the group."""
         self._guard("wake", lambda: LifecycleHost.wake(self, tags))
 
-    @guarded(
-        P.DRAINED,
-        P.WEIGHTS_AWAKE,
-        reasons={
-            P.SERVING: _DRAIN_FIRST,
-            P.SLEEPING: "the weights are asleep: call wake(tags=('weights',)) first",
-        },
-    )
+    @guarded(P.DRAINED, P.WEIGHTS_AWAKE, reasons=RELOAD_REFUSALS)
     def reload_weights(self, source: object) -> None:
         """Check `source` on every lane, then reload every lane in place."""
         self._check_reload_everywhere(source)
