@@ -67,7 +67,14 @@ def served_tokens(status: int, out: str, err: str, length: int) -> list[int]:
     assert status == 0, err
     completion = json.loads(out.splitlines()[0])
     assert len(completion["prompt_token_ids"]) == length
-    assert 1 <= len(completion["token_ids"]) <= 2, completion
+    # `--max-new-tokens 2`, cut by the context: every token the budget allows, unless an
+    # end-of-sequence token came first.
+    budget = min(2, CONTEXT - length)
+    count, reason = len(completion["token_ids"]), completion["finish_reason"]
+    if reason == "length":
+        assert count == budget, completion
+    else:
+        assert reason == "eos" and 1 <= count <= budget, completion
     tokens: list[int] = completion["token_ids"]
     return tokens
 
