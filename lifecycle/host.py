@@ -35,6 +35,9 @@ SLEEP_REFUSALS: Mapping[Enum, str] = {
     P.SERVING: _DRAIN_FIRST,
     P.DRAINING: "drain() has not finished; call drain()",
 }
+# Where `sleep` and `reload_weights` are legal (a lane group guards its own the same way).
+SLEEP_PHASES = (P.DRAINED, P.WEIGHTS_AWAKE, P.SLEEPING)
+RELOAD_PHASES = (P.DRAINED, P.WEIGHTS_AWAKE)
 RELOAD_REFUSALS: Mapping[Enum, str] = {
     P.SERVING: _DRAIN_FIRST,
     P.SLEEPING: "the weights are asleep: call wake(tags=('weights',)) first",
@@ -293,12 +296,7 @@ class LifecycleHost:
             self._lifecycle.fire("drain", detail="admission closed")
         self._transact("drained", self._do_drain)
 
-    @guarded(
-        P.DRAINED,
-        P.WEIGHTS_AWAKE,
-        P.SLEEPING,
-        reasons=SLEEP_REFUSALS,
-    )
+    @guarded(*SLEEP_PHASES, reasons=SLEEP_REFUSALS)
     def sleep(self, level: int = 1) -> None:
         """DRAINED or WEIGHTS_AWAKE -> SLEEPING; a no-op (journaled) while SLEEPING.
 
@@ -344,7 +342,7 @@ class LifecycleHost:
             return
         self._transact("serve", self._do_serve)
 
-    @guarded(P.DRAINED, P.WEIGHTS_AWAKE, reasons=RELOAD_REFUSALS)
+    @guarded(*RELOAD_PHASES, reasons=RELOAD_REFUSALS)
     def reload_weights(self, source: object) -> None:
         """Replace the weights in place from `source` (same names, shapes and dtypes).
 

@@ -179,17 +179,7 @@ class StateMachine:
             reason=reason,
         )
         if record:
-            stamp = now()
-            self.journal.record(
-                machine=self.owner,
-                trigger=operation,
-                source=_name(state),
-                dest=_name(state),
-                started=stamp,
-                duration_s=0.0,
-                outcome=Outcome.REFUSED,
-                error=error,
-            )
+            self._record_in_place(operation, Outcome.REFUSED, error=error)
         return error
 
     def require(self, operation: str, legal: frozenset[Enum], *, reason: str | None = None) -> None:
@@ -210,17 +200,7 @@ class StateMachine:
                 next_calls=error.next_calls,
                 reason=error.reason,
             )
-        state = _name(self._holder.state)
-        self.journal.record(
-            machine=self.owner,
-            trigger=trigger,
-            source=state,
-            dest=state,
-            started=now(),
-            duration_s=0.0,
-            outcome=Outcome.REFUSED,
-            error=error,
-        )
+        self._record_in_place(trigger, Outcome.REFUSED, error=error)
         return error
 
     def fire(self, trigger: str, *, detail: str = "", duration_s: float = 0.0) -> Enum:
@@ -245,6 +225,17 @@ class StateMachine:
 
     def note(self, operation: str, detail: str) -> None:
         """Journal a call that is legal here but has nothing to do (an idempotent no-op)."""
+        self._record_in_place(operation, Outcome.OK, detail=f"no-op: {detail}")
+
+    def _record_in_place(
+        self,
+        operation: str,
+        outcome: Outcome,
+        *,
+        detail: str = "",
+        error: BaseException | None = None,
+    ) -> None:
+        """Journal `operation` as an instant entry that left the state where it was."""
         state = _name(self._holder.state)
         self.journal.record(
             machine=self.owner,
@@ -253,8 +244,9 @@ class StateMachine:
             dest=state,
             started=now(),
             duration_s=0.0,
-            outcome=Outcome.OK,
-            detail=f"no-op: {detail}",
+            outcome=outcome,
+            detail=detail,
+            error=error,
         )
 
     def transact(

@@ -10,7 +10,7 @@ journaled no-op, and the KV handle the engine gets back is the one the KV stage 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -49,6 +49,13 @@ class FacadeSleepMode:
         """What `reload_weights()` reads when the engine names no weights (the loaded ones)."""
         raise NotImplementedError
 
+    def _serve_if_needed(self) -> None:
+        """Warmed up and not yet serving: serve (the facade serves on the engine's first
+        call, a forward or a sleep)."""
+        target = self.sleep_target
+        if target.phase in READY:
+            target.serve()
+
     @property
     def is_sleeping(self) -> bool:
         """Whether any stage (weights or KV cache) is asleep."""
@@ -57,9 +64,8 @@ class FacadeSleepMode:
     def sleep(self, level: int = 1) -> None:
         """Drain in-flight work, then sleep: level 1 keeps the weights in host memory, level 2
         drops them (wake the weights, then `reload_weights`). Asleep already: a no-op."""
+        self._serve_if_needed()
         target = self.sleep_target
-        if target.phase in READY:  # warmed up, no request yet: the facade serves on demand
-            target.serve()
         target.drain()
         target.sleep(level)
 
@@ -82,9 +88,4 @@ class FacadeSleepMode:
         source: object = self.weights_source if weights_path is None else weights_path
         if weights_iterator is not None:
             source = dict(weights_iterator)
-        self.sleep_target.reload_weights(_plain(source))
-
-
-def _plain(source: object) -> object:
-    """A mapping's items as a plain dict (the target names a bad tensor from it)."""
-    return dict(source) if isinstance(source, Mapping) else source
+        self.sleep_target.reload_weights(source)

@@ -133,6 +133,9 @@ class BlockForm:
     max_rows: int | None = None
     available: Callable[[], bool] = _always
     kinds: tuple[str, ...] = ("q4", "q8")
+    converted: bool = False
+    """Runs from a converted copy of the blocks: warmup times it on one layer and scales,
+    so the timing holds one layer's copy rather than every layer's."""
 
     def fits(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -146,7 +149,13 @@ BLOCK_FORMS: dict[str, BlockForm] = {
     for form in (
         BlockForm("q_rows", _q_rows, max_rows=64, available=_native_available),
         BlockForm("q_tiles", _q_tiles),
-        BlockForm("torch_int4", _torch_int4, available=_torch_int4_available, kinds=("q4",)),
+        BlockForm(
+            "torch_int4",
+            _torch_int4,
+            available=_torch_int4_available,
+            kinds=("q4",),
+            converted=True,
+        ),
     )
 }
 # Rows up to which an un-warmed model uses `q_rows` (when it can run).

@@ -20,10 +20,6 @@ from runtime.quant.matrix import QuantizedMatrix
 _ROUNDS = 3
 _COMPUTE_BOUND_ROUNDS = 2
 _STREAMING_ROWS = 64
-# Forms that run from a converted copy of the blocks: timed on one layer and scaled, so the
-# timing holds one layer's copy rather than every layer's (120 MB more at peak for SmolLM2's
-# gate/up otherwise).
-_CONVERTED_FORMS = frozenset({"torch_int4"})
 
 
 def measure_block_projection(
@@ -49,7 +45,7 @@ def measure_block_projection(
         best = dict.fromkeys(names, float("inf"))
         for round_index in range((_ROUNDS if streaming else _COMPUTE_BOUND_ROUNDS) + 1):
             for name in names:
-                layers = weights if streaming and name not in _CONVERTED_FORMS else weights[:1]
+                layers = weights if streaming and not BLOCK_FORMS[name].converted else weights[:1]
                 start = time.perf_counter()
                 for parts in layers:
                     block_product(parts, x, name)

@@ -255,7 +255,6 @@ def _measure(
     progress: ProgressSink | None,
 ) -> KernelPlan:
     from runtime.backends.cpu_features import CpuFeatures
-    from runtime.backends.heap import release_free_heap
 
     projections: list[tuple[str, ProjectionChoice]] = []
     started = time.perf_counter()
@@ -279,9 +278,6 @@ def _measure(
                 choice, scores = measure_projection(weights, modules[0].parts, buckets, measured)
                 logger.debug("kernel scores for %s: %s", name, scores)
             projections.append((name, choice))
-            # The candidates' copies are gone; their pages go back before the next group's
-            # are made, so the timing's peak is one group's, not every group's together.
-            release_free_heap()
     logger.info("measured projection kernels in %.2f s", time.perf_counter() - started)
     return KernelPlan(
         projections=tuple(projections),

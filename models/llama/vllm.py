@@ -427,11 +427,6 @@ class LlamaVLLMModel(FacadeSleepMode):
             next_calls=next_calls,
         )
 
-    def _serve_if_needed(self) -> None:
-        target = self.executor
-        if target.phase in (Phase.COMPILED, Phase.CAPTURED):
-            target.serve()
-
     def prefill_forward(
         self,
         *,

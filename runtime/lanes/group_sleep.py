@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from lifecycle import LifecycleHost, Phase, guarded
-from lifecycle.host import RELOAD_REFUSALS, SLEEP_REFUSALS
+from lifecycle.host import RELOAD_PHASES, RELOAD_REFUSALS, SLEEP_PHASES, SLEEP_REFUSALS
 from lifecycle.phases import AWAKE_PHASES
 from runtime.lanes.fanout import LaneFanOut
 from runtime.lanes.protocol import Lane, LaneFacts, LaneFailure, RemoteLaneError
@@ -56,12 +56,7 @@ class GroupSleep(LifecycleHost):
         """Drain every lane (SERVING -> DRAINING -> DRAINED)."""
         self._guard("drain", lambda: LifecycleHost.drain(self))
 
-    @guarded(
-        P.DRAINED,
-        P.WEIGHTS_AWAKE,
-        P.SLEEPING,
-        reasons=SLEEP_REFUSALS,
-    )
+    @guarded(*SLEEP_PHASES, reasons=SLEEP_REFUSALS)
     def sleep(self, level: int = 1) -> None:
         """Put every lane to sleep at `level` (1 or 2)."""
         self._guard("sleep", lambda: LifecycleHost.sleep(self, level))
@@ -71,7 +66,7 @@ class GroupSleep(LifecycleHost):
         """Wake the named stages on every lane, one stage at a time across the group."""
         self._guard("wake", lambda: LifecycleHost.wake(self, tags))
 
-    @guarded(P.DRAINED, P.WEIGHTS_AWAKE, reasons=RELOAD_REFUSALS)
+    @guarded(*RELOAD_PHASES, reasons=RELOAD_REFUSALS)
     def reload_weights(self, source: object) -> None:
         """Check `source` on every lane, then reload every lane in place."""
         self._check_reload_everywhere(source)
