@@ -25,7 +25,14 @@ from models.cli.bringup_report import (
     print_manifest,
     print_table,
 )
-from models.cli.errors import EXIT_FAILURE, EXIT_OK, UsageError, one_line, print_error
+from models.cli.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    one_line,
+    print_error,
+)
 from models.cli.loading import (
     check_lane_arguments,
     close_progress,
@@ -77,6 +84,9 @@ def bringup(args: argparse.Namespace) -> int:
     print(executor.journal.format())
     if unfired is not None:
         logger.warning("%s", unfired)
+    if failure is not None and isinstance(failure[1], KeyboardInterrupt):
+        print_error(f"interrupted in {failure[0]}: the steps before it are printed above")
+        return EXIT_INTERRUPTED
     if failure is not None:
         print_error(f"bring-up failed in {failure[0]}: {failure[1]}")
         return EXIT_FAILURE
@@ -191,10 +201,11 @@ def _run_steps(
         clock = time.perf_counter()
         try:
             result = call()
-        except Exception as error:
+        except (Exception, KeyboardInterrupt) as error:
             seconds = time.perf_counter() - clock
             detail = journal_detail(_step_entries(executor, name, before))
-            rows.append((name, f"{seconds:.3f}", f"FAILED: {one_line(error)} {detail}".strip()))
+            what = "INTERRUPTED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+            rows.append((name, f"{seconds:.3f}", f"{what}: {one_line(error)} {detail}".strip()))
             return rows, manifest, (name, error)
         seconds = time.perf_counter() - clock
         parts = (

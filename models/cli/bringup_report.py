@@ -94,7 +94,8 @@ def fault_report(executor: CliExecutor, spec: str | None) -> str | None:
 def print_failure(executor: CliExecutor, step: str, cause: BaseException) -> None:
     """The failed step, its notes and the calls that can succeed now."""
     print()
-    print(f"FAILED in {step} (phase {executor.phase}): {type(cause).__name__}: {one_line(cause)}")
+    what = "INTERRUPTED" if isinstance(cause, KeyboardInterrupt) else "FAILED"
+    print(f"{what} in {step} (phase {executor.phase}): {type(cause).__name__}: {one_line(cause)}")
     for note in getattr(cause, "__notes__", ()):
         print(f"  note: {one_line(note)}")
     calls = next_calls(executor, cause)

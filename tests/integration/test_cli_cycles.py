@@ -74,3 +74,29 @@ def test_the_verdict_names_what_went_wrong() -> None:
     assert "outputs differ" in (record.verdict() or "")
     record = CycleRecord(outputs=["a", "a"], asleep_allocations=[0, 3])
     assert "live allocations while asleep: [0, 3]" in (record.verdict() or "")
+
+
+def test_ctrl_c_in_a_cycle_prints_the_steps_done_closes_and_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from models.llama.executor import LlamaExecutor
+
+    wake = LlamaExecutor.wake
+    calls: list[int] = []
+
+    def interrupted_second_wake(self: LlamaExecutor, tags: object = None) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        wake(self, tags)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LlamaExecutor, "wake", interrupted_second_wake)
+    status, out, err = run(capsys, "bringup", *CYCLE, "--cycle", "3")
+    assert status == 130, err
+    assert "interrupted in wake #2: the steps before it are printed above" in err
+    table = table_of(out)
+    assert "request #1" in table and "same as the first request" in table
+    assert next(line for line in table.splitlines() if line.startswith("wake #2")).count(
+        "INTERRUPTED"
+    )
+    assert "close() attempt 1: ok, phase TERMINAL" in out
