@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from models.llama.executor import LlamaExecutor, load_executor
+from models.decoder.executor import DecoderExecutor, load_executor
 from runtime.config import SUPPORTED_PREFILL_BATCH_SIZES, WarmupConfig
 from runtime.sampling import SamplingParams
 
@@ -106,7 +106,7 @@ def log(message: str) -> None:
 
 def build(
     args: argparse.Namespace, batch: int, trace_mode: str
-) -> tuple[LlamaExecutor, dict[str, float]]:
+) -> tuple[DecoderExecutor, dict[str, float]]:
     """A started executor for a lane of `batch` slots, and its setup timings (seconds)."""
     clock = time.perf_counter()
     executor = load_executor(
@@ -137,7 +137,7 @@ def build(
     }
 
 
-def page_table(executor: LlamaExecutor, batch: int, width: int) -> torch.Tensor:
+def page_table(executor: DecoderExecutor, batch: int, width: int) -> torch.Tensor:
     """Row r owns the contiguous run of blocks that reaches max_seq_len."""
     per_row = executor.page_table_layout.raw_capacity_width
     table = torch.full((batch, width), -1, dtype=torch.int32)
@@ -152,7 +152,7 @@ def prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, length), generator=generator)
 
 
-def prefill(executor: LlamaExecutor, batch: int, length: int) -> torch.Tensor:
+def prefill(executor: DecoderExecutor, batch: int, length: int) -> torch.Tensor:
     """Prefill every slot; returns the greedy next token of each row."""
     layout = executor.page_table_layout
     logits = executor.prefill_forward(
@@ -164,11 +164,11 @@ def prefill(executor: LlamaExecutor, batch: int, length: int) -> torch.Tensor:
     return torch.as_tensor(logits).reshape(batch, -1).argmax(-1)
 
 
-def synchronize(executor: LlamaExecutor) -> None:
+def synchronize(executor: DecoderExecutor) -> None:
     executor.device.synchronize()
 
 
-def timed(step: Callable[[], None], executor: LlamaExecutor) -> float:
+def timed(step: Callable[[], None], executor: DecoderExecutor) -> float:
     """Seconds of one synchronised call."""
     synchronize(executor)
     clock = time.perf_counter()
@@ -181,7 +181,7 @@ class GreedyLane:
     """Decode state of one lane: next tokens and positions, advanced by every step."""
 
     def __init__(
-        self, executor: LlamaExecutor, batch: int, first: torch.Tensor, start: int
+        self, executor: DecoderExecutor, batch: int, first: torch.Tensor, start: int
     ) -> None:
         self.executor = executor
         self.tokens = first.clone()
@@ -270,7 +270,7 @@ def measure_batch(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     """(b) + (c) for one lane size."""
     log(f"latency: batch {batch}")
     eager, eager_setup = build(args, batch, "none")
-    traced: LlamaExecutor | None = None
+    traced: DecoderExecutor | None = None
     try:
         traced, traced_setup = build(args, batch, "decode_only")
         lanes = {
@@ -290,7 +290,7 @@ def measure_batch(args: argparse.Namespace, batch: int) -> dict[str, Any]:
             finally:
                 model.graph_safe = None
 
-        variants: dict[str, tuple[Callable[[], None], LlamaExecutor]] = {
+        variants: dict[str, tuple[Callable[[], None], DecoderExecutor]] = {
             "eager": (lanes["eager"].sampled_step, eager),
             "traced": (lanes["traced"].sampled_step, traced),
             "eager_other_path": (other_path_step, eager),

@@ -30,16 +30,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.model_step_times import BLOCK_SIZE, _cases
-from models.llama import LlamaModel, load_model
-from models.llama import dynamic_addressing as dynamic
-from models.llama.attention import write_kv
+from models.decoder import DecoderModel, load_model
+from models.decoder import dynamic_addressing as dynamic
+from models.decoder.attention import write_kv
 from runtime.backends import native_kernels
 
 CASE = "decode b32 ctx48-520"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
-def _step_inputs(model: LlamaModel, call: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+def _step_inputs(model: DecoderModel, call: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tokens, positions and page table the case's decode call passes."""
     seen: dict[str, torch.Tensor] = {}
     decode = model.decode
@@ -58,7 +58,7 @@ def _step_inputs(model: LlamaModel, call: Callable[[], torch.Tensor]) -> dict[st
     return seen
 
 
-def _parts(model: LlamaModel, inputs: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
+def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
     """The timed pieces of a step (see the module docstring)."""
     args = model.args
     cache = model.kv_cache

@@ -194,7 +194,7 @@ def _step_inputs(batch: int, vocab: int) -> dict[str, torch.Tensor]:
 def executor_case(batch: int, trace_mode: str, lanes: int) -> tuple[Callable[[], object], Any]:
     """One `decode_forward` of a started executor (one lane, or an in-process lane group)."""
     if lanes == 1:
-        from models.llama.executor import load_executor
+        from models.decoder.executor import load_executor
 
         executor: Any = load_executor("tiny-random", max_batch_size=batch, trace_mode=trace_mode)
         executor.start()

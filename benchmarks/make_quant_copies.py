@@ -123,7 +123,7 @@ def requantize(src: Path, dst: Path, qtype: str) -> dict[str, str]:
 
 
 def _default_src() -> Path:
-    from models.llama.sources import smollm2_gguf_path  # finds the wheel; never imports it
+    from models.decoder.sources import smollm2_gguf_path  # finds the wheel; never imports it
 
     return smollm2_gguf_path()
 

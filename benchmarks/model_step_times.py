@@ -30,14 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.llama import LlamaModel, allocate_kv_cache, load_model
+from models.decoder import DecoderModel, allocate_kv_cache, load_model
 
 BLOCK_SIZE = 32
 REPS = {"decode b1 ctx160": 40, "decode b8 ctx128-192": 15, "decode b32 ctx48-520": 9}
 PREFILL_REPS = 5
 
 
-def _cases(model: LlamaModel, rng: random.Random) -> dict[str, Callable[[], torch.Tensor]]:
+def _cases(model: DecoderModel, rng: random.Random) -> dict[str, Callable[[], torch.Tensor]]:
     blocks = 32 * (520 // BLOCK_SIZE + 1) + 16
     model.configure_paged_attention(block_size=BLOCK_SIZE, max_num_blocks=blocks)
     cache = allocate_kv_cache(model, blocks)

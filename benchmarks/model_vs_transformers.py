@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from models.llama import LlamaModel, allocate_kv_cache, load_model
+from models.decoder import DecoderModel, allocate_kv_cache, load_model
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -69,7 +69,7 @@ def copy_bandwidth(megabytes: int = 512, reps: int = 8) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def weight_bytes_per_decode_step(model: LlamaModel) -> int:
+def weight_bytes_per_decode_step(model: DecoderModel) -> int:
     """Every matrix is read once per step; the embedding lookup reads one row (tied head: the
     head reads the whole matrix, counted once)."""
     seen: dict[int, int] = {}
@@ -97,7 +97,7 @@ def build_transformers(loaded: Any) -> Any:
 class OurDecode:
     """Batch `b` rows at context `c`: cache pre-filled with random values."""
 
-    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16):
+    def __init__(self, model: DecoderModel, batch: int, context: int, block_size: int = 16):
         blocks_per_row = (context + 1 + block_size - 1) // block_size
         total = batch * blocks_per_row
         model.set_kv_cache(None)

@@ -3,7 +3,7 @@
 Run: `python benchmarks/projection_layouts.py [--threads N]` (about 30 s). This was the
 measurement behind the old fixed projection form (`torch.mm(W, x.T)`, one row padded to two);
 the runtime now makes this choice itself, by measurement at warmup, per projection and row
-bucket (`models.llama.kernels`, shown by `llm-runtime bringup`). Kept to look at the forms.
+bucket (`models.decoder.kernels`, shown by `llm-runtime bringup`). Kept to look at the forms.
 
 Method: for each projection shape, 30 distinct random weights (one per layer, so they stream
 from memory as in the model; the LM head once), products timed over all of them, best of

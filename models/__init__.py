@@ -7,7 +7,7 @@ from typing import Any
 
 
 def load_executor(model: str | Path, **kwargs: Any) -> Any:
-    """Build a `ModelExecutor` for `model` in CONSTRUCTED (see `models.llama.executor`).
+    """Build a `ModelExecutor` for `model` in CONSTRUCTED (see `models.decoder.executor`).
 
     With `lanes=N > 1` it builds a `LaneGroupExecutor` of N lanes instead (see
     `models.lane_loading`); with one lane the lane arguments are only validated.
@@ -31,7 +31,7 @@ def load_executor(model: str | Path, **kwargs: Any) -> Any:
             options.get("threads_per_lane"),
             kwargs.get("max_batch_size", 1),
         )
-    from models.llama.executor import load_executor as _load
+    from models.decoder.executor import load_executor as _load
 
     return _load(model, **kwargs)
 

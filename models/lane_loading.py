@@ -22,7 +22,7 @@ from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, ProcessLane, spawn_process_lanes
 
 if TYPE_CHECKING:
-    from models.llama.kernels import KernelPlan
+    from models.decoder.kernels import KernelPlan
     from runtime.backends.cpu_features import CpuFeatures
     from runtime.config import WarmupConfig
 
@@ -32,7 +32,7 @@ LANE_TRANSPORTS = ("process", "inprocess")
 
 
 class LaneExecutorOptions(TypedDict, total=False):
-    """The `load_executor` arguments every lane is built with (see `models.llama.executor`).
+    """The `load_executor` arguments every lane is built with (see `models.decoder.executor`).
 
     `device` and `max_batch_size` are not here: the group derives each lane's from its own.
     """
@@ -127,7 +127,7 @@ def _load_inprocess_lanes(
     model: str | Path, lanes: int, per_lane: int, device: str, options: LaneExecutorOptions
 ) -> list[InProcessLane]:
     """One executor per lane in this process; a failure closes the lanes already built."""
-    from models.llama.executor import load_executor
+    from models.decoder.executor import load_executor
 
     built: list[InProcessLane] = []
     sink = as_progress(options.get("progress"))
@@ -163,7 +163,7 @@ def _spawn_lanes(
     """One worker process per lane. A sink of this process cannot run in a worker: this one
     shows the lanes starting, and a console's lane 0 prints its own lines (load, kernels,
     warmup) prefixed by lane."""
-    from models.llama.executor import load_executor
+    from models.decoder.executor import load_executor
 
     sink = as_progress(options.pop("progress", None))
     shown = isinstance(sink, ConsoleProgress) and sink.enabled

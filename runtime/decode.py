@@ -12,7 +12,7 @@ serves the seed's decode call chains:
   `refresh_trace` to copy a prepared step into the persistent inputs before each replay.
 
 The model contract is `model.decode(tokens [B], *, positions [B], page_table [B, W])` ->
-logits `[B, vocab]`. Device sampling (`model.sampling`, e.g. a `LlamaSampler`) is used through
+logits `[B, vocab]`. Device sampling (`model.sampling`, e.g. a `DecoderSampler`) is used through
 `stage(prepared) -> plan` and `run(logits, plan, ...)`. Device position feedback (sampled tokens
 written back into the token input and `model.increment_positions(positions)` advancing the
 positions in place) is used only by compile and traced replay, as in the reference.

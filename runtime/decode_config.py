@@ -35,7 +35,7 @@ def _sampler_facts(model: object) -> _SamplerFacts:
     if not (callable(getattr(sampler, "stage", None)) and callable(getattr(sampler, "run", None))):
         raise TypeError(
             "device_sampling_enabled=True requires model.sampling with callable stage() and "
-            f"run() (e.g. model.sampling = LlamaSampler(...)); got {type(sampler).__name__}"
+            f"run() (e.g. model.sampling = DecoderSampler(...)); got {type(sampler).__name__}"
         )
     config = getattr(sampler, "config", None)
     allow = getattr(config, "allow_force_argmax", None)

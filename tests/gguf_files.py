@@ -188,7 +188,7 @@ def _add_metadata(writer: Any, args: LlamaArgs, qtype: str) -> None:
 
 def _add_byte_tokenizer(writer: Any, vocab_size: int) -> None:
     """A byte-level BPE without merges: ids 0..255 are the bytes, later ids `<|extra_i|>`."""
-    from models.llama.tokenizer import byte_alphabet
+    from models.decoder.tokenizer import byte_alphabet
 
     if vocab_size < 256:
         raise ValueError(

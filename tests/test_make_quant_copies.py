@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from benchmarks.make_quant_copies import main, output_path, requantize, target_type
-from models.llama import LlamaArgs, load_model, random_state_dict
+from models.decoder import load_model, random_state_dict
+from models.llama import LlamaArgs
 from tests.gguf_files import write_llama_gguf
 
 

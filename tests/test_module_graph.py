@@ -3,7 +3,7 @@
 A loop (a module that, through its imports, imports itself) means two modules each know the
 other: the layering `docs/architecture.md` draws is gone. Imports under `if TYPE_CHECKING:`
 count, because a type-level loop is the same coupling; the fix is a small Protocol of what a
-module reads of the other (as `models.llama.fused_decode.StackSource`).
+module reads of the other (as `models.decoder.fused_decode.StackSource`).
 """
 
 from __future__ import annotations

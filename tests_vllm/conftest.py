@@ -65,7 +65,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models.llama.sources import ModelNotAvailableError, smollm2_gguf_path
+    from models.decoder.sources import ModelNotAvailableError, smollm2_gguf_path
     from models.vllm_plugin.hf_folder import write_hf_folder
 
     try:

@@ -39,19 +39,19 @@ def test_async_scheduling_follows_the_facade_and_the_flag(
     off with vLLM's --no-async-scheduling or a facade without async decode."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from models.llama.vllm import LlamaVLLMModel
+    from models.vllm_facade.facade import DecoderVLLMModel
     from models.vllm_plugin import facades
 
-    assert LlamaVLLMModel.model_capabilities["supports_async_decode"] is True
+    assert DecoderVLLMModel.model_capabilities["supports_async_decode"] is True
     config = engine_config(tiny_folder, skip_tokenizer_init=True)
     assert config.scheduler_config.async_scheduling is True
     assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
     config = engine_config(tiny_folder, skip_tokenizer_init=True, async_scheduling=False)
     assert config.scheduler_config.async_scheduling is False
 
-    class SyncOnlyFacade(LlamaVLLMModel):
+    class SyncOnlyFacade(DecoderVLLMModel):
         model_capabilities: ClassVar[dict[str, bool]] = {
-            **LlamaVLLMModel.model_capabilities,
+            **DecoderVLLMModel.model_capabilities,
             "supports_async_decode": False,
         }
 
@@ -104,7 +104,7 @@ def test_device_sampling_follows_the_facade_and_the_setting(
     """On where the facade declares it, off on request; `true` is refused without it."""
     import torch
 
-    from models.llama.vllm import LlamaVLLMModel
+    from models.vllm_facade.facade import DecoderVLLMModel
     from models.vllm_plugin import model_runner
     from models.vllm_plugin.model_runner import LLMRuntimeModelRunner
 
@@ -114,13 +114,13 @@ def test_device_sampling_follows_the_facade_and_the_setting(
         )
         return LLMRuntimeModelRunner(config, torch.device("cpu"))
 
-    assert LlamaVLLMModel.model_capabilities["supports_sample_on_device"] is True
+    assert DecoderVLLMModel.model_capabilities["supports_sample_on_device"] is True
     assert runner({}).device_sampling is True
     assert runner({"device_sampling": False}).device_sampling is False
 
-    class HostOnlyFacade(LlamaVLLMModel):
+    class HostOnlyFacade(DecoderVLLMModel):
         model_capabilities: ClassVar[dict[str, bool]] = {
-            **LlamaVLLMModel.model_capabilities,
+            **DecoderVLLMModel.model_capabilities,
             "supports_sample_on_device": False,
         }
 

@@ -181,7 +181,7 @@ def run_benchmark(config: BenchConfig, *, log: Log | None = None) -> BenchReport
     """Measure every batch size; returns a JSON-ready report."""
     config.check()
     say = log or (lambda message: logger.info("%s", message))
-    from models.llama.sources import ModelNotAvailableError, resolve_source
+    from models.decoder.sources import ModelNotAvailableError, resolve_source
 
     try:
         resolve_source(config.model)

@@ -84,7 +84,7 @@ def _load_options(config: BenchConfig, batch: int, lanes: int) -> dict[str, obje
 @contextmanager
 def _usage_errors() -> Iterator[None]:
     """A missing model or a refused argument is the user's error (exit 2)."""
-    from models.llama.sources import ModelNotAvailableError
+    from models.decoder.sources import ModelNotAvailableError
 
     try:
         yield

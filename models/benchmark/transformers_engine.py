@@ -22,7 +22,7 @@ def load_transformers(model: str, dtype: str) -> GenerationMixin:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    from models.llama.sources import load_model, resolve_source
+    from models.decoder.sources import load_model, resolve_source
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     source = resolve_source(model)

@@ -219,7 +219,7 @@ def _run_steps(
 
 def _step_entries(executor: CliExecutor, name: str, before: int) -> list[JournalEntry]:
     """The journal entries of one step; a cycle step (`wake #2`) keeps the host's own and,
-    in a lane group, each lane host's (`lane0.LlamaExecutor`), whose details carry the bytes
+    in a lane group, each lane host's (`lane0.DecoderExecutor`), whose details carry the bytes
     released and restored (not every warmup case)."""
     entries = list(executor.journal.entries[before:])
     if "#" in name:

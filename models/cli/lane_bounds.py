@@ -16,19 +16,14 @@ from typing import TYPE_CHECKING
 from models.cli.errors import UsageError
 
 if TYPE_CHECKING:  # only named in annotations: `models.cli` must import without torch
-    from models.llama.config import LlamaArgs
+    from models.decoder.config import DecoderArgs
 
 WEIGHT_ITEM_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def weight_bytes(model: LlamaArgs, dtype: str) -> int:
-    """The model's parameters at `dtype` (embedding, every layer, final norm, LM head)."""
-    q = model.n_heads * model.head_dim
-    kv = model.n_kv_heads * model.head_dim
-    layer = model.dim * (q + 2 * kv) + q * model.dim + 3 * model.dim * model.ffn_dim + 2 * model.dim
-    embed = model.vocab_size * model.dim
-    head = 0 if model.tie_word_embeddings else embed
-    return (embed + model.n_layers * layer + model.dim + head) * WEIGHT_ITEM_BYTES.get(dtype, 4)
+def weight_bytes(model: DecoderArgs, dtype: str) -> int:
+    """The model's parameters at `dtype` (its family's count: `DecoderArgs.parameter_count`)."""
+    return model.parameter_count() * WEIGHT_ITEM_BYTES.get(dtype, 4)
 
 
 def process_base_bytes() -> int:
@@ -38,7 +33,7 @@ def process_base_bytes() -> int:
     return peak_resident_bytes()
 
 
-def check_lane_memory(args: argparse.Namespace, model: LlamaArgs) -> None:
+def check_lane_memory(args: argparse.Namespace, model: DecoderArgs) -> None:
     """Refuse `--lanes` whose workers and weights exceed the host's available memory."""
     lanes = int(getattr(args, "lanes", 1))
     if lanes == 1 or args.device != "cpu":

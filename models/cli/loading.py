@@ -16,16 +16,16 @@ from models.cli.lane_bounds import check_lane_memory
 
 if TYPE_CHECKING:
     from models.cli.executor_view import CliExecutor
-    from models.llama.config import LlamaArgs
-    from models.llama.tokenizer import LlamaTokenizer
+    from models.decoder.config import DecoderArgs
+    from models.decoder.tokenizer import DecoderTokenizer
     from models.progress import ConsoleProgress, NullProgress, ProgressSink
     from runtime.config import WarmupConfig
 
 
-def model_args(model: str) -> LlamaArgs:
+def model_args(model: str) -> DecoderArgs:
     """The model's architecture without its weights; a bad name or file is a UsageError."""
-    from models.llama.sources import ModelNotAvailableError
-    from models.llama.sources import model_args as read_model_args
+    from models.decoder.sources import ModelNotAvailableError
+    from models.decoder.sources import model_args as read_model_args
 
     try:
         return read_model_args(model)
@@ -35,10 +35,10 @@ def model_args(model: str) -> LlamaArgs:
         raise UsageError(f"--model {model}: {one_line(error)}") from error
 
 
-def model_args_and_tokenizer(model: str) -> tuple[LlamaArgs, LlamaTokenizer | None]:
+def model_args_and_tokenizer(model: str) -> tuple[DecoderArgs, DecoderTokenizer | None]:
     """`model_args` and the model's tokenizer (None: it has none), still without weights."""
-    from models.llama.sources import ModelNotAvailableError
-    from models.llama.sources import model_args_and_tokenizer as read_model
+    from models.decoder.sources import ModelNotAvailableError
+    from models.decoder.sources import model_args_and_tokenizer as read_model
 
     try:
         return read_model(model)
@@ -50,7 +50,7 @@ def model_args_and_tokenizer(model: str) -> tuple[LlamaArgs, LlamaTokenizer | No
 
 def check_block_geometry(args: argparse.Namespace) -> None:
     """--block-size and --prefill-chunk fit together (every subcommand that loads a model)."""
-    from models.llama.executor import geometry_problem
+    from models.decoder.executor import geometry_problem
 
     problem = geometry_problem(
         args.block_size, args.prefill_chunk, names=("--block-size", "--prefill-chunk")
@@ -59,7 +59,7 @@ def check_block_geometry(args: argparse.Namespace) -> None:
         raise UsageError(problem)
 
 
-def check_lane_arguments(args: argparse.Namespace, model: LlamaArgs | None = None) -> LlamaArgs:
+def check_lane_arguments(args: argparse.Namespace, model: DecoderArgs | None = None) -> DecoderArgs:
     """Block size, chunk, lanes and context checked together, before anything loads.
 
     `model` is the model's architecture when the caller has read it already."""
@@ -90,7 +90,7 @@ KV_ITEM_BYTES = {"float32": 4, "bfloat16": 2}
 """Bytes per K/V element by `--dtype` (the KV cache has the weights' dtype)."""
 
 
-def check_slot_capacity(args: argparse.Namespace, model: LlamaArgs) -> None:
+def check_slot_capacity(args: argparse.Namespace, model: DecoderArgs) -> None:
     """--max-batch no larger than the KV pool can give one block to every slot.
 
     A slot holds a request only while it owns at least one KV block (the block its next
@@ -133,8 +133,8 @@ def check_slot_capacity(args: argparse.Namespace, model: LlamaArgs) -> None:
 def load(model: str, **kwargs: object) -> CliExecutor:
     """Build the executor (CONSTRUCTED); a missing model, bad file or geometry is a UsageError."""
     from models import load_executor
-    from models.llama.kernels import KernelPlanError
-    from models.llama.sources import ModelNotAvailableError
+    from models.decoder.kernels import KernelPlanError
+    from models.decoder.sources import ModelNotAvailableError
     from runtime.backends.cpu_features import UnsupportedCpuFeatureError
 
     try:

@@ -23,7 +23,7 @@ from models.cli.argument_types import (
 )
 
 DEFAULT_MODEL = "smollm2-135m"
-MAX_TOP_K = 64  # models.llama.executor.DEFAULT_MAX_TOP_K (imported lazily: torch is slow)
+MAX_TOP_K = 64  # models.decoder.executor.DEFAULT_MAX_TOP_K (imported lazily: torch is slow)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

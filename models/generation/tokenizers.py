@@ -9,7 +9,7 @@ from runtime.json_types import JSONValue
 
 
 class TextTokenizer(Protocol):
-    """What generation needs from a tokenizer (`models.llama.tokenizer.LlamaTokenizer` fits)."""
+    """What generation needs from a tokenizer (`models.decoder.tokenizer.DecoderTokenizer` fits)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -1,23 +1,21 @@
-"""Which model family's vLLM facade serves a Hugging Face architecture, and what it offers.
+"""Which vLLM facade serves a Hugging Face architecture, and what it offers.
 
-`VLLMFacade` / `VLLMFacadeClass` name the calls the worker makes on a facade (the
-Tenstorrent model-runner contract that `models.llama.vllm.LlamaVLLMModel` implements), so
-the runner is typed against the contract rather than one family's class.
+The architecture is looked up in the family registry (`models.families`); every registered
+family is served by the generic facade (`models.vllm_facade.facade.DecoderVLLMModel`) with
+the family's declared capabilities. `VLLMFacade` / `VLLMFacadeClass` name the calls the
+worker makes on a facade (the Tenstorrent model-runner contract), so the runner is typed
+against the contract rather than one class.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, cast, overload, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, overload, runtime_checkable
 
 import torch
 
+from models.families import UnknownArchitectureError, families, family_for_architectures
 from runtime.decode_staging import DecodeHostOutput
-
-FACADES: dict[str, str] = {
-    "LlamaForCausalLM": "models.llama.vllm:LlamaVLLMModel",
-}
 
 FacadeOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
 """A forward's host result: logits, or sampled tokens (maybe with their log-probs)."""
@@ -134,27 +132,32 @@ class VLLMFacadeClass(Protocol):
     ) -> VLLMFacade: ...
 
 
+def supported_architectures() -> list[str]:
+    """Every HF architecture a registered family serves."""
+    return sorted(name for family in families() for name in family.hf_architectures)
+
+
 def facade_class(hf_config: HasArchitectures) -> VLLMFacadeClass:
     """The facade class for `hf_config.architectures` (a clear error when there is none)."""
+    from models.vllm_facade.facade import facade_for
+
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    for name in architectures:
-        target = FACADES.get(name)
-        if target is not None:
-            module, _, attribute = target.partition(":")
-            found: object = getattr(importlib.import_module(module), attribute)
-            return cast(VLLMFacadeClass, found)  # FACADES names classes of the contract
-    raise ValueError(
-        f"llm-runtime has no vLLM facade for architectures {architectures}; supported are "
-        f"{sorted(FACADES)} (serve other models with vLLM's own platform: "
-        "LLM_RUNTIME_VLLM_PLATFORM=0)"
-    )
+    try:
+        family = family_for_architectures(architectures)
+    except UnknownArchitectureError:
+        raise ValueError(
+            f"llm-runtime has no vLLM facade for architectures {architectures}; supported are "
+            f"{supported_architectures()} (serve other models with vLLM's own platform: "
+            "LLM_RUNTIME_VLLM_PLATFORM=0)"
+        ) from None
+    return facade_for(family)
 
 
 if TYPE_CHECKING:  # mypy checks each family's facade against the contract here
-    from models.llama.vllm import LlamaVLLMModel
+    from models.vllm_facade.facade import DecoderVLLMModel
 
-    def _llama_class(cls: type[LlamaVLLMModel]) -> VLLMFacadeClass:
+    def _decoder_class(cls: type[DecoderVLLMModel]) -> VLLMFacadeClass:
         return cls
 
-    def _llama_facade(facade: LlamaVLLMModel) -> VLLMFacade:
+    def _decoder_facade(facade: DecoderVLLMModel) -> VLLMFacade:
         return facade

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from models.llama.sources import load_weights
-from models.llama.vllm_engine_args import WEIGHTS_SOURCE_KEY
+from models.decoder.sources import load_weights
+from models.vllm_facade.engine_args import WEIGHTS_SOURCE_KEY
 from runtime.quant.matrix import QuantizedMatrix
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}

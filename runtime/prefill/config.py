@@ -48,7 +48,7 @@ def resolve_sampler_capabilities(
     if sampling is None or sampler_config is None:
         raise TypeError(
             "device sampling requires model.sampling.config (attach a sampler, e.g. "
-            "model.sampling = LlamaSampler(SamplerConfig(...))), or pass "
+            "model.sampling = DecoderSampler(SamplerConfig(...))), or pass "
             "device_sampling_enabled=False"
         )
     for method in ("stage", "run"):

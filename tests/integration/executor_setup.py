@@ -1,4 +1,4 @@
-"""Helpers that build tiny `LlamaExecutor`s and drive them the way a server would."""
+"""Helpers that build tiny `DecoderExecutor`s and drive them the way a server would."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from models.llama.executor import LlamaExecutor, load_executor
+from models.decoder.executor import DecoderExecutor, load_executor
 from runtime.config import WarmupConfig
 
 BLOCK = 4
@@ -35,7 +35,7 @@ def tiny_executor(
     device_sampling: bool = True,
     max_seq_len: int = 64,
     seed: int = 0,
-) -> LlamaExecutor:
+) -> DecoderExecutor:
     """A tiny-random executor in CONSTRUCTED (same seed -> same weights)."""
     return load_executor(
         "tiny-random",
@@ -72,13 +72,13 @@ def prompts_batch(lengths: list[int], *, seed: int = 1, vocab: int = 256) -> tor
     return tokens
 
 
-def kv_snapshot(executor: LlamaExecutor) -> list[torch.Tensor]:
+def kv_snapshot(executor: DecoderExecutor) -> list[torch.Tensor]:
     """Copies of every K and V tensor."""
     assert executor.kv_cache is not None
     return [tensor.clone() for pair in executor.kv_cache for tensor in pair]
 
 
-def run_prefill(executor: LlamaExecutor, lengths: list[int], **extra: Any) -> Any:
+def run_prefill(executor: DecoderExecutor, lengths: list[int], **extra: Any) -> Any:
     """Prefill prompts of `lengths` into contiguous blocks."""
     tokens = prompts_batch(lengths)
     width = executor.page_table_layout.prefill_width

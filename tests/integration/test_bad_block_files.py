@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from models.llama import LlamaArgs, random_state_dict
+from models.decoder import random_state_dict
+from models.llama import LlamaArgs
 from tests.gguf_files import (
     BadFile,
     write_misaligned_rows_gguf,

@@ -79,18 +79,18 @@ def test_the_verdict_names_what_went_wrong() -> None:
 def test_ctrl_c_in_a_cycle_prints_the_steps_done_closes_and_exits_130(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from models.llama.executor import LlamaExecutor
+    from models.decoder.executor import DecoderExecutor
 
-    wake = LlamaExecutor.wake
+    wake = DecoderExecutor.wake
     calls: list[int] = []
 
-    def interrupted_second_wake(self: LlamaExecutor, tags: object = None) -> None:
+    def interrupted_second_wake(self: DecoderExecutor, tags: object = None) -> None:
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
         wake(self, tags)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(LlamaExecutor, "wake", interrupted_second_wake)
+    monkeypatch.setattr(DecoderExecutor, "wake", interrupted_second_wake)
     status, out, err = run(capsys, "bringup", *CYCLE, "--cycle", "3")
     assert status == 130, err
     assert "interrupted in wake #2: the steps before it are printed above" in err

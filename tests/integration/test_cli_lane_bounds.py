@@ -20,7 +20,7 @@ from models.cli import main
 from models.cli.errors import UsageError
 from models.cli.lane_bounds import check_lane_memory, process_base_bytes, weight_bytes
 from models.cli.loading import model_args
-from models.llama.model import LlamaModel
+from models.decoder.model import DecoderModel
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["generate", "--model", "tiny-random", "--prompt", "hi", "--max-new-tokens", "2"]
@@ -29,7 +29,7 @@ TINY = ["generate", "--model", "tiny-random", "--prompt", "hi", "--max-new-token
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_bytes_are_the_models_parameters(dtype: torch.dtype) -> None:
     args = model_args("tiny-random")
-    model = LlamaModel(args, dtype=dtype)
+    model = DecoderModel(args, dtype=dtype)
     want = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes(args, str(dtype).removeprefix("torch.")) == want
 

@@ -56,7 +56,7 @@ def test_bringup_journals_every_lane_and_the_barrier(capsys: pytest.CaptureFixtu
     assert "barrier: 2 lanes pending -> captured together" in out
     journal = out.split("journal:", 1)[1]
     for lane in (0, 1):
-        assert f"lane{lane}.LlamaExecutor.capture: COMPILED -> CAPTURED [ok]" in journal
+        assert f"lane{lane}.DecoderExecutor.capture: COMPILED -> CAPTURED [ok]" in journal
     assert "LaneGroupExecutor.capture: COMPILED -> CAPTURED [ok]" in journal
 
 

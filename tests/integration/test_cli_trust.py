@@ -25,8 +25,8 @@ import torch
 
 from lifecycle import PhaseError
 from models.cli import OPTIONS, SUBCOMMAND_OPTIONS, build_parser, main
-from models.llama.config import LlamaArgs
-from models.llama.weights import random_state_dict
+from models.decoder.weights import random_state_dict
+from models.llama import LlamaArgs
 from models.progress import ConsoleProgress
 
 SMALL = ["--model", "tiny-random", "--block-size", "16", "--prefill-chunk", "32"]
@@ -151,8 +151,8 @@ def test_progress_is_silent_on_a_pipe_unless_asked(capsys: pytest.CaptureFixture
 
 
 def test_the_python_api_takes_the_same_progress_object() -> None:
+    from models.decoder.executor import load_executor
     from models.generation.generator import GenerationParams, Generator
-    from models.llama.executor import load_executor
 
     stream = io.StringIO()
     progress = ConsoleProgress(stream, force=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.llama.reference import allocate_kv_cache
+from models.decoder.reference import allocate_kv_cache
 from tests.integration.executor_setup import (
     BLOCK,
     contiguous_tables,

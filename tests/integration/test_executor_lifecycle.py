@@ -26,7 +26,7 @@ def test_start_reaches_serving_and_close_releases_everything() -> None:
     allocate = next(
         e
         for e in executor.journal.entries
-        if e.trigger == "allocate" and e.machine == "LlamaExecutor"
+        if e.trigger == "allocate" and e.machine == "DecoderExecutor"
     )
     assert "KV" in allocate.detail and "blocks" in allocate.detail
     executor.close()
@@ -45,7 +45,7 @@ def test_decode_before_serving_teaches_the_next_calls() -> None:
             page_table=torch.zeros(4, 8, dtype=torch.int32),
         )
     assert str(caught.value) == (
-        "LlamaExecutor: decode_forward() is not legal in ALLOCATED; it is legal in SERVING; "
+        "DecoderExecutor: decode_forward() is not legal in ALLOCATED; it is legal in SERVING; "
         "next: start(), warmup_prefill(), warmup_decode()"
     )
     executor.close()
@@ -90,7 +90,7 @@ def test_prefill_then_decode_matches_the_model() -> None:
 def test_terminal_is_absorbing() -> None:
     executor = tiny_executor()
     executor.close()
-    with pytest.raises(TerminalError, match="LlamaExecutor is terminal"):
+    with pytest.raises(TerminalError, match="DecoderExecutor is terminal"):
         executor.allocate_kv_cache()
     executor.close()
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lifecycle import Phase, PhaseError
+from models.decoder.sources import load_model
 from models.executor import ModelExecutor, ModelExecutorConfig
-from models.llama.sources import load_model
 from runtime.backends.faults import FaultCall, FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.backends.torch_device import TorchDevice
 from runtime.config import PagedKVCacheConfig, RuntimePolicy, TraceConfig, WarmupConfig

@@ -1,6 +1,6 @@
 """Greedy generation through the Generator equals the model's own greedy decoding.
 
-The oracle is `models.llama.reference.greedy_generate`: one prompt at a time, a contiguous KV
+The oracle is `models.decoder.reference.greedy_generate`: one prompt at a time, a contiguous KV
 cache, no runtime, no scheduler. The Generator runs the same prompts with everything switched
 on at once: mixed lengths, shared prefixes (prefix-cache hits), prompts longer than the prefill
 chunk, a KV pool too small for every request (preemption by recompute) and more prompts than
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from models import load_executor
+from models.decoder.reference import greedy_generate
+from models.decoder.sources import load_model
 from models.generation import GenerationParams, Generator
-from models.llama.reference import greedy_generate
-from models.llama.sources import load_model
 from runtime.config import WarmupConfig
 
 BLOCK = 8

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from models import load_executor
+from models.decoder import greedy_generate, load_model, random_state_dict
+from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
+from models.decoder.kernels import KernelPlanError
+from models.decoder.layers import Projection
 from models.generation.generator import GenerationParams, Generator
-from models.llama import LlamaArgs, greedy_generate, load_model, random_state_dict
-from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
-from models.llama.kernels import KernelPlanError
-from models.llama.layers import Projection
+from models.llama import LlamaArgs
 from tests.gguf_files import MIXED, write_llama_gguf
 from tests.models.llama_oracle import full_prefill_logits
 

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from models.decoder.executor import DecoderExecutor, load_executor
 from models.generation import GenerationParams, Generator
-from models.llama.executor import LlamaExecutor, load_executor
 from runtime.config import WarmupConfig
 from runtime.execution import CompileGateClosedError, TraceCoverageError
 from runtime.identity import key_material_of
@@ -26,7 +26,7 @@ LANE = 4
 MODES = ("none", "decode_only", "all")
 
 
-def _executor(mode: str, *, warmup: WarmupConfig | None = None, **extra: Any) -> LlamaExecutor:
+def _executor(mode: str, *, warmup: WarmupConfig | None = None, **extra: Any) -> DecoderExecutor:
     return load_executor(
         "tiny-random",
         trace_mode=mode,
@@ -41,7 +41,7 @@ def _executor(mode: str, *, warmup: WarmupConfig | None = None, **extra: Any) ->
 
 
 @pytest.fixture(scope="module")
-def lanes() -> Iterator[dict[str, LlamaExecutor]]:
+def lanes() -> Iterator[dict[str, DecoderExecutor]]:
     built = {mode: _executor(mode) for mode in MODES}
     for executor in built.values():
         executor.start()
@@ -83,7 +83,7 @@ def _workloads(draw: Any) -> tuple[str, bool, list[list[int]], list[GenerationPa
 
 
 def _generate(
-    executor: LlamaExecutor, prefix_cache: bool, prompts: list[list[int]], params: Any
+    executor: DecoderExecutor, prefix_cache: bool, prompts: list[list[int]], params: Any
 ) -> list[list[int]]:
     generator = Generator(executor, enable_prefix_cache=prefix_cache)
     return [list(c.token_ids) for c in generator.generate(prompts, params)]
@@ -92,7 +92,7 @@ def _generate(
 @settings(max_examples=max(8, settings.default.max_examples // 4))
 @given(workload=_workloads())
 def test_traced_lanes_serve_every_admitted_request_like_eager(
-    lanes: dict[str, LlamaExecutor],
+    lanes: dict[str, DecoderExecutor],
     workload: tuple[str, bool, list[list[int]], list[GenerationParams]],
 ) -> None:
     mode, prefix_cache, prompts, params = workload
@@ -107,7 +107,7 @@ def test_traced_lanes_serve_every_admitted_request_like_eager(
 
 @pytest.mark.parametrize("mode", ["decode_only", "all"])
 def test_reported_prompt_is_served_with_eager_greedy_tokens(
-    lanes: dict[str, LlamaExecutor], mode: str
+    lanes: dict[str, DecoderExecutor], mode: str
 ) -> None:
     # The reproduction: one greedy prompt whose last token is in Q128 tile 64.
     prompt = [[120, 32] * 39 + [120]]
@@ -119,7 +119,7 @@ def test_reported_prompt_is_served_with_eager_greedy_tokens(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_q128_argmax_tile_start_is_in_the_manifest(
-    lanes: dict[str, LlamaExecutor], mode: str
+    lanes: dict[str, DecoderExecutor], mode: str
 ) -> None:
     executor = lanes[mode]
     manifest = executor.coverage_manifest
@@ -231,7 +231,7 @@ def test_trace_none_rejects_trace_warmup_hints() -> None:
     executor.close()
 
 
-def test_sampling_siblings_share_one_compile_forward(lanes: dict[str, LlamaExecutor]) -> None:
+def test_sampling_siblings_share_one_compile_forward(lanes: dict[str, DecoderExecutor]) -> None:
     # Logits, argmax and top-k programs of one probe run the model forward once.
     for mode in MODES:
         executor = lanes[mode]
@@ -245,7 +245,7 @@ def test_sampling_siblings_share_one_compile_forward(lanes: dict[str, LlamaExecu
 
 
 def test_prefill_traces_of_one_capture_schema_share_one_capture(
-    lanes: dict[str, LlamaExecutor],
+    lanes: dict[str, DecoderExecutor],
 ) -> None:
     tracer = lanes["all"].trace_compiler
     assert tracer is not None

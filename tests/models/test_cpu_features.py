@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.cli import main
-from models.llama.executor import load_executor
+from models.decoder.executor import load_executor
 from runtime.backends.cpu_features import (
     FLAGS_ENV,
     CpuFeatures,

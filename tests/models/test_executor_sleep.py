@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lifecycle import Phase, PhaseError
+from models.decoder.executor import DecoderExecutor
+from models.decoder.sources import load_model
 from models.generation import GenerationParams, Generator
-from models.llama.executor import LlamaExecutor
-from models.llama.sources import load_model
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.weight_reload import WeightMismatchError
 from tests.integration.executor_setup import one_torch_thread as one_torch_thread
@@ -27,14 +27,14 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 MODES = ("none", "decode_only", "all")
 
 
-def greedy(executor: LlamaExecutor) -> list[tuple[int, ...]]:
+def greedy(executor: DecoderExecutor) -> list[tuple[int, ...]]:
     """Greedy tokens of PROMPTS on a fresh generator (no prefix cache carried over)."""
     params = GenerationParams(max_new_tokens=6)
     return [c.token_ids for c in Generator(executor).generate(PROMPTS, params)]
 
 
 @pytest.fixture(params=MODES)
-def served(request: pytest.FixtureRequest) -> Iterator[LlamaExecutor]:
+def served(request: pytest.FixtureRequest) -> Iterator[DecoderExecutor]:
     executor = tiny_executor(trace_mode=request.param, max_batch_size=2, faults="allocate:999999")
     executor.start()
     yield executor
@@ -42,20 +42,20 @@ def served(request: pytest.FixtureRequest) -> Iterator[LlamaExecutor]:
     assert executor.device.live_allocations == 0
 
 
-def faulty(executor: LlamaExecutor) -> FaultInjectingDevice:
+def faulty(executor: DecoderExecutor) -> FaultInjectingDevice:
     device = executor.device
     assert isinstance(device, FaultInjectingDevice)
     return device
 
 
-def asleep_holds_nothing(executor: LlamaExecutor) -> None:
+def asleep_holds_nothing(executor: DecoderExecutor) -> None:
     assert executor.phase is Phase.SLEEPING
     assert executor.device.live_allocations == 0
     assert executor.device.live_traces == 0
     assert executor.residency is not None and executor.residency.device_bytes() == 0
 
 
-def test_sleep_1_then_wake_gives_the_same_output(served: LlamaExecutor) -> None:
+def test_sleep_1_then_wake_gives_the_same_output(served: DecoderExecutor) -> None:
     before = greedy(served)
     served.drain()
     assert served.phase is Phase.DRAINED
@@ -66,7 +66,7 @@ def test_sleep_1_then_wake_gives_the_same_output(served: LlamaExecutor) -> None:
     assert greedy(served) == before
 
 
-def test_staged_wake_gives_the_same_output(served: LlamaExecutor) -> None:
+def test_staged_wake_gives_the_same_output(served: DecoderExecutor) -> None:
     before = greedy(served)
     served.drain()
     served.sleep(1)
@@ -78,7 +78,7 @@ def test_staged_wake_gives_the_same_output(served: LlamaExecutor) -> None:
     assert greedy(served) == before
 
 
-def test_sleep_2_wake_reload_gives_the_same_output(served: LlamaExecutor) -> None:
+def test_sleep_2_wake_reload_gives_the_same_output(served: DecoderExecutor) -> None:
     before = greedy(served)
     served.drain()
     served.sleep(2)
@@ -89,7 +89,7 @@ def test_sleep_2_wake_reload_gives_the_same_output(served: LlamaExecutor) -> Non
     assert greedy(served) == before
 
 
-def test_sleep_2_full_wake_waits_for_reload_before_serving(served: LlamaExecutor) -> None:
+def test_sleep_2_full_wake_waits_for_reload_before_serving(served: DecoderExecutor) -> None:
     before = greedy(served)
     served.drain()
     served.sleep(2)
@@ -102,7 +102,7 @@ def test_sleep_2_full_wake_waits_for_reload_before_serving(served: LlamaExecutor
     assert greedy(served) == before
 
 
-def test_reload_other_weights_equals_a_fresh_executor(served: LlamaExecutor) -> None:
+def test_reload_other_weights_equals_a_fresh_executor(served: DecoderExecutor) -> None:
     other = load_model("tiny-random", seed=1, with_tokenizer=False).model
     served.drain()
     served.reload_weights(other.canonical_state_dict())
@@ -119,7 +119,7 @@ def test_reload_other_weights_equals_a_fresh_executor(served: LlamaExecutor) -> 
 
 
 def test_forward_in_weights_only_stage_is_refused_before_device_work(
-    served: LlamaExecutor,
+    served: DecoderExecutor,
 ) -> None:
     served.drain()
     served.sleep(1)
@@ -141,7 +141,7 @@ def test_forward_in_weights_only_stage_is_refused_before_device_work(
 
 
 def test_level_2_restores_rotary_tables_bit_equal_to_a_fresh_load(
-    served: LlamaExecutor,
+    served: DecoderExecutor,
 ) -> None:
     served.drain()
     served.sleep(2)
@@ -155,7 +155,7 @@ def test_level_2_restores_rotary_tables_bit_equal_to_a_fresh_load(
 
 
 def test_second_sleep_and_wake_while_awake_are_journaled_no_ops(
-    served: LlamaExecutor,
+    served: DecoderExecutor,
 ) -> None:
     served.wake()
     served.drain()

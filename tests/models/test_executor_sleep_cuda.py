@@ -11,8 +11,8 @@ import gc
 import pytest
 import torch
 
+from models.decoder.executor import DecoderExecutor, load_executor
 from models.generation import GenerationParams, Generator
-from models.llama.executor import LlamaExecutor, load_executor
 
 pytestmark = [
     pytest.mark.cuda,
@@ -25,7 +25,7 @@ pytestmark = [
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 
 
-def greedy(executor: LlamaExecutor) -> list[tuple[int, ...]]:
+def greedy(executor: DecoderExecutor) -> list[tuple[int, ...]]:
     params = GenerationParams(max_new_tokens=6)
     return [c.token_ids for c in Generator(executor).generate(PROMPTS, params)]
 

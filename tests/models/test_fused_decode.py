@@ -13,9 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.llama import TINY_PRESETS, LlamaArgs, LlamaModel, random_state_dict
-from models.llama.fused_decode import FusedDecodeStack
-from models.llama.kernels import (
+from models.decoder import DecoderModel, random_state_dict
+from models.decoder.fused_decode import FusedDecodeStack
+from models.decoder.kernels import (
     FUSED_MAX_ROWS,
     KernelPlan,
     KernelPlanError,
@@ -24,6 +24,7 @@ from models.llama.kernels import (
     load_kernel_plan,
     parse_kernel_plan,
 )
+from models.llama import TINY_PRESETS, LlamaArgs
 from runtime.backends import native_kernels
 from tests.models.llama_oracle import assert_four_rows_greedy_match_transformers, tiny_pair
 
@@ -34,11 +35,11 @@ needs_native = pytest.mark.skipif(
 ALL_ROWS = tuple(range(1, FUSED_MAX_ROWS + 1))
 
 
-def _model(args: LlamaArgs, seed: int = 4) -> LlamaModel:
-    return LlamaModel.from_state_dict(args, random_state_dict(args, seed=seed))
+def _model(args: LlamaArgs, seed: int = 4) -> DecoderModel:
+    return DecoderModel.from_state_dict(args, random_state_dict(args, seed=seed))
 
 
-def _plan(model: LlamaModel, layouts: dict[str, Layout]) -> KernelPlan:
+def _plan(model: DecoderModel, layouts: dict[str, Layout]) -> KernelPlan:
     """A hand-written plan storing each projection in `layouts[name]` (default `out_in`)."""
     forms: dict[Layout, tuple[tuple[int, str], ...]] = {
         "out_in": ((1, "mv"), (64, "linear")),
@@ -60,7 +61,7 @@ def _plan(model: LlamaModel, layouts: dict[str, Layout]) -> KernelPlan:
 
 
 def _decode_both_ways(
-    model: LlamaModel,
+    model: DecoderModel,
     *,
     block_size: int,
     positions: list[int],
@@ -267,7 +268,7 @@ def test_without_a_compiler_a_plan_choosing_the_fused_stack_is_refused() -> None
 
 def test_bfloat16_and_graph_safe_models_refuse_the_fused_stack() -> None:
     args = LlamaArgs.tiny_random("gqa")
-    bf16 = LlamaModel.from_state_dict(args, random_state_dict(args, seed=1), dtype=torch.bfloat16)
+    bf16 = DecoderModel.from_state_dict(args, random_state_dict(args, seed=1), dtype=torch.bfloat16)
     plan = attrs.evolve(
         _plan(bf16, {}), decode_attention="gather", fused_decode=(1,), dtype="bfloat16"
     )

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.llama import LlamaArgs, LlamaModel, random_state_dict
-from models.llama.fused_decode import FusedDecodeStack
-from models.llama.layers import DecoderLayer
+from models.decoder import DecoderModel, random_state_dict
+from models.decoder.fused_decode import FusedDecodeStack
+from models.decoder.layers import DecoderLayer
+from models.llama import LlamaArgs
 from runtime.backends import native_kernels
 from runtime.backends.native_kernels import (
     STACK_PROJECTIONS,
@@ -67,7 +68,7 @@ class _MixedKernel(FusedDecodeLayers):
 
 
 def _quantize_weights(
-    model: LlamaModel, mix: str, layout: int, seed: int
+    model: DecoderModel, mix: str, layout: int, seed: int
 ) -> list[list[list[StackPart]]]:
     """Each layer's projections as the mix's parts, the model's weights set to their values."""
     layers: list[list[list[StackPart]]] = []
@@ -128,7 +129,7 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
         max_seq_len=64,
         name="tiny-random-quant-fused",
     )
-    model = LlamaModel.from_state_dict(args, random_state_dict(args, seed=seed))
+    model = DecoderModel.from_state_dict(args, random_state_dict(args, seed=seed))
     layers = _quantize_weights(model, mix, layout, seed)
     parts = native_kernels.stack_parts_table(_geometry(args), layers, (layout,) * 4)
     generator = torch.Generator().manual_seed(seed)

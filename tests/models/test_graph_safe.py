@@ -1,4 +1,4 @@
-"""The graph-safe (CUDA-graph capturable) decode and prefill of `LlamaModel`.
+"""The graph-safe (CUDA-graph capturable) decode and prefill of `DecoderModel`.
 
 On CPU the graph-safe path is forced with `model.graph_safe = True` and checked against the
 dynamic path: same logits (1e-5 in float32), same cache writes, no byte of the cache touched
@@ -21,9 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-import models.llama.model as model_module
-from models.llama import TINY_PRESETS, LlamaArgs, LlamaModel, random_state_dict
-from models.llama.graph_safe import redirect_writes
+import models.decoder.model as model_module
+from models.decoder import DecoderModel, random_state_dict
+from models.decoder.graph_safe import redirect_writes
+from models.llama import TINY_PRESETS, LlamaArgs
 
 ATOL = 1e-5
 PRESETS = sorted(TINY_PRESETS)
@@ -34,12 +35,12 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @cache
-def _model(preset: str) -> LlamaModel:
+def _model(preset: str) -> DecoderModel:
     args = LlamaArgs.tiny_random(preset)
-    return LlamaModel.from_state_dict(args, random_state_dict(args, seed=5))
+    return DecoderModel.from_state_dict(args, random_state_dict(args, seed=5))
 
 
-def _random_cache(model: LlamaModel, num_blocks: int, block_size: int, seed: int) -> KV:
+def _random_cache(model: DecoderModel, num_blocks: int, block_size: int, seed: int) -> KV:
     """Random (not zero) K/V, so a wrong gather or a stray write changes results."""
     generator = torch.Generator().manual_seed(seed)
     shape = (num_blocks, model.args.n_kv_heads, block_size, model.args.head_dim)
@@ -57,7 +58,7 @@ def _clone(kv: KV) -> KV:
 
 
 @contextmanager
-def _bound(model: LlamaModel, kv: KV, block_size: int, *, graph_safe: bool) -> Iterator[None]:
+def _bound(model: DecoderModel, kv: KV, block_size: int, *, graph_safe: bool) -> Iterator[None]:
     """Bind `kv` with `block_size` and force a path; restore the shared model afterwards."""
     model.set_kv_cache(None)
     model.configure_paged_attention(block_size=block_size, max_num_blocks=kv[0][0].shape[0])
@@ -477,7 +478,7 @@ def test_graph_safe_paths_compile_without_graph_breaks() -> None:
 # ---------------------------------------------------------------------------- selection rule
 def test_path_selection_rule() -> None:
     args = LlamaArgs.tiny_random("gqa")
-    model = LlamaModel(args)
+    model = DecoderModel(args)
     assert model.graph_safe is None and not model.uses_graph_safe_path()  # CPU: dynamic
     model.graph_safe = True
     assert model.uses_graph_safe_path()
@@ -494,10 +495,10 @@ def _cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _cuda_model(preset: str = "gqa") -> LlamaModel:
+def _cuda_model(preset: str = "gqa") -> DecoderModel:
     args = LlamaArgs.tiny_random(preset)
     state = random_state_dict(args, seed=5)
-    return LlamaModel.from_state_dict(args, state, device=_cuda_device())
+    return DecoderModel.from_state_dict(args, state, device=_cuda_device())
 
 
 def _to_cuda(kv: KV) -> KV:
@@ -587,7 +588,7 @@ def test_cuda_graph_replay_equals_eager(operation: str) -> None:
 @needs_cuda
 @pytest.mark.parametrize("trace_mode", ["decode_only", "all"])
 def test_cuda_executor_traced_decode_equals_eager(trace_mode: str) -> None:
-    from models.llama.executor import load_executor
+    from models.decoder.executor import load_executor
     from runtime.config import WarmupConfig
 
     def serving(mode: str) -> Any:

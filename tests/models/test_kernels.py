@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from models.llama import LlamaArgs, LlamaModel, random_state_dict
-from models.llama.executor import load_executor
-from models.llama.kernel_measure import measure_projection, pick_storage, row_buckets
-from models.llama.kernels import (
+from models.decoder import DecoderModel, random_state_dict
+from models.decoder.executor import load_executor
+from models.decoder.kernel_measure import measure_projection, pick_storage, row_buckets
+from models.decoder.kernels import (
     FORMS,
     KernelPlan,
     KernelPlanError,
@@ -22,7 +22,8 @@ from models.llama.kernels import (
     load_kernel_plan,
     parse_kernel_plan,
 )
-from models.llama.layers import Projection
+from models.decoder.layers import Projection
+from models.llama import LlamaArgs
 
 CPU = torch.device("cpu")
 
@@ -95,9 +96,9 @@ def test_storage_changes_only_for_a_clear_win() -> None:
     assert pick_storage({("in_out", True): 2.0, ("in_out", False): 2.5}, 2) == ("in_out", True)
 
 
-def _model(preset: str = "gqa") -> LlamaModel:
+def _model(preset: str = "gqa") -> DecoderModel:
     args = LlamaArgs.tiny_random(preset)
-    return LlamaModel.from_state_dict(args, random_state_dict(args, seed=4))
+    return DecoderModel.from_state_dict(args, random_state_dict(args, seed=4))
 
 
 def test_applied_plan_keeps_model_weights_and_logits() -> None:

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.llama import TINY_PRESETS, LlamaArgs, RopeScaling
-from models.llama.config import parse_tiny_random_name
+from models.decoder import RopeScaling
+from models.decoder.config import parse_tiny_random_name
+from models.llama import TINY_PRESETS, LlamaArgs
 
 SMOLLM_HF: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -212,7 +213,7 @@ def test_tiny_presets_cover_the_required_shapes() -> None:
     assert any(not a.tie_word_embeddings for a in presets.values())
     kinds = {a.rope_scaling.kind for a in presets.values() if a.rope_scaling is not None}
     assert kinds == {"linear", "llama3"}
-    with pytest.raises(ValueError, match=r"tiny-random preset='huge' is unknown: allowed are"):
+    with pytest.raises(ValueError, match=r"tiny-random preset=.huge. is unknown to LlamaArgs: allowed are"):
         LlamaArgs.tiny_random("huge")
 
 

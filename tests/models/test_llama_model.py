@@ -7,18 +7,17 @@ import itertools
 import pytest
 import torch
 
-from models.llama import (
-    TINY_PRESETS,
-    LlamaArgs,
-    LlamaModel,
+from models.decoder import (
+    DecoderModel,
     allocate_kv_cache,
     greedy_generate,
     random_state_dict,
 )
-from models.llama.attention_layout import plan_key_groups
-from models.llama.kernels import LINEAR_FROM_ROWS
-from models.llama.layers import Projection
-from models.llama.reference import contiguous_page_table, prefill_prompts
+from models.decoder.attention_layout import plan_key_groups
+from models.decoder.kernels import LINEAR_FROM_ROWS
+from models.decoder.layers import Projection
+from models.decoder.reference import contiguous_page_table, prefill_prompts
+from models.llama import TINY_PRESETS, LlamaArgs
 from runtime.model_contract import AttentionMetadata, PagedAttentionConfig, PagedModel
 from tests.models.llama_oracle import (
     full_prefill_logits,
@@ -37,9 +36,9 @@ def _prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 def _bound(
     preset: str = "gqa", *, block_size: int = 4, num_blocks: int = 32
-) -> tuple[LlamaModel, list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[DecoderModel, list[tuple[torch.Tensor, torch.Tensor]]]:
     args = LlamaArgs.tiny_random(preset)
-    model = LlamaModel.from_state_dict(args, random_state_dict(args, seed=3))
+    model = DecoderModel.from_state_dict(args, random_state_dict(args, seed=3))
     model.configure_paged_attention(block_size=block_size, max_num_blocks=num_blocks)
     cache = allocate_kv_cache(model, num_blocks)
     model.set_kv_cache(cache)
@@ -85,8 +84,8 @@ def test_rope_scaling_reaches_the_oracle() -> None:
     unscaled = LlamaArgs(**{**_fields(args), "rope_scaling": None})
     state = random_state_dict(args, seed=0)
     prompt = _prompt(80, args.vocab_size, seed=5)
-    scaled_logits = full_prefill_logits(LlamaModel.from_state_dict(args, state), prompt)
-    plain_logits = full_prefill_logits(LlamaModel.from_state_dict(unscaled, state), prompt)
+    scaled_logits = full_prefill_logits(DecoderModel.from_state_dict(args, state), prompt)
+    plain_logits = full_prefill_logits(DecoderModel.from_state_dict(unscaled, state), prompt)
     assert (scaled_logits - plain_logits).abs().max().item() > 1e-2
 
 
@@ -192,7 +191,7 @@ def test_model_satisfies_the_paged_model_protocol() -> None:
 
 def test_attention_metadata_before_and_after_configuration() -> None:
     args = LlamaArgs.tiny_random("mqa")
-    model = LlamaModel.from_state_dict(args, random_state_dict(args))
+    model = DecoderModel.from_state_dict(args, random_state_dict(args))
     meta = model.attention_metadata()
     assert len(meta) == args.n_layers
     assert all(m.paged_attention_config is None for m in meta)
@@ -207,7 +206,7 @@ def test_attention_metadata_before_and_after_configuration() -> None:
     assert {m.paged_attention_config for m in model.attention_metadata()} == {
         PagedAttentionConfig(block_size=16, max_num_blocks=7)
     }
-    built = LlamaModel.from_state_dict(
+    built = DecoderModel.from_state_dict(
         args, random_state_dict(args), paged_attention=PagedAttentionConfig(8, 3)
     )
     assert built.attention_metadata()[0].paged_attention_config == PagedAttentionConfig(8, 3)
@@ -216,11 +215,11 @@ def test_attention_metadata_before_and_after_configuration() -> None:
 def test_bfloat16_model_runs_and_stays_close_to_float32() -> None:
     args = LlamaArgs.tiny_random("gqa")
     state = random_state_dict(args, seed=1)
-    model16 = LlamaModel.from_state_dict(args, state, dtype=torch.bfloat16)
+    model16 = DecoderModel.from_state_dict(args, state, dtype=torch.bfloat16)
     assert model16.attention_metadata()[0].kv_cache_dtype == torch.bfloat16
     prompt = _prompt(20, args.vocab_size, seed=9)
     out16 = full_prefill_logits(model16, prompt)
-    out32 = full_prefill_logits(LlamaModel.from_state_dict(args, state), prompt)
+    out32 = full_prefill_logits(DecoderModel.from_state_dict(args, state), prompt)
     assert out16.dtype == torch.float32
     assert torch.isfinite(out16).all()
     assert (out16 - out32).abs().max().item() < 0.1 * out32.abs().max().item()
@@ -314,7 +313,7 @@ def test_set_kv_cache_rejects_non_contiguous_and_unconfigured() -> None:
     with pytest.raises(ValueError, match="not contiguous"):
         model.set_kv_cache(strided)
     args = LlamaArgs.tiny_random("gqa")
-    fresh = LlamaModel.from_state_dict(args, random_state_dict(args))
+    fresh = DecoderModel.from_state_dict(args, random_state_dict(args))
     with pytest.raises(RuntimeError, match="configure_paged_attention"):
         fresh.set_kv_cache(cache)
 
@@ -373,7 +372,7 @@ def test_prefill_and_decode_input_validation() -> None:
 
 def test_dtype_validation_names_allowed_values() -> None:
     with pytest.raises(ValueError, match=r"dtype=torch\.float16 is not supported"):
-        LlamaModel(LlamaArgs.tiny_random(), dtype=torch.float16)
+        DecoderModel(LlamaArgs.tiny_random(), dtype=torch.float16)
 
 
 def test_contiguous_page_table_helper() -> None:

@@ -14,17 +14,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models.llama import TINY_PRESETS, LlamaArgs, LlamaModel, allocate_kv_cache, random_state_dict
-from models.llama.reference import prefill_prompts
+from models.decoder import DecoderModel, allocate_kv_cache, random_state_dict
+from models.decoder.reference import prefill_prompts
+from models.llama import TINY_PRESETS, LlamaArgs
 from tests.models.llama_oracle import full_prefill_logits
 
 ATOL = 1e-4
 
 
 @cache
-def _model(preset: str) -> LlamaModel:
+def _model(preset: str) -> DecoderModel:
     args = LlamaArgs.tiny_random(preset)
-    return LlamaModel.from_state_dict(args, random_state_dict(args, seed=11))
+    return DecoderModel.from_state_dict(args, random_state_dict(args, seed=11))
 
 
 @attrs.frozen
@@ -68,7 +69,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     return Scenario(preset, block_size, prompts, cached, chunk, permutation)
 
 
-def _fill_cached_prefixes(model: LlamaModel, scenario: Scenario, table: torch.Tensor) -> None:
+def _fill_cached_prefixes(model: DecoderModel, scenario: Scenario, table: torch.Tensor) -> None:
     """Write each row's cached prefix as an earlier request would have (padding rows: len 0)."""
     longest = max(scenario.cached)
     if longest == 0:

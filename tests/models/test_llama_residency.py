@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from models import load_executor
+from models.decoder import load_model, random_state_dict
+from models.decoder.executor import DecoderExecutor
+from models.decoder.fused_decode import FusedDecodeStack
+from models.decoder.layers import Projection
 from models.generation.generator import GenerationParams, Generator
-from models.llama import LlamaArgs, load_model, random_state_dict
-from models.llama.executor import LlamaExecutor
-from models.llama.fused_decode import FusedDecodeStack
-from models.llama.layers import Projection
+from models.llama import LlamaArgs
 from runtime.weight_reload import WeightMismatchError
 from runtime.weight_residency import WeightResidency
 from tests.gguf_files import MIXED, write_llama_gguf
@@ -37,12 +38,12 @@ def gguf(folder: Path, qtype: str) -> Path:
     return path
 
 
-def greedy(executor: LlamaExecutor) -> list[tuple[int, ...]]:
+def greedy(executor: DecoderExecutor) -> list[tuple[int, ...]]:
     params = GenerationParams(max_new_tokens=6)
     return [c.token_ids for c in Generator(executor).generate(PROMPTS, params)]
 
 
-def blocks_of(executor: LlamaExecutor) -> list[torch.Tensor]:
+def blocks_of(executor: DecoderExecutor) -> list[torch.Tensor]:
     return [
         block.qs
         for module in executor.loaded.model.modules()
@@ -55,7 +56,7 @@ def blocks_of(executor: LlamaExecutor) -> list[torch.Tensor]:
 def test_block_weights_survive_both_sleep_levels(files: Path, mode: str) -> None:
     path = str(gguf(files, MIXED))
     executor = load_executor(path, trace_mode=mode, **SMALL)
-    assert isinstance(executor, LlamaExecutor)
+    assert isinstance(executor, DecoderExecutor)
     executor.start()
     want = greedy(executor)
     assert blocks_of(executor), "the mixed file keeps its projections in blocks"
@@ -77,7 +78,7 @@ def test_block_weights_survive_both_sleep_levels(files: Path, mode: str) -> None
 
 def test_a_reload_in_another_form_is_refused_naming_the_tensor(files: Path) -> None:
     executor = load_executor(str(gguf(files, "Q4_0")), **SMALL)
-    assert isinstance(executor, LlamaExecutor)
+    assert isinstance(executor, DecoderExecutor)
     executor.start()
     executor.drain()
     before = {k: v.clone() for k, v in executor.loaded.model.resident_weights().items()}

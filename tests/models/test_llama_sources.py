@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from models.llama import (
+from models.decoder import (
     SMOLLM2_INSTALL,
-    LlamaArgs,
-    LlamaModel,
-    LlamaTokenizer,
+    DecoderModel,
+    DecoderTokenizer,
     ModelNotAvailableError,
     load_model,
     random_state_dict,
     resolve_source,
 )
+from models.llama import LlamaArgs
 from tests.models.llama_oracle import full_prefill_logits
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "user", "assistant", ":", "hi", "\n"]
@@ -105,7 +105,7 @@ def test_load_hf_directory_with_tokenizer(tmp_path: Path) -> None:
     state = _write_hf_dir(tmp_path, args, seed=4)
     loaded = load_model(tmp_path)
     assert loaded.source.kind == "hf_dir"
-    expected = LlamaModel.from_state_dict(args, state)
+    expected = DecoderModel.from_state_dict(args, state)
     prompt = [3, 4, 5, 6]
     assert torch.equal(
         full_prefill_logits(loaded.model, prompt), full_prefill_logits(expected, prompt)
@@ -120,7 +120,7 @@ def test_load_hf_directory_with_tokenizer(tmp_path: Path) -> None:
 
 def test_chat_template_rendering(tmp_path: Path) -> None:
     _write_hf_dir(tmp_path, LlamaArgs.tiny_random("gqa"))
-    tok = LlamaTokenizer.from_hf_dir(tmp_path)
+    tok = DecoderTokenizer.from_hf_dir(tmp_path)
     messages = [{"role": "user", "content": "hi"}]
     assert tok.render_chat(messages) == "<s>user: hi\nassistant:"
     assert tok.render_chat(messages, add_generation_prompt=False) == "<s>user: hi\n"
@@ -129,8 +129,8 @@ def test_chat_template_rendering(tmp_path: Path) -> None:
 
 def test_chat_template_errors(tmp_path: Path) -> None:
     _write_hf_dir(tmp_path, LlamaArgs.tiny_random("gqa"))
-    tok = LlamaTokenizer.from_hf_dir(tmp_path)
-    failing = LlamaTokenizer(
+    tok = DecoderTokenizer.from_hf_dir(tmp_path)
+    failing = DecoderTokenizer(
         backend=tok.backend,
         bos_token_id=1,
         eos_token_ids=(2,),
@@ -138,8 +138,8 @@ def test_chat_template_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="chat template error: no system role"):
         failing.render_chat([])
-    bare = LlamaTokenizer(backend=tok.backend, bos_token_id=1, eos_token_ids=(2,))
+    bare = DecoderTokenizer(backend=tok.backend, bos_token_id=1, eos_token_ids=(2,))
     with pytest.raises(ValueError, match="has no chat template"):
         bare.render_chat([])
     with pytest.raises(FileNotFoundError, match="tokenizer file"):
-        LlamaTokenizer.from_hf_dir(tmp_path / "nowhere")
+        DecoderTokenizer.from_hf_dir(tmp_path / "nowhere")

@@ -1,4 +1,4 @@
-"""`LlamaVLLMModel` construction, capacity and argument checks (the engine-facing surface)."""
+"""`DecoderVLLMModel` construction, capacity and argument checks (the engine-facing surface)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from lifecycle import Phase
-from models.llama.config import LlamaArgs
-from models.llama.vllm import (
+from models.llama import LlamaArgs
+from models.vllm_facade.engine_args import HUB_ALIASES, WEIGHTS_SOURCE_KEY, engine_model_name
+from models.vllm_facade.facade import (
     DecodeOutput,
+    DecoderVLLMModel,
     HostDecodeOutput,
-    LlamaVLLMModel,
 )
-from models.llama.vllm_engine_args import HUB_ALIASES, WEIGHTS_SOURCE_KEY, engine_model_name
 from runtime.backends import TorchDevice
 
 TINY = LlamaArgs.tiny_random()
@@ -24,14 +24,14 @@ HF: dict[str, Any] = {**TINY.to_hf_config(), "_name_or_path": "tiny-random"}
 OPTIONS: dict[str, Any] = {"block_size": 4, "max_prefill_chunk_size": 32}
 
 
-def build(**overrides: Any) -> LlamaVLLMModel:
+def build(**overrides: Any) -> DecoderVLLMModel:
     kwargs: dict[str, Any] = {"max_seq_len": 64, **OPTIONS}
     kwargs.update(overrides)
-    return LlamaVLLMModel.initialize_vllm_model(HF, "cpu", 4, **kwargs)
+    return DecoderVLLMModel.initialize_vllm_model(HF, "cpu", 4, **kwargs)
 
 
 def test_capabilities_are_declared() -> None:
-    assert LlamaVLLMModel.model_capabilities == {
+    assert DecoderVLLMModel.model_capabilities == {
         "supports_prefix_caching": True,
         "supports_sample_on_device": True,
         "supports_async_decode": True,
@@ -40,13 +40,13 @@ def test_capabilities_are_declared() -> None:
 
 
 def test_capacity_classmethods() -> None:
-    tokens = LlamaVLLMModel.get_max_tokens_all_users(
+    tokens = DecoderVLLMModel.get_max_tokens_all_users(
         model_name="x", num_devices=1, tt_data_parallel=1, max_model_len=2048, max_num_seqs=8
     )
     assert tokens == 8 * 2048
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
-        LlamaVLLMModel.get_max_tokens_all_users(max_model_len=64, max_num_seqs=0)
-    assert LlamaVLLMModel.get_kv_cache_spec(object()) is None
+        DecoderVLLMModel.get_max_tokens_all_users(max_model_len=64, max_num_seqs=0)
+    assert DecoderVLLMModel.get_kv_cache_spec(object()) is None
 
 
 def test_initialize_builds_a_constructed_facade() -> None:
@@ -73,7 +73,7 @@ def test_performance_optimizations_mean_bfloat16() -> None:
 
 def test_a_runtime_device_is_used_as_is() -> None:
     device = TorchDevice("cpu")
-    model = LlamaVLLMModel.initialize_vllm_model(HF, device, 2, max_seq_len=32, **OPTIONS)
+    model = DecoderVLLMModel.initialize_vllm_model(HF, device, 2, max_seq_len=32, **OPTIONS)
     assert model.device is device
     model.close()
 
@@ -103,7 +103,7 @@ def test_bad_arguments_are_refused(
     max_batch_size = overrides.pop("max_batch_size", 4)
     kwargs: dict[str, Any] = {"max_seq_len": 64, **OPTIONS, **overrides}
     with pytest.raises(error, match=message):
-        LlamaVLLMModel.initialize_vllm_model(hf_config, mesh_device, max_batch_size, **kwargs)
+        DecoderVLLMModel.initialize_vllm_model(hf_config, mesh_device, max_batch_size, **kwargs)
 
 
 def test_hub_ids_of_shipped_weights_are_aliased() -> None:

@@ -12,10 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.llama import (
+from models.decoder import (
+    DecoderModel,
     GGUFFile,
-    LlamaArgs,
-    LlamaModel,
     WeightsError,
     expected_shapes,
     load_gguf,
@@ -23,8 +22,9 @@ from models.llama import (
     load_safetensors,
     random_state_dict,
 )
-from models.llama.gguf_weights import unpermute_rope_rows
-from models.llama.weights import LM_HEAD, ModelFileError, check_finite
+from models.decoder.gguf_weights import unpermute_rope_rows
+from models.decoder.weights import LM_HEAD, ModelFileError, check_finite
+from models.llama import LlamaArgs
 from tests.models.llama_oracle import full_prefill_logits
 
 
@@ -93,7 +93,7 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path: Path) -> None:
     assert info.value.missing == ("model.layers.1.mlp.up_proj.weight",)
     assert isinstance(info.value, ValueError)
     with pytest.raises(WeightsError, match="up_proj"):
-        LlamaModel.from_state_dict(args, state)
+        DecoderModel.from_state_dict(args, state)
 
 
 def test_unexpected_tensors_are_reported_and_ignored(
@@ -105,7 +105,7 @@ def test_unexpected_tensors_are_reported_and_ignored(
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # tied: tolerated
     state["vision_tower.weight"] = torch.ones(2)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with caplog.at_level(logging.WARNING, logger="models.llama.weights"):
+    with caplog.at_level(logging.WARNING, logger="models.decoder.weights"):
         loaded = load_safetensors(tmp_path, args)
     assert "vision_tower.weight" not in loaded
     assert "1 unexpected tensor(s)" in caplog.text and "vision_tower.weight" in caplog.text
@@ -200,8 +200,8 @@ def test_gguf_round_trip_undoes_rope_permutation(tmp_path: Path, preset: str) ->
     # With the embedding as stored (quantized), the model equals one built from the originals.
     reference = dict(state, **{"model.embed_tokens.weight": loaded["model.embed_tokens.weight"]})
     prompt = list(range(3, 40))
-    ours = full_prefill_logits(LlamaModel.from_state_dict(read_args, loaded), prompt)
-    theirs = full_prefill_logits(LlamaModel.from_state_dict(args, reference), prompt)
+    ours = full_prefill_logits(DecoderModel.from_state_dict(read_args, loaded), prompt)
+    theirs = full_prefill_logits(DecoderModel.from_state_dict(args, reference), prompt)
     assert (ours - theirs).abs().max().item() < 1e-2
 
 
@@ -224,7 +224,7 @@ def test_canonical_state_dict_round_trips_the_fused_layout() -> None:
     for preset in ("gqa", "mqa", "mha-tied"):
         args = _args(preset)
         state = random_state_dict(args, seed=9)
-        back = LlamaModel.from_state_dict(args, state).canonical_state_dict()
+        back = DecoderModel.from_state_dict(args, state).canonical_state_dict()
         assert back.keys() == state.keys()
         assert all(torch.equal(back[k], state[k]) for k in state), preset
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.llama import TINY_PRESETS, LlamaModel, allocate_kv_cache
+from models.decoder import DecoderModel, allocate_kv_cache
+from models.llama import TINY_PRESETS
 from runtime.backends import native_kernels
 from tests.models.llama_oracle import assert_four_rows_greedy_match_transformers, tiny_pair
 
@@ -124,7 +125,7 @@ def test_kernel_refuses_pages_outside_the_cache() -> None:
         kernel(torch.zeros(1, 1, 1, 16), k, k, torch.tensor([[0]]), torch.tensor([9]), 1.0)
 
 
-def _mixed_decode(model: LlamaModel, mode: str) -> torch.Tensor:
+def _mixed_decode(model: DecoderModel, mode: str) -> torch.Tensor:
     """Decode logits of a mixed batch (inactive row, shuffled pages) in one attention mode."""
     block, width = 8, 8
     generator = torch.Generator().manual_seed(7)

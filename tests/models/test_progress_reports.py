@@ -104,8 +104,8 @@ def test_a_step_with_each_prints_i_of_n_at_most_once_a_second(clock: FakeClock) 
 def test_the_api_sink_sees_each_kernel_measurement_and_warmup_case(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import models.llama.kernel_measure as kernels
-    from models.llama.executor import load_executor
+    import models.decoder.kernel_measure as kernels
+    from models.decoder.executor import load_executor
 
     monkeypatch.setattr(kernels, "_MEASURED", {})  # measure here, not a plan cached earlier
     recorder = RecordingProgress()

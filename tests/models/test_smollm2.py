@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.llama import SMOLLM2_INSTALL, LoadedModel, greedy_generate, load_model
-from models.llama.sources import smollm2_gguf_path
+from models.decoder import SMOLLM2_INSTALL, LoadedModel, greedy_generate, load_model
+from models.decoder.sources import smollm2_gguf_path
 from tests.models.llama_oracle import full_prefill_logits, hf_greedy, hf_last_logits
 
 pytestmark = pytest.mark.slow
@@ -190,9 +190,9 @@ def test_gguf_tokenizer_matches_transformers_on_random_text(
 
 _PEAK_SCRIPT = """
 import json, os, sys
-import models.llama.sources as sources
+import models.decoder.sources as sources
 import gguf, numpy, safetensors, tokenizers  # noqa: F401  (imports are not loading cost)
-from models.llama.gguf_weights import GGUFFile
+from models.decoder.gguf_weights import GGUFFile
 def current():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 # This process's own peak: ru_maxrss would start at pytest's (gigabytes late in a full run).

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama.sources import load_model
+from models.decoder.sources import load_model
 from models.vllm_plugin import ENABLE_ENV, register_platform
 from models.vllm_plugin.hf_folder import write_hf_folder
 from models.vllm_plugin.settings import PluginSettings

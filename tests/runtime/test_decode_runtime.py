@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 
-from models.llama.model import LlamaModel
+from models.decoder.model import DecoderModel
 from runtime.backends.faults import FaultInjectingDevice, FaultPlan, InjectedFault
 from runtime.backends.torch_device import TorchDevice
 from runtime.config import PageTableLayout, RuntimePolicy
@@ -52,7 +52,7 @@ def runtime(setup: TinySetup, *, sampling: bool = False, **overrides: Any) -> De
     return DecodeRuntime(resolve(setup, device_sampling_enabled=sampling, **overrides))
 
 
-def attach_feedback(model: LlamaModel) -> None:
+def attach_feedback(model: DecoderModel) -> None:
     """Give the model device position feedback: active positions advance by one in place."""
 
     def increment_positions(positions: torch.Tensor) -> None:

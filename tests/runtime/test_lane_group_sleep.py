@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lifecycle import Phase, PhaseError
+from models.decoder.sources import load_model
 from models.generation import GenerationParams, Generator
-from models.llama.sources import load_model
 from runtime.lane_group import LaneGroupExecutor
 from runtime.lanes import InProcessLane, spawn_process_lanes
 from tests.integration.executor_setup import one_torch_thread as one_torch_thread

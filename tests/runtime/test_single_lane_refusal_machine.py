@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from lifecycle import Phase
-from models.llama.executor import LlamaExecutor
+from models.decoder.executor import DecoderExecutor
 from tests.integration.executor_setup import tiny_executor
 from tests.runtime.test_lane_group_refusal_machine import INVALID, ROWS, Served
 
 
-def _device_counts(executor: LlamaExecutor) -> tuple[int, int]:
+def _device_counts(executor: DecoderExecutor) -> tuple[int, int]:
     device = executor.device
     return device.live_allocations, device.live_traces
 
@@ -36,7 +36,7 @@ class SingleLaneRefusals(RuleBasedStateMachine):
         super().__init__()
         self.served = served
         executor = served.group
-        assert isinstance(executor, LlamaExecutor)
+        assert isinstance(executor, DecoderExecutor)
         self.executor = executor
         self.held = executor.components.held_resources()
         self.counts = _device_counts(executor)
@@ -94,7 +94,7 @@ def test_block_ids_outside_the_pool_are_refused_before_the_model(
     served: Served, operation: str, entry: int | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     executor = served.group
-    assert isinstance(executor, LlamaExecutor)
+    assert isinstance(executor, DecoderExecutor)
     called: list[str] = []
     model = executor.model
     for name in ("prefill", "decode"):

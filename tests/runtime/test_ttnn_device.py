@@ -305,9 +305,9 @@ def test_real_ttnn_host_conversion_round_trips() -> None:
 def test_device_sampler_keeps_torch_buffers_on_a_ttnn_device(device: TtnnDevice) -> None:
     """The sampler is torch code: on a backend with native tensors its buffers stay torch
     tensors on the host surrogate, and the probe allocation is handed back."""
-    from models.llama.sampling import LlamaSampler, SamplerConfig
+    from models.decoder.sampling import DecoderSampler, SamplerConfig
 
-    sampler = LlamaSampler(SamplerConfig(max_batch_size=2, max_top_k=4, vocab_size=8))
+    sampler = DecoderSampler(SamplerConfig(max_batch_size=2, max_top_k=4, vocab_size=8))
     sampler.materialize(device)
     assert sampler.materialized and sampler.device == torch.device("cpu")
     assert all(isinstance(t, torch.Tensor) for t in sampler.buffers.values())

@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 import torch
 
-from models.llama.model import LlamaModel
-from models.llama.sampling import LlamaSampler, SamplerConfig
-from models.llama.sources import load_model
+from models.decoder.model import DecoderModel
+from models.decoder.sampling import DecoderSampler, SamplerConfig
+from models.decoder.sources import load_model
 from runtime.backends.torch_device import TorchDevice
 from runtime.config import PagedKVCacheConfig, PageTableLayout, RuntimePolicy
 from runtime.decode_config import DecodeRuntimeConfig
@@ -31,7 +31,7 @@ def tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-) -> LlamaModel:
+) -> DecoderModel:
     """A fresh tiny-random model (weights are seeded, so equal arguments give equal models)."""
     return load_model(preset, seed=seed, dtype=dtype, device=device, with_tokenizer=False).model
 
@@ -40,7 +40,7 @@ def tiny_model(
 class TinySetup:
     """A model with a bound paged KV cache and the runtime collaborators around it."""
 
-    model: LlamaModel
+    model: DecoderModel
     device: TorchDevice
     kv_manager: PagedKVCacheManager
     kv_cache: list[list[torch.Tensor]]
@@ -140,14 +140,14 @@ def build_tiny_setup(
 
 
 def tiny_sampler(
-    model: LlamaModel,
+    model: DecoderModel,
     *,
     max_batch_size: int,
     max_top_k: int = 32,
     allow_force_argmax: bool = True,
-) -> LlamaSampler:
+) -> DecoderSampler:
     """A device sampler for `model` (not materialised; the runtime materialises it)."""
-    return LlamaSampler(
+    return DecoderSampler(
         SamplerConfig(
             max_batch_size=max_batch_size,
             max_top_k=max_top_k,

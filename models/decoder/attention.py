@@ -1,8 +1,8 @@
-"""The attention paths of `LlamaModel`: one class per path, built once per call for every layer.
+"""The attention paths of `DecoderModel`: one class per path, built once per call for every layer.
 
 A model call plans its cache addressing once (`dynamic_addressing` for the dynamic CPU paths,
 `graph_safe` for the capturable ones) and hands the layers one of these per-call contexts. Each
-layer then does the same three things (`LlamaModel._attention`): project Q/K/V, store the new
+layer then does the same three things (`DecoderModel._attention`): project Q/K/V, store the new
 K/V with `write_kv(cache, k, v, path.writes)`, and `path.attend(q, k, v, cache)`. The paths:
 
 * `PagedDecode`: dynamic decode; a native kernel reads each row's keys from its pages in place;
@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from models.llama.attention_layout import KeyGroup, PackedChunk
+from models.decoder.attention_layout import KeyGroup, PackedChunk
 from runtime.backends import native_kernels
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]

@@ -1,4 +1,4 @@
-"""The Llama-family tensor model with paged attention (implements `PagedModel`).
+"""The shared decoder tensor model with paged attention (implements `PagedModel`).
 
 Each layer's KV cache is K and V of shape `[num_blocks, n_kv_heads, block_size, head_dim]`,
 owned by the caller and bound with `set_kv_cache`. Addressing is computed once per call and
@@ -6,19 +6,19 @@ shared by all layers: writes and gathers go through one flat row index into the 
 as `[num_blocks * n_kv_heads * block_size, head_dim]`, so no layer loops over batch rows.
 Q/K/V and gate/up projections are stored fused, one matrix each; how every projection is
 computed (form, layout, fused or split) is chosen by measurement at warmup
-(`choose_kernels`, `models.llama.kernel_hooks`). The dynamic decode attends with a native
+(`choose_kernels`, `models.decoder.kernel_hooks`). The dynamic decode attends with a native
 kernel that reads K/V pages in place (`decode_attention`), or gathers them when it cannot run;
 decodes of a few float32 rows may instead run every layer in one native call where warmup
-measured that faster (`fused_decode`, `models.llama.fused_decode`).
+measured that faster (`fused_decode`, `models.decoder.fused_decode`).
 
-Each call plans its addressing once into an attention path (`models.llama.attention`), and
+Each call plans its addressing once into an attention path (`models.decoder.attention`), and
 every layer runs the same `_attention`: project, store K/V, `path.attend`. Two
 implementations of decode and prefill plan those paths:
 
-* dynamic (default on CPU, `models.llama.dynamic_addressing`): reads values on the host to do
+* dynamic (default on CPU, `models.decoder.dynamic_addressing`): reads values on the host to do
   the least work (only the keys up to the longest row, only the active rows). Fastest on CPU;
   cannot be captured as a CUDA graph.
-* graph-safe (`models.llama.graph_safe`): no host synchronisation, shapes fixed by the input
+* graph-safe (`models.decoder.graph_safe`): no host synchronisation, shapes fixed by the input
   shapes (whole page-table width, every row). It is used when `uses_graph_safe_path()`: the
   `graph_safe` attribute when set, otherwise automatically on CUDA, so eager and captured CUDA
   calls run the same code and agree bit for bit.
@@ -29,29 +29,25 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama import dynamic_addressing as dynamic
-from models.llama import input_checks as checks
-from models.llama.attention import AttentionPath, LayerCache, write_kv
-from models.llama.attention_layout import GROUP_COST_KEYS
-from models.llama.bound_cache import BoundCache
-from models.llama.config import LlamaArgs
-from models.llama.graph_safe import static_decode, static_prefill, stream_capturing
-from models.llama.kernel_hooks import KernelPlanHooks
-from models.llama.layers import DecoderLayer, Projection, rope_tables
-from models.llama.residency import forget_block_descriptors, reload_pairs, weight_tensors
-from models.llama.weights import (
-    EMBED,
-    FINAL_NORM,
-    LM_HEAD,
-    WeightValue,
-    layer_name,
-    validate_state_dict,
-)
+from models.decoder import dynamic_addressing as dynamic
+from models.decoder import input_checks as checks
+from models.decoder.attention import AttentionPath, LayerCache, write_kv
+from models.decoder.attention_layout import GROUP_COST_KEYS
+from models.decoder.bound_cache import BoundCache
+from models.decoder.config import DecoderArgs
+from models.decoder.graph_safe import static_decode, static_prefill, stream_capturing
+from models.decoder.kernel_hooks import KernelPlanHooks
+from models.decoder.layers import DecoderLayer, Projection, rope_tables
+from models.decoder.residency import forget_block_descriptors, reload_pairs, weight_tensors
+from models.decoder.weight_names import EMBED, FINAL_NORM, LM_HEAD, layer_name
+from models.decoder.weights import WeightValue, validate_state_dict
+from models.families import family_for_args
 from runtime.backends.base import DeviceTensor
 from runtime.backends.heap import release_free_heap
 from runtime.model_contract import AttentionMetadata, KVCache, PagedAttentionConfig
@@ -64,8 +60,12 @@ logger = logging.getLogger(__name__)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
-class LlamaModel(KernelPlanHooks, nn.Module):
-    """Llama-architecture decoder over a caller-owned paged KV cache.
+class DecoderModel(KernelPlanHooks, nn.Module):
+    """A pre-norm rotary decoder (Llama, Qwen3, ...) over a caller-owned paged KV cache.
+
+    A family's differences are in its arguments (`qk_norm`, head and rope geometry) and, for
+    a different MLP block, in `layer_class` (a `DecoderLayer` subclass) of a subclass of
+    this model that the family registers (`models.families.Family.model`).
 
     With a tied head there is one matrix, stored in the head's layout (`lm_head`); token
     embeddings are looked up in its `[vocab, dim]` view.
@@ -79,13 +79,14 @@ class LlamaModel(KernelPlanHooks, nn.Module):
     warmup sets it (`choose_kernels`).
     """
 
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
     graph_safe: bool | None
     # Dynamic decode: cost of one more attention group, in row-key units (`plan_key_groups`).
     group_cost: int = GROUP_COST_KEYS
 
     def __init__(
         self,
-        args: LlamaArgs,
+        args: DecoderArgs,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -105,7 +106,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
                 args.vocab_size, args.dim, dtype=dtype, device=self.device
             )
         self.layers = nn.ModuleList(
-            DecoderLayer(args, dtype, self.device) for _ in range(args.n_layers)
+            self.layer_class(args, dtype, self.device) for _ in range(args.n_layers)
         )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps, dtype=dtype, device=self.device)
         self.lm_head = Projection(args.dim, args.vocab_size, dtype=dtype, device=self.device)
@@ -131,14 +132,14 @@ class LlamaModel(KernelPlanHooks, nn.Module):
     @classmethod
     def from_state_dict(
         cls,
-        args: LlamaArgs,
+        args: DecoderArgs,
         state_dict: Mapping[str, WeightValue],
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         paged_attention: PagedAttentionConfig | None = None,
         consume: bool = False,
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """Build a model from canonical (HF-named) tensors; validates names and shapes.
 
         Parameters may share storage with `state_dict` where no conversion is needed. With
@@ -218,7 +219,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
 
     def workspace_bytes(self) -> int:
         """Bytes of the reused scratch buffers (decode K/V gather, block-weight tiles)."""
-        from models.llama.block_forms import tile_buffer_bytes
+        from models.decoder.block_forms import tile_buffer_bytes
 
         held = (
             0
@@ -248,14 +249,27 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         return {"rope.cos": self._rope_cos, "rope.sin": self._rope_sin}
 
     def reload_pairs(self, source: object) -> tuple[ReloadPair, ...]:
-        """This model's weights paired with `source`'s (another `LlamaModel`) for an in-place
+        """This model's weights paired with `source`'s (another `DecoderModel`) for an in-place
         reload; `WeightMismatchError` names the first tensor that differs."""
-        if not isinstance(source, LlamaModel):
+        if not isinstance(source, DecoderModel):
             raise TypeError(
-                f"source must be a LlamaModel (or, through LlamaExecutor.reload_weights, a "
+                f"source must be a DecoderModel (or, through DecoderExecutor.reload_weights, a "
                 f"model name, path or state dict), got {type(source).__name__}"
             )
         return reload_pairs(self, source)
+
+    def fused_decode_unsupported(self) -> str | None:
+        """Why the fused native decode stack cannot run this model's family, or None (the
+        family's answer, `Family.fused_decode_unsupported`; the stack knows the dense layer
+        without q/k norms only)."""
+        family = family_for_args(self.args)
+        if family.fused_decode_unsupported is not None:
+            return f"model family {family.name!r}: {family.fused_decode_unsupported}"
+        if self.args.qk_norm:
+            return "the fused decode stack has no per-head q/k norm (qk_norm)"
+        if self.layer_class is not DecoderLayer:
+            return f"the fused decode stack runs the dense DecoderLayer, not {self.layer_class}"
+        return None
 
     def weights_moved(self) -> None:
         """Forget cached weight addresses and the gather workspace (sleep, wake, reload)."""
@@ -388,8 +402,13 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         """One layer's attention for `h` `[..., dim]`: project, store K/V, attend, project."""
         n_q, n_kv, hd = self.args.n_heads, self.args.n_kv_heads, self.args.head_dim
         qkv = layer.wqkv(h).view(*h.shape[:-1], n_q + 2 * n_kv, hd)
-        qk = self._rope(qkv[..., : n_q + n_kv, :], *rope)
-        q, k, v = qk[..., :n_q, :], qk[..., n_q:, :], qkv[..., n_q + n_kv :, :]
+        v = qkv[..., n_q + n_kv :, :]
+        if layer.q_norm is None:  # q and k rotate together
+            qk = self._rope(qkv[..., : n_q + n_kv, :], *rope)
+            q, k = qk[..., :n_q, :], qk[..., n_q:, :]
+        else:  # per-head norms first (qk_norm), then rotary
+            q, k = layer.norm_qk(qkv[..., :n_q, :], qkv[..., n_q : n_q + n_kv, :])
+            q, k = self._rope(q, *rope), self._rope(k, *rope)
         write_kv(cache, k, v, path.writes)
         return layer.attention_out(path.attend(q, k, v, cache))
 
@@ -585,7 +604,7 @@ class LlamaModel(KernelPlanHooks, nn.Module):
         warmup's timing of the fused stack in `fused_choice`): attention reads K/V pages in
         place (the native kernel) or, rows sorted by position (undone on the last hidden
         state), gathers key tiles per group of rows."""
-        # Fused decode stack (`models.llama.fused_decode`): chosen per row bucket at warmup.
+        # Fused decode stack (`models.decoder.fused_decode`): chosen per row bucket at warmup.
         fused = self.fused_decode
         if fused is not None and fused.runs(tokens.shape[0]):
             return self._logits(fused.hidden(cache.layers, cache.block_size, tokens, pos, pages))

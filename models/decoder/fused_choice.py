@@ -1,6 +1,6 @@
 """Warmup's choice of the fused decode stack, per decode bucket, by measurement.
 
-Why measure: the fused stack (`models.llama.fused_decode`) saves the per-op overhead of a
+Why measure: the fused stack (`models.decoder.fused_decode`) saves the per-op overhead of a
 decode step, but whether it beats the per-op path at a given row count depends on the CPU,
 the thread count and the projection forms the plan chose. So for every decode bucket of at
 most `FUSED_MAX_ROWS` rows, warmup times a whole decode step both ways on the model's own
@@ -19,14 +19,14 @@ from typing import Protocol
 import attrs
 import torch
 
-from models.llama.bound_cache import BoundCache
-from models.llama.fused_decode import FusedDecodeStack, StackSource, fused_unsupported_reason
-from models.llama.kernels import FUSED_MAX_ROWS, KernelPlan
+from models.decoder.bound_cache import BoundCache
+from models.decoder.fused_decode import FusedDecodeStack, StackSource, fused_unsupported_reason
+from models.decoder.kernels import FUSED_MAX_ROWS, KernelPlan
 from runtime.model_contract import PagedAttentionConfig
 
 
 class TimedDecoder(StackSource, Protocol):
-    """What timing the fused stack against the per-op path needs of the model (`LlamaModel`;
+    """What timing the fused stack against the per-op path needs of the model (`DecoderModel`;
     not imported here): its fused stack slot and its unchecked decode of active rows."""
 
     fused_decode: FusedDecodeStack | None

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from models.llama.block_forms import BLOCK_FORMS
+from models.decoder.block_forms import BLOCK_FORMS
 from runtime.backends import native_kernels
 from runtime.json_types import JSONValue
 
@@ -36,10 +36,10 @@ PLAN_VERSION = 2
 # Plan versions `--kernels FILE` reads: version 1 plans predate the fused decode choice
 # (they replay with it off).
 READABLE_PLAN_VERSIONS = (1, 2)
-# The fused decode stack (`models.llama.fused_decode`) is offered for decode buckets of at
+# The fused decode stack (`models.decoder.fused_decode`) is offered for decode buckets of at
 # most this many rows: above, the products stop being bound by streaming the weights.
 FUSED_MAX_ROWS = 4
-# Decode attention implementations (`LlamaModel.decode_attention`).
+# Decode attention implementations (`DecoderModel.decode_attention`).
 ATTENTION_KINDS = ("paged_inplace", "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
 LINEAR_FROM_ROWS = 64

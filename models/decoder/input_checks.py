@@ -1,4 +1,4 @@
-"""The caller-input checks of `LlamaModel`'s public calls (the `PagedModel` contract).
+"""The caller-input checks of `DecoderModel`'s public calls (the `PagedModel` contract).
 
 The model is itself a public boundary: engineers bringing a family up call `prefill`/`decode`
 directly, and the runtime's own checks (`DecodeRuntime.prepare`, the prefill planner) cover

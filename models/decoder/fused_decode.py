@@ -12,8 +12,8 @@ writing K/V into the paged cache and attending over the row's pages in place. Th
 embedding lookup, the final norm and the LM head stay torch (the head keeps the form the
 plan measured for it).
 
-Warmup decides, per row bucket, whether this path runs (`models.llama.fused_choice`); the
-model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `LlamaModel.decode_rows`).
+Warmup decides, per row bucket, whether this path runs (`models.decoder.fused_choice`); the
+model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `DecoderModel.decode_rows`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import attrs
 import torch
 from torch import nn
 
-from models.llama.attention import LayerCache
-from models.llama.config import LlamaArgs
-from models.llama.kernels import FUSED_MAX_ROWS
-from models.llama.layers import DecoderLayer, Projection
+from models.decoder.attention import LayerCache
+from models.decoder.config import DecoderArgs
+from models.decoder.kernels import FUSED_MAX_ROWS
+from models.decoder.layers import DecoderLayer, Projection
 from runtime.backends import native_kernels
 from runtime.backends.native_kernels import (
     STACK_MAX_PARTS,
@@ -39,10 +39,10 @@ from runtime.backends.native_kernels import (
 
 
 class StackSource(Protocol):
-    """What the fused stack reads of the model it runs (`LlamaModel`; not imported here)."""
+    """What the fused stack reads of the model it runs (`DecoderModel`; not imported here)."""
 
     @property
-    def args(self) -> LlamaArgs: ...
+    def args(self) -> DecoderArgs: ...
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -60,13 +60,19 @@ class StackSource(Protocol):
 
     def uses_graph_safe_path(self) -> bool: ...
 
+    def fused_decode_unsupported(self) -> str | None: ...
+
 
 _LAYOUT_CODES = {"out_in": 0, "in_out": 1}
 _PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def fused_unsupported_reason(model: StackSource) -> str | None:
-    """Why this model cannot decode through the fused stack, or None when it can."""
+    """Why this model cannot decode through the fused stack, or None when it can (the
+    family's answer first: a family the stack does not know runs the per-op path)."""
+    family_reason = model.fused_decode_unsupported()
+    if family_reason is not None:
+        return family_reason
     if model.dtype != torch.float32:
         return f"the fused decode stack is float32 only, the model is {model.dtype}"
     if model.device.type != "cpu":

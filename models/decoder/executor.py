@@ -1,4 +1,4 @@
-"""`LlamaExecutor`: the family facade that turns a model name into a lane executor.
+"""`DecoderExecutor`: the family facade that turns a model name into a lane executor.
 
 It owns the family's policy: the torch runtime policy values, a device sampler attached to
 the model, and the default KV geometry (enough blocks for every lane slot to reach the
@@ -16,15 +16,14 @@ from typing import cast
 import torch
 
 from lifecycle.journal import Journal, Outcome
+from models.decoder.gguf_weights import WEIGHTS_MODES, WeightsMode
+from models.decoder.kernels import KernelPlan, load_kernel_plan
+from models.decoder.layers import Projection
+from models.decoder.residency import check_state_dtypes
+from models.decoder.sampling import DecoderSampler, SamplerConfig
+from models.decoder.sources import LoadedModel, load_model
+from models.decoder.tokenizer import DecoderTokenizer
 from models.executor import ModelExecutor, ModelExecutorConfig
-from models.llama.gguf_weights import WEIGHTS_MODES, WeightsMode
-from models.llama.kernels import KernelPlan, load_kernel_plan
-from models.llama.layers import Projection
-from models.llama.model import LlamaModel
-from models.llama.residency import check_state_dtypes
-from models.llama.sampling import LlamaSampler, SamplerConfig
-from models.llama.sources import LoadedModel, load_model
-from models.llama.tokenizer import LlamaTokenizer
 from models.progress import ProgressSink, as_progress
 from runtime.backends import make_device
 from runtime.backends.base import Device
@@ -44,7 +43,7 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 DEFAULT_MAX_TOP_K = 64
 
 
-class LlamaExecutor(ModelExecutor):
+class DecoderExecutor(ModelExecutor):
     """A `ModelExecutor` over a Llama-family model, with its tokenizer attached."""
 
     def __init__(
@@ -60,7 +59,7 @@ class LlamaExecutor(ModelExecutor):
             loaded.model,
             config,
             device=device,
-            owner_name="LlamaExecutor",
+            owner_name="DecoderExecutor",
             journal=journal,
             progress=progress,
         )
@@ -79,7 +78,7 @@ class LlamaExecutor(ModelExecutor):
 
     def _prepare_reload(self, source: object) -> object:
         """Accept a model name or path (loaded as this executor's weights are: same dtype
-        and weights mode), a `LoadedModel`, a `LlamaModel` or a canonical state dict."""
+        and weights mode), a `LoadedModel`, a `DecoderModel` or a canonical state dict."""
         return super()._prepare_reload(self._reload_source(source))
 
     def _reload_source(self, source: object) -> object:
@@ -97,7 +96,7 @@ class LlamaExecutor(ModelExecutor):
             ).model
         if isinstance(source, Mapping):
             check_state_dtypes(source, model.dtype)
-            return LlamaModel.from_state_dict(model.args, source, dtype=model.dtype)
+            return type(model).from_state_dict(model.args, source, dtype=model.dtype)
         return source
 
     def memory_summary(self) -> str:
@@ -121,7 +120,7 @@ class LlamaExecutor(ModelExecutor):
         return summary
 
     @property
-    def tokenizer(self) -> LlamaTokenizer | None:
+    def tokenizer(self) -> DecoderTokenizer | None:
         """The model's tokenizer (None for tiny-random models)."""
         return self.loaded.tokenizer
 
@@ -194,7 +193,7 @@ def load_executor(
     kernels: str | Path | KernelPlan | None = None,
     cpu_features: CpuFeatures | None = None,
     weights: str = "stored",
-) -> LlamaExecutor:
+) -> DecoderExecutor:
     """Load `model` (a name, HF directory or .gguf) and build its executor in CONSTRUCTED.
 
     Every argument is checked before any weights load. `progress` (a `models.progress` sink
@@ -335,7 +334,7 @@ def build_executor(
     warmup: WarmupConfig | None = None,
     progress: ProgressSink | None = None,
     journal: Journal | None = None,
-) -> LlamaExecutor:
+) -> DecoderExecutor:
     """An executor in CONSTRUCTED over an already loaded model, with this KV geometry.
 
     The model's paged attention is (re)configured to the geometry and, with device sampling,
@@ -347,9 +346,9 @@ def build_executor(
     if device_sampling:
         current = getattr(model, "sampling", None)
         if not (
-            isinstance(current, LlamaSampler) and current.config.max_batch_size == max_batch_size
+            isinstance(current, DecoderSampler) and current.config.max_batch_size == max_batch_size
         ):
-            model.sampling = LlamaSampler(
+            model.sampling = DecoderSampler(
                 SamplerConfig(
                     max_batch_size=max_batch_size,
                     max_top_k=DEFAULT_MAX_TOP_K,
@@ -374,4 +373,4 @@ def build_executor(
         max_seq_len=max_seq_len,
         policy=policy,
     )
-    return LlamaExecutor(loaded, config, device=device, progress=progress, journal=journal)
+    return DecoderExecutor(loaded, config, device=device, progress=progress, journal=journal)

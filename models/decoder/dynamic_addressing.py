@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from models.llama.attention import CacheWrites, GroupedDecode, PackedPrefill, PagedDecode
-from models.llama.attention_layout import (
+from models.decoder.attention import CacheWrites, GroupedDecode, PackedPrefill, PagedDecode
+from models.decoder.attention_layout import (
     KeyGroup,
     PackedChunk,
     flat_cache_rows,

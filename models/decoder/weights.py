@@ -1,7 +1,7 @@
-"""Weights of the Llama family: safetensors directories, GGUF files and seeded random weights.
+"""Weights of the decoder: safetensors directories, GGUF files and seeded random weights.
 
 Every source produces one state dict keyed by the canonical (Hugging Face) names, validated
-against the shapes `LlamaArgs` implies before the tensor model sees it. Names are mapped once
+against the shapes `DecoderArgs` implies before the tensor model sees it. Names are mapped once
 per source, tensors are converted one at a time (peak memory stays near one copy of the
 weights plus the largest single tensor), and nothing is ever unpickled.
 """
@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
-from models.llama.config import LlamaArgs
+from models.decoder.config import DecoderArgs
+from models.decoder.layers import DecoderLayer
+from models.decoder.weight_names import EMBED, FINAL_NORM, LM_HEAD, layer_name
+from models.families import family_for_args
 from runtime.quant.matrix import QuantizedMatrix
 
 logger = logging.getLogger(__name__)
 
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-LAYER_PREFIX = "model.layers."
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Present in some HF checkpoints, derived from the config here, so safe to drop silently.
 _IGNORED_NAMES = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -131,25 +130,28 @@ class WeightsError(ValueError):
         super().__init__(f"weights from {source} do not match the model: " + "; ".join(parts))
 
 
-def layer_name(index: int, suffix: str) -> str:
-    return f"{LAYER_PREFIX}{index}.{suffix}"
+def decoder_layer_class(args: DecoderArgs) -> type[DecoderLayer]:
+    """The layer class of `args`' family's tensor model (`DecoderModel.layer_class`)."""
+    family = family_for_args(args)
+    found = getattr(family.model_class(), "layer_class", None)
+    if not (isinstance(found, type) and issubclass(found, DecoderLayer)):
+        raise TypeError(
+            f"model family {family.name!r}: model {family.model!r} has no layer_class that is "
+            f"a DecoderLayer subclass (found {found!r})"
+        )
+    return found
 
 
-def expected_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape of every tensor the model needs (no `lm_head` when tied)."""
-    q_out = args.n_heads * args.head_dim
-    kv_out = args.n_kv_heads * args.head_dim
+def expected_shapes(args: DecoderArgs) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every tensor the model needs (no `lm_head` when tied).
+
+    A layer's tensors are its family's layer class's (`DecoderLayer.weight_shapes`: the
+    attention, the q/k norms with `qk_norm`, and the MLP block's)."""
+    layer_shapes = decoder_layer_class(args).weight_shapes(args)
     shapes: dict[str, tuple[int, ...]] = {EMBED: (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
-        shapes[layer_name(i, "input_layernorm.weight")] = (args.dim,)
-        shapes[layer_name(i, "self_attn.q_proj.weight")] = (q_out, args.dim)
-        shapes[layer_name(i, "self_attn.k_proj.weight")] = (kv_out, args.dim)
-        shapes[layer_name(i, "self_attn.v_proj.weight")] = (kv_out, args.dim)
-        shapes[layer_name(i, "self_attn.o_proj.weight")] = (args.dim, q_out)
-        shapes[layer_name(i, "post_attention_layernorm.weight")] = (args.dim,)
-        shapes[layer_name(i, "mlp.gate_proj.weight")] = (args.ffn_dim, args.dim)
-        shapes[layer_name(i, "mlp.up_proj.weight")] = (args.ffn_dim, args.dim)
-        shapes[layer_name(i, "mlp.down_proj.weight")] = (args.dim, args.ffn_dim)
+        for suffix, shape in layer_shapes.items():
+            shapes[layer_name(i, suffix)] = shape
     shapes[FINAL_NORM] = (args.dim,)
     if not args.tie_word_embeddings:
         shapes[LM_HEAD] = (args.vocab_size, args.dim)
@@ -157,7 +159,7 @@ def expected_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(
-    args: LlamaArgs, shapes: Mapping[str, tuple[int, ...]], *, source: str
+    args: DecoderArgs, shapes: Mapping[str, tuple[int, ...]], *, source: str
 ) -> list[str]:
     """Raise `WeightsError` naming missing/mis-shaped tensors; return the unexpected names."""
     expected = expected_shapes(args)
@@ -186,7 +188,7 @@ def check_shapes(
 
 
 def validate_state_dict(
-    args: LlamaArgs, state_dict: Mapping[str, WeightValue], *, source: str = "state dict"
+    args: DecoderArgs, state_dict: Mapping[str, WeightValue], *, source: str = "state dict"
 ) -> dict[str, WeightValue]:
     """Check names and shapes; return only the tensors the model uses."""
     check_shapes(args, {k: tuple(v.shape) for k, v in state_dict.items()}, source=source)
@@ -268,7 +270,7 @@ def _canonical_hf_name(name: str) -> str:
 
 
 def load_safetensors(
-    directory: str | Path, args: LlamaArgs, *, dtype: torch.dtype = torch.float32
+    directory: str | Path, args: DecoderArgs, *, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     """Load a HF directory's `*.safetensors` (sharded or not) as canonical tensors of `dtype`.
 
@@ -299,7 +301,7 @@ def load_safetensors(
 
 # ------------------------------------------------------------------------------ tiny-random
 def random_state_dict(
-    args: LlamaArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    args: DecoderArgs, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     """Seeded random weights whose greedy continuations vary (tied heads included).
 

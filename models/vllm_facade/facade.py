@@ -1,4 +1,4 @@
-"""`LlamaVLLMModel`: the llama family's facade for a vLLM-style serving engine.
+"""`DecoderVLLMModel`: every decoder family's facade for a vLLM-style serving engine.
 
 The engine (vLLM with the Tenstorrent model-runner contract) drives a model class through
 `initialize_vllm_model`, `allocate_kv_cache`, a two-phase warmup and then `prefill_forward` /
@@ -13,7 +13,12 @@ engine's steps:
     warmup phase 2 (trace)       -> CAPTURED   (trace modes decode_only / all)
     first prefill/decode forward -> SERVING
 
-The target is one `LlamaExecutor` lane (typed as such: the facade calls its phase-guarded
+Nothing here names a family: the weights the engine names are loaded through the family
+registry (`models.families`), and a family's declared capabilities
+(`Family.vllm_capabilities`) become the `model_capabilities` of its facade class
+(`facade_for(family)`: the shared class itself when they are the defaults).
+
+The target is one `DecoderExecutor` lane (typed as such: the facade calls its phase-guarded
 API, its KV config and its warmup's capture barrier); a lane group over global slots will
 take its place behind the same calls. `models.vllm_plugin.facades.VLLMFacade` is the
 contract this class implements (mypy checks it there).
@@ -33,9 +38,10 @@ import torch
 
 from lifecycle import Phase
 from lifecycle.errors import PhaseError
-from models.llama.executor import LlamaExecutor, build_executor
-from models.llama.sources import LoadedModel, load_model
-from models.llama.vllm_engine_args import (
+from models.decoder.executor import DecoderExecutor, build_executor
+from models.decoder.sources import LoadedModel, load_model
+from models.families import DEFAULT_VLLM_CAPABILITIES, Family
+from models.vllm_facade.engine_args import (
     OPTIMIZATIONS,
     VLLMFacadeOptions,
     check_bool,
@@ -44,7 +50,7 @@ from models.llama.vllm_engine_args import (
     engine_model_name,
     engine_options,
 )
-from models.llama.vllm_outputs import DecodeOutput, HostDecodeOutput
+from models.vllm_facade.outputs import DecodeOutput, HostDecodeOutput
 from models.vllm_sleep import FacadeSleepMode, SleepTarget
 from runtime.backends.base import Device, DeviceTensor
 from runtime.config import PagedKVCacheConfig, TraceConfig, require_positive_int
@@ -59,7 +65,7 @@ logger = logging.getLogger(__name__)
 class _TargetHolder:
     """Owns the execution target; the facade's finalizer closes it without the facade."""
 
-    target: LlamaExecutor
+    target: DecoderExecutor
 
     def close(self) -> None:
         self.target.close()
@@ -73,15 +79,10 @@ class _TargetHolder:
             logger.warning("dropped vLLM facade: cleanup failed: %s", error)
 
 
-class LlamaVLLMModel(FacadeSleepMode):
+class DecoderVLLMModel(FacadeSleepMode):
     """The model object a vLLM engine drives; one per engine, over one execution target."""
 
-    model_capabilities: ClassVar[dict[str, bool]] = {
-        "supports_prefix_caching": True,
-        "supports_sample_on_device": True,
-        "supports_async_decode": True,
-        "supports_sleep_mode": True,
-    }
+    model_capabilities: ClassVar[dict[str, bool]] = dict(DEFAULT_VLLM_CAPABILITIES)
 
     def __init__(
         self,
@@ -131,7 +132,7 @@ class LlamaVLLMModel(FacadeSleepMode):
         tt_data_parallel: int = 1,
         optimizations: str | None = None,
         **options: object,
-    ) -> LlamaVLLMModel:
+    ) -> DecoderVLLMModel:
         """Load the weights `hf_config` names and build the facade in CONSTRUCTED.
 
         `max_batch_size` is the global slot count (lanes x per lane). Extra keywords are
@@ -171,7 +172,7 @@ class LlamaVLLMModel(FacadeSleepMode):
 
     def _build_target(
         self, *, block_size: int, max_num_blocks: int, num_blocks: int | None
-    ) -> LlamaExecutor:
+    ) -> DecoderExecutor:
         options = self.options
         return build_executor(
             self.loaded,
@@ -217,7 +218,7 @@ class LlamaVLLMModel(FacadeSleepMode):
     # -- the execution target --------------------------------------------------------------------
 
     @property
-    def executor(self) -> LlamaExecutor:
+    def executor(self) -> DecoderExecutor:
         """The execution target the facade drives (a lane executor)."""
         return self._holder.target
 
@@ -282,8 +283,8 @@ class LlamaVLLMModel(FacadeSleepMode):
         return handle
 
     def _adopt_geometry(
-        self, target: LlamaExecutor, kv_config: PagedKVCacheConfig
-    ) -> LlamaExecutor:
+        self, target: DecoderExecutor, kv_config: PagedKVCacheConfig
+    ) -> DecoderExecutor:
         current = target.config.paged_kv_cache
         assert kv_config.num_blocks is not None
         if (
@@ -595,3 +596,20 @@ class LlamaVLLMModel(FacadeSleepMode):
     def closed(self) -> bool:
         """Whether the target reached TERMINAL."""
         return bool(self.executor.is_terminal)
+
+
+_FAMILY_FACADES: dict[str, type[DecoderVLLMModel]] = {}
+
+
+def facade_for(family: Family) -> type[DecoderVLLMModel]:
+    """The facade class serving `family`: `DecoderVLLMModel` when the family declares the
+    default capabilities, else a subclass carrying the family's (made once per family)."""
+    capabilities = dict(family.vllm_capabilities)
+    if capabilities == DecoderVLLMModel.model_capabilities:
+        return DecoderVLLMModel
+    made = _FAMILY_FACADES.get(family.name)
+    if made is None or made.model_capabilities != capabilities:
+        name = f"{family.name.title().replace('_', '')}VLLMModel"
+        made = type(name, (DecoderVLLMModel,), {"model_capabilities": capabilities})
+        _FAMILY_FACADES[family.name] = made
+    return made

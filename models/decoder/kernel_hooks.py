@@ -1,4 +1,4 @@
-"""The kernel-plan hooks of `LlamaModel`: warmup measures (or replays) a plan and applies it.
+"""The kernel-plan hooks of `DecoderModel`: warmup measures (or replays) a plan and applies it.
 
 Mixed into the model because the runtime calls them on it (`choose_kernels`, `adopt_kernels`)
 and the CLI replays a recorded plan through it (`replay_kernels`); how each form is measured
@@ -14,11 +14,11 @@ from typing import cast
 import torch
 from torch import nn
 
-from models.llama.fused_choice import TimedDecoder, choose_fused_decode
-from models.llama.fused_decode import FusedDecodeStack, fused_unsupported_reason
-from models.llama.kernel_measure import fixed_plan, measure_kernel_plan, row_buckets
-from models.llama.kernels import KernelPlan, ProjectionShape, check_plan_fits, parse_kernel_plan
-from models.llama.layers import Projection
+from models.decoder.fused_choice import TimedDecoder, choose_fused_decode
+from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
+from models.decoder.kernel_measure import fixed_plan, measure_kernel_plan, row_buckets
+from models.decoder.kernels import KernelPlan, ProjectionShape, check_plan_fits, parse_kernel_plan
+from models.decoder.layers import DecoderLayer, Projection
 from models.progress import ProgressSink
 from runtime.backends import native_kernels
 from runtime.backends.heap import release_free_heap
@@ -49,7 +49,8 @@ class KernelPlanHooks:
         """Every projection by kind (one per layer; `lm_head` once), in a fixed order."""
         groups: dict[str, list[Projection]] = {}
         for layer in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            assert isinstance(layer, DecoderLayer)
+            for name in layer.projection_names():
                 groups.setdefault(name, []).append(getattr(layer, name))
         groups["lm_head"] = [self.lm_head]
         return groups

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-from models.llama.model import LlamaModel
+from models.decoder.model import DecoderModel
 
 logger = logging.getLogger(__name__)
 
 
 def allocate_kv_cache(
-    model: LlamaModel, num_blocks: int
+    model: DecoderModel, num_blocks: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed K/V tensors for every layer, shaped for the model's configured block size."""
     shape = model.kv_cache_shape(num_blocks)
@@ -45,7 +45,7 @@ def contiguous_page_table(
 
 
 def prefill_prompts(
-    model: LlamaModel,
+    model: DecoderModel,
     prompts: Sequence[Sequence[int]],
     page_table: torch.Tensor,
     *,
@@ -86,7 +86,7 @@ def prefill_prompts(
 
 @torch.inference_mode()
 def greedy_generate(
-    model: LlamaModel,
+    model: DecoderModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,

@@ -17,9 +17,9 @@ from typing import Protocol, TypeAlias
 import attrs
 import torch
 
-from models.llama.block_forms import default_block_form
-from models.llama.block_measure import measure_block_projection
-from models.llama.kernels import (
+from models.decoder.block_forms import default_block_form
+from models.decoder.block_measure import measure_block_projection
+from models.decoder.kernels import (
     FORMS,
     LAYOUTS,
     RESTORE_MARGIN,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import attrs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from models.llama.gguf_weights import GGUFFile
+from models.decoder.gguf_weights import GGUFFile
 from runtime.json_types import JSONValue
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def _tojson(value: JSONValue, indent: int | None = None) -> str:
 
 
 @attrs.frozen
-class LlamaTokenizer:
+class DecoderTokenizer:
     """A `tokenizers.Tokenizer` plus the special-token facts generation needs."""
 
     backend: Tokenizer
@@ -191,7 +191,7 @@ class LlamaTokenizer:
 
     # ---------------------------------------------------------------- constructors
     @classmethod
-    def from_hf_dir(cls, directory: str | Path) -> LlamaTokenizer:
+    def from_hf_dir(cls, directory: str | Path) -> DecoderTokenizer:
         """Load `tokenizer.json` plus the special tokens and template of a HF directory."""
         root = Path(directory)
         tokenizer_file = root / "tokenizer.json"
@@ -246,7 +246,7 @@ class LlamaTokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, gguf_file: GGUFFile) -> LlamaTokenizer:
+    def from_gguf(cls, gguf_file: GGUFFile) -> DecoderTokenizer:
         """Rebuild the byte-level BPE tokenizer a GGUF file embeds."""
         meta = gguf_file.metadata
         kind = meta.get("tokenizer.ggml.model")

@@ -1,7 +1,8 @@
-"""Static-shape cache addressing for `LlamaModel`, so decode and prefill can be CUDA-graph captured.
+"""Static-shape cache addressing for `DecoderModel`, so decode and prefill can be CUDA-graph
+captured.
 
 Why: a CUDA graph records kernels with fixed shapes and forbids host synchronisation. The
-dynamic paths of `LlamaModel` read tensor values on the host to size their work (`int(pos.max())`
+dynamic paths of `DecoderModel` read tensor values on the host to size their work (`int(pos.max())`
 keys, `nonzero()` rows, early return when no row is active). That is the fastest choice on CPU,
 but it cannot be captured. The functions here compute the same addressing from device tensors
 only, with every shape fixed by the input shapes:
@@ -23,7 +24,7 @@ only, with every shape fixed by the input shapes:
   all-active lanes);
 * values that index tables (tokens, positions, block columns) are clamped into range, so a bad
   input can never become an out-of-bounds device access inside a graph. Eager calls still
-  validate values on the host first (see `LlamaModel.decode`), so bad inputs raise as before.
+  validate values on the host first (see `DecoderModel.decode`), so bad inputs raise as before.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from models.llama.attention import CacheWrites, TableDecode, TablePrefill
-from models.llama.attention_layout import flat_cache_rows, prefix_then_causal_mask
+from models.decoder.attention import CacheWrites, TableDecode, TablePrefill
+from models.decoder.attention_layout import flat_cache_rows, prefix_then_causal_mask
 
 
 class StaticDecode(NamedTuple):

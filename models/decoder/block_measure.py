@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from models.llama.block_forms import BLOCK_FORMS, block_product, release_converted
-from models.llama.kernels import ProjectionChoice
+from models.decoder.block_forms import BLOCK_FORMS, block_product, release_converted
+from models.decoder.kernels import ProjectionChoice
 from runtime.quant.matrix import QuantizedMatrix
 
 _ROUNDS = 3

@@ -1,4 +1,4 @@
-"""The vLLM engine's construction arguments for `LlamaVLLMModel`, checked before any load.
+"""The vLLM engine's construction arguments for `DecoderVLLMModel`, checked before any load.
 
 The engine passes `hf_config`, `mesh_device`, capacity and `optimizations`; the runtime
 settings it does not know travel as `VLLMFacadeOptions` keywords. Everything here is checked
@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from models.llama.sources import SMOLLM2_NAME, LoadedModel
+from models.decoder.sources import SMOLLM2_NAME, LoadedModel
 from runtime.backends import make_device
 from runtime.backends.base import Device
 from runtime.config import TraceConfig, WarmupConfig, require_positive_int

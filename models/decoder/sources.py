@@ -15,11 +15,11 @@ from typing import Literal
 import attrs
 import torch
 
-from models.llama.config import TINY_PRESETS, LlamaArgs, parse_tiny_random_name
-from models.llama.gguf_weights import GGUFFile, WeightsMode, load_gguf
-from models.llama.model import LlamaModel
-from models.llama.tokenizer import LlamaTokenizer
-from models.llama.weights import (
+from models.decoder.config import DecoderArgs, parse_tiny_random_name, read_hf_config
+from models.decoder.gguf_weights import GGUFFile, WeightsMode, load_gguf
+from models.decoder.model import DecoderModel
+from models.decoder.tokenizer import DecoderTokenizer
+from models.decoder.weights import (
     ModelFileError,
     ModelFileMissing,
     WeightValue,
@@ -27,6 +27,13 @@ from models.llama.weights import (
     check_readable_file,
     load_safetensors,
     random_state_dict,
+)
+from models.families import (
+    Family,
+    family_for_args,
+    family_for_hf_config,
+    preset_names,
+    tiny_random_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,6 +58,8 @@ class ModelSource:
     kind: SourceKind
     path: Path | None = None
     preset: str | None = None
+    tiny_args: DecoderArgs | None = None
+    """A tiny-random preset's arguments (its family's config class)."""
 
 
 def smollm2_gguf_path() -> Path:
@@ -80,14 +89,10 @@ def resolve_source(name: str | Path) -> ModelSource:
     text = str(name)
     if text == SMOLLM2_NAME:
         return ModelSource(name=text, kind="gguf", path=smollm2_gguf_path())
-    preset = parse_tiny_random_name(text)
-    if preset is not None:
-        if preset not in TINY_PRESETS:
-            raise ValueError(
-                f"model name {text!r} names an unknown tiny-random preset {preset!r}: allowed "
-                f"are {['tiny-random', *(f'tiny-random-{p}' for p in sorted(TINY_PRESETS))]}"
-            )
-        return ModelSource(name=text, kind="tiny_random", preset=preset)
+    tiny = tiny_random_args(text)  # a preset of any registered family
+    if tiny is not None:
+        preset = parse_tiny_random_name(text)
+        return ModelSource(name=text, kind="tiny_random", preset=preset, tiny_args=tiny)
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
         check_readable_file(path, "GGUF file")
@@ -108,8 +113,8 @@ def resolve_source(name: str | Path) -> ModelSource:
     if "/" in text or text.startswith(".") or path.suffix:
         raise ModelFileMissing(f"model path {text!r} does not exist")
     raise ValueError(
-        f"model {text!r} is not recognised: allowed are {SMOLLM2_NAME!r}, 'tiny-random', "
-        f"'tiny-random-<preset>' (presets {sorted(TINY_PRESETS)}), a Hugging Face directory "
+        f"model {text!r} is not recognised: allowed are {SMOLLM2_NAME!r}, "
+        f"{', '.join(repr(name) for name in preset_names())}, a Hugging Face directory "
         "with config.json, or a path to a .gguf file"
     )
 
@@ -118,9 +123,9 @@ def resolve_source(name: str | Path) -> ModelSource:
 class LoadedModel:
     """A ready tensor model with the facts that came with it."""
 
-    model: LlamaModel
-    args: LlamaArgs
-    tokenizer: LlamaTokenizer | None
+    model: DecoderModel
+    args: DecoderArgs
+    tokenizer: DecoderTokenizer | None
     source: ModelSource
     weights: str = "float32"
     """How the weights are held: `stored` (with the GGUF types kept and dequantized), or the
@@ -135,27 +140,38 @@ class LoadedModel:
 class LoadedWeights:
     """A model's arguments, canonical HF-layout tensors and tokenizer, before assembly."""
 
-    args: LlamaArgs
+    args: DecoderArgs
     state: dict[str, WeightValue]
-    tokenizer: LlamaTokenizer | None
+    tokenizer: DecoderTokenizer | None
     source: ModelSource
     held: str = "float32"
     """How the weights are held (`LoadedModel.weights`)."""
 
 
-def model_args(name: str | Path) -> LlamaArgs:
+def hf_family(directory: Path) -> Family:
+    """The registered family of a HF directory's `config.json` (refused naming it when none)."""
+    return family_for_hf_config(read_hf_config(directory))
+
+
+def hf_args(directory: Path) -> DecoderArgs:
+    """A HF directory's architecture, read by its family's config class."""
+    config = read_hf_config(directory)
+    return family_for_hf_config(config).config_class.from_hf_config(config)
+
+
+def model_args(name: str | Path) -> DecoderArgs:
     """A model's architecture (context length, layers, heads) without reading its weights."""
     source = resolve_source(name)
     if source.kind == "tiny_random":
-        assert source.preset is not None
-        return LlamaArgs.tiny_random(source.preset)
+        assert source.tiny_args is not None
+        return source.tiny_args
     assert source.path is not None
     if source.kind == "gguf":
         return GGUFFile.open(source.path).args()
-    return LlamaArgs.from_hf_config(source.path)
+    return hf_args(source.path)
 
 
-def model_args_and_tokenizer(name: str | Path) -> tuple[LlamaArgs, LlamaTokenizer | None]:
+def model_args_and_tokenizer(name: str | Path) -> tuple[DecoderArgs, DecoderTokenizer | None]:
     """A model's architecture and tokenizer without its weights (one read of its files).
 
     What a caller needs to count prompt tokens before it loads (and warms up) the model.
@@ -167,10 +183,10 @@ def model_args_and_tokenizer(name: str | Path) -> tuple[LlamaArgs, LlamaTokenize
     if source.kind == "gguf":
         gguf_file = GGUFFile.open(source.path)
         tokens = "tokenizer.ggml.tokens" in gguf_file.metadata
-        return gguf_file.args(), LlamaTokenizer.from_gguf(gguf_file) if tokens else None
+        return gguf_file.args(), DecoderTokenizer.from_gguf(gguf_file) if tokens else None
     has_tokenizer = (source.path / "tokenizer.json").is_file()
-    tokenizer = LlamaTokenizer.from_hf_dir(source.path) if has_tokenizer else None
-    return LlamaArgs.from_hf_config(source.path), tokenizer
+    tokenizer = DecoderTokenizer.from_hf_dir(source.path) if has_tokenizer else None
+    return hf_args(source.path), tokenizer
 
 
 def load_weights(
@@ -187,19 +203,19 @@ def load_weights(
     sources hold no blocks, so for them it means `dtype`.
     """
     source = resolve_source(name)
-    tokenizer: LlamaTokenizer | None = None
+    tokenizer: DecoderTokenizer | None = None
     held = str(dtype).removeprefix("torch.")
     state: dict[str, WeightValue]
     if source.kind == "tiny_random":
-        assert source.preset is not None
-        args = LlamaArgs.tiny_random(source.preset)
+        assert source.tiny_args is not None
+        args = source.tiny_args
         state = dict(random_state_dict(args, seed=seed, dtype=dtype))
     elif source.kind == "gguf":
         assert source.path is not None
         gguf_file = GGUFFile.open(source.path)
         args = gguf_file.args()
         if with_tokenizer and "tokenizer.ggml.tokens" in gguf_file.metadata:
-            tokenizer = LlamaTokenizer.from_gguf(gguf_file)
+            tokenizer = DecoderTokenizer.from_gguf(gguf_file)
         elif with_tokenizer:
             logger.info("GGUF %s embeds no tokenizer; loading the model alone", source.path)
         loaded = load_gguf(gguf_file, args, dtype=dtype, weights=weights)
@@ -209,9 +225,9 @@ def load_weights(
         del gguf_file  # release the memory map before the model is assembled
     else:
         assert source.path is not None
-        args = LlamaArgs.from_hf_config(source.path)
+        args = hf_args(source.path)
         if with_tokenizer and (source.path / "tokenizer.json").is_file():
-            tokenizer = LlamaTokenizer.from_hf_dir(source.path)
+            tokenizer = DecoderTokenizer.from_hf_dir(source.path)
         state = dict(load_safetensors(source.path, args, dtype=dtype))
     check_finite(state, source=str(source.path or source.name))
     if tokenizer is not None and tokenizer.eos_token_ids and not args.eos_token_ids:
@@ -238,7 +254,9 @@ def load_model(
         name, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer, weights=weights
     )
     args, source, weights_held = loaded.args, loaded.source, loaded.held
-    model = LlamaModel.from_state_dict(args, loaded.state, dtype=dtype, device=device, consume=True)
+    model = tensor_model_class(args).from_state_dict(
+        args, loaded.state, dtype=dtype, device=device, consume=True
+    )
     logger.info(
         "loaded %s (%s) as %s on %s: weights %s",
         source.name,
@@ -256,3 +274,15 @@ def load_model(
         seed=seed,
         weights_mode=weights,
     )
+
+
+def tensor_model_class(args: DecoderArgs) -> type[DecoderModel]:
+    """The tensor model class `args`' family registered (`DecoderModel` or a subclass)."""
+    family = family_for_args(args)
+    found = family.model_class()
+    if not (isinstance(found, type) and issubclass(found, DecoderModel)):
+        raise TypeError(
+            f"model family {family.name!r} registers model {family.model!r}, which is not a "
+            "DecoderModel subclass"
+        )
+    return found

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from models.llama.attention import LayerCache
+from models.decoder.attention import LayerCache
 
 
 class BoundCache(NamedTuple):

@@ -1,7 +1,7 @@
 """The Llama family's sampler: the runtime's model-independent `DeviceSampler`.
 
 Nothing in device sampling depends on the model, so it lives in `runtime.sampling`; the Llama
-executor attaches one as `model.sampling`. `LlamaSampler` stays as this family's name for it
+executor attaches one as `model.sampling`. `DecoderSampler` stays as this family's name for it
 (the runtime's error hints and the model-family guide use it).
 """
 
@@ -9,6 +9,6 @@ from __future__ import annotations
 
 from runtime.sampling import DeviceSampler, SampleOutput, SamplerConfig, SamplerPlan
 
-LlamaSampler = DeviceSampler
+DecoderSampler = DeviceSampler
 
-__all__ = ["LlamaSampler", "SampleOutput", "SamplerConfig", "SamplerPlan"]
+__all__ = ["DecoderSampler", "SampleOutput", "SamplerConfig", "SamplerPlan"]

@@ -1,22 +1,22 @@
-"""Building blocks of the Llama decoder: rotary tables, projections and the decoder layer."""
+"""Building blocks of the decoder: rotary tables, projections and the decoder layer."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypedDict
+from typing import ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama.block_forms import block_product, default_block_form
-from models.llama.config import LlamaArgs
-from models.llama.kernels import FORMS, Layout, ProjectionChoice, default_form
+from models.decoder.block_forms import block_product, default_block_form
+from models.decoder.config import DecoderArgs
+from models.decoder.kernels import FORMS, Layout, ProjectionChoice, default_form
 from runtime.quant.matrix import QuantizedMatrix, concat_rows
 
 
-def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+def rope_inv_freq(args: DecoderArgs) -> torch.Tensor:
     """Per-pair rotary frequencies (float32), with the config's scaling applied."""
     exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).to(torch.float32)
     inv_freq = 1.0 / (args.rope_theta ** (exponents / args.head_dim))
@@ -39,7 +39,7 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rope_tables(args: LlamaArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(args: DecoderArgs, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`cos` and signed `sin` tables `[max_seq_len, head_dim]` for rotate-half rotary.
 
     The sin table carries the sign of rotate-half (`-sin` on the first half), so applying
@@ -196,9 +196,21 @@ class _Placement(TypedDict):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP, projections fused (qkv and gate/up)."""
+    """Pre-norm attention + SwiGLU MLP, projections fused (qkv and gate/up).
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device) -> None:
+    With `args.qk_norm` each query and key head is RMS-normalised (`q_norm`, `k_norm`, over
+    `head_dim`) before rotary, as Qwen3 does.
+
+    The MLP block is the part a family swaps (routed experts instead of dense SwiGLU): a
+    subclass overrides `build_mlp`, `mlp`, `load_mlp`, `mlp_tensors`, `mlp_shapes` and
+    `MLP_PROJECTIONS`, and its model class names it as `layer_class`; the attention, norms,
+    paged cache and every runtime path stay shared.
+    """
+
+    ATTENTION_PROJECTIONS: ClassVar[tuple[str, ...]] = ("wqkv", "wo")
+    MLP_PROJECTIONS: ClassVar[tuple[str, ...]] = ("w_gate_up", "w_down")
+
+    def __init__(self, args: DecoderArgs, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         q_out = args.n_heads * args.head_dim
         kv_out = args.n_kv_heads * args.head_dim
@@ -206,12 +218,39 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
         self.wqkv = Projection(args.dim, q_out + 2 * kv_out, parts=(q_out, kv_out, kv_out), **kw)
         self.wo = Projection(q_out, args.dim, **kw)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps, **kw)
+            self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps, **kw)
         self.post_attention_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps, **kw)
-        self.w_gate_up = Projection(
-            args.dim, 2 * args.ffn_dim, parts=(args.ffn_dim, args.ffn_dim), **kw
-        )
-        self.w_down = Projection(args.ffn_dim, args.dim, **kw)
         self._q_kv_out = (q_out, kv_out)
+        self.build_mlp(args, dtype, device)
+
+    # ------------------------------------------------------------------ weight names
+    @classmethod
+    def weight_shapes(cls, args: DecoderArgs) -> dict[str, tuple[int, ...]]:
+        """Canonical suffix (within the layer) -> shape of every tensor this layer loads."""
+        q_out = args.n_heads * args.head_dim
+        kv_out = args.n_kv_heads * args.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "input_layernorm.weight": (args.dim,),
+            "self_attn.q_proj.weight": (q_out, args.dim),
+            "self_attn.k_proj.weight": (kv_out, args.dim),
+            "self_attn.v_proj.weight": (kv_out, args.dim),
+            "self_attn.o_proj.weight": (args.dim, q_out),
+        }
+        if args.qk_norm:
+            shapes["self_attn.q_norm.weight"] = (args.head_dim,)
+            shapes["self_attn.k_norm.weight"] = (args.head_dim,)
+        shapes["post_attention_layernorm.weight"] = (args.dim,)
+        shapes.update(cls.mlp_shapes(args))
+        return shapes
+
+    @classmethod
+    def projection_names(cls) -> tuple[str, ...]:
+        """The attributes holding this layer's `Projection`s (what a kernel plan covers)."""
+        return (*cls.ATTENTION_PROJECTIONS, *cls.MLP_PROJECTIONS)
 
     def load_canonical(self, tensor: Callable[[str], WeightValue]) -> None:
         """Take this layer's weights from canonical (HF) tensors, `tensor(suffix)` each (the
@@ -221,32 +260,75 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.weight = _frozen(_plain(norm))
         self.wqkv.load(_fused([tensor(f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")]))
         self.wo.load(_single(tensor("self_attn.o_proj.weight")))
-        self.w_gate_up.load(_fused([tensor(f"mlp.{p}_proj.weight") for p in ("gate", "up")]))
-        self.w_down.load(_single(tensor("mlp.down_proj.weight")))
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.weight = _frozen(_plain(tensor("self_attn.q_norm.weight")))
+            self.k_norm.weight = _frozen(_plain(tensor("self_attn.k_norm.weight")))
+        self.load_mlp(tensor)
 
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """This layer's weights by canonical suffix, as views split back from the fused ones."""
         q_out, kv_out = self._q_kv_out
         q, k, v = torch.split(self.wqkv.hf_weight(), [q_out, kv_out, kv_out])
-        gate, up = self.w_gate_up.hf_weight().chunk(2)
-        return {
+        out = {
             "input_layernorm.weight": self.input_layernorm.weight.detach(),
             "self_attn.q_proj.weight": q,
             "self_attn.k_proj.weight": k,
             "self_attn.v_proj.weight": v,
             "self_attn.o_proj.weight": self.wo.hf_weight(),
             "post_attention_layernorm.weight": self.post_attention_layernorm.weight.detach(),
-            "mlp.gate_proj.weight": gate,
-            "mlp.up_proj.weight": up,
-            "mlp.down_proj.weight": self.w_down.hf_weight(),
         }
+        if self.q_norm is not None and self.k_norm is not None:
+            out["self_attn.q_norm.weight"] = self.q_norm.weight.detach()
+            out["self_attn.k_norm.weight"] = self.k_norm.weight.detach()
+        out.update(self.mlp_tensors())
+        return out
 
     def attention_out(self, attended: torch.Tensor) -> torch.Tensor:
         """The attention output projection `wo` (typed)."""
         out: torch.Tensor = self.wo(attended)
         return out
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of queries and keys `[..., heads, head_dim]` (identity without
+        `qk_norm`)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
+    # -------------------------------------------------------------------- MLP block
+    def build_mlp(self, args: DecoderArgs, dtype: torch.dtype, device: torch.device) -> None:
+        """Create the MLP block's modules (dense SwiGLU: fused gate/up, then down)."""
+        kw: _Placement = {"dtype": dtype, "device": device}
+        self.w_gate_up = Projection(
+            args.dim, 2 * args.ffn_dim, parts=(args.ffn_dim, args.ffn_dim), **kw
+        )
+        self.w_down = Projection(args.ffn_dim, args.dim, **kw)
+
+    @classmethod
+    def mlp_shapes(cls, args: DecoderArgs) -> dict[str, tuple[int, ...]]:
+        """The MLP block's canonical suffixes and shapes."""
+        return {
+            "mlp.gate_proj.weight": (args.ffn_dim, args.dim),
+            "mlp.up_proj.weight": (args.ffn_dim, args.dim),
+            "mlp.down_proj.weight": (args.dim, args.ffn_dim),
+        }
+
+    def load_mlp(self, tensor: Callable[[str], WeightValue]) -> None:
+        """Take the MLP block's weights (canonical suffixes through `tensor`)."""
+        self.w_gate_up.load(_fused([tensor(f"mlp.{p}_proj.weight") for p in ("gate", "up")]))
+        self.w_down.load(_single(tensor("mlp.down_proj.weight")))
+
+    def mlp_tensors(self) -> dict[str, torch.Tensor]:
+        """The MLP block's weights by canonical suffix (views)."""
+        gate, up = self.w_gate_up.hf_weight().chunk(2)
+        return {
+            "mlp.gate_proj.weight": gate,
+            "mlp.up_proj.weight": up,
+            "mlp.down_proj.weight": self.w_down.hf_weight(),
+        }
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block over `x` `[..., dim]`."""
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
         out: torch.Tensor = self.w_down(F.silu(gate) * up)
         return out

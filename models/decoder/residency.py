@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from models.llama.layers import Projection
+from models.decoder.layers import Projection
 from runtime.quant.matrix import QuantizedMatrix
 from runtime.weight_reload import ReloadPair, WeightMismatchError, match_tensors
 

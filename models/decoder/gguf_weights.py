@@ -1,9 +1,10 @@
-"""Weights of the Llama family from a GGUF file: checked framing, names, and block weights.
+"""Weights of a decoder family from a GGUF file: checked framing, names, and block weights.
 
 `GGUFFile.open` refuses a damaged file before any tensor is read: an unknown type code, a
 row length that is not a multiple of its type's block, or a tensor that runs past the end of
 the file is named with the tensor, its type and the file. `load_gguf` then maps llama.cpp's
-names onto the canonical (HF) ones and, by `weights`:
+names onto the canonical (HF) ones (the family's weight-name map, `Family.gguf_layer_names`)
+and, by `weights`:
 
 * `"stored"`: tensors in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in their blocks
   (`runtime.quant.QuantizedMatrix`, repacked exactly, never through a float copy); every
@@ -23,19 +24,17 @@ import attrs
 import numpy as np
 import torch
 
-from models.llama.config import LlamaArgs
-from models.llama.gguf_reader import GGUFContents, GGUFTensor, read_gguf
-from models.llama.weights import (
-    EMBED,
-    FINAL_NORM,
-    LM_HEAD,
+from models.decoder.config import DecoderArgs
+from models.decoder.gguf_reader import GGUFContents, GGUFTensor, read_gguf
+from models.decoder.weight_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, layer_name
+from models.decoder.weights import (
     ModelFileError,
     WeightValue,
     check_readable_file,
     check_shapes,
     expected_shapes,
-    layer_name,
 )
+from models.families import Family, family_for_gguf
 from runtime.quant.gguf_blocks import STORED_TYPES, permute_rows, repack
 
 logger = logging.getLogger(__name__)
@@ -45,34 +44,23 @@ WEIGHTS_MODES: tuple[WeightsMode, ...] = ("stored", "float32", "bfloat16")
 _MAX_LISTED = 8
 
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-_GGUF_LAYER_SUFFIX = {
-    "attn_norm": "input_layernorm.weight",
-    "attn_q": "self_attn.q_proj.weight",
-    "attn_k": "self_attn.k_proj.weight",
-    "attn_v": "self_attn.v_proj.weight",
-    "attn_output": "self_attn.o_proj.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "ffn_gate": "mlp.gate_proj.weight",
-    "ffn_up": "mlp.up_proj.weight",
-    "ffn_down": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL = {
-    "token_embd.weight": EMBED,
-    "output_norm.weight": FINAL_NORM,
-    "output.weight": LM_HEAD,
-}
 
 
-def gguf_name_map(tensor_names: Iterable[str]) -> dict[str, str]:
-    """GGUF tensor name -> canonical name, built once; names it does not know are left out."""
+def gguf_name_map(
+    tensor_names: Iterable[str], layer_names: Mapping[str, str] = GGUF_LAYER_NAMES
+) -> dict[str, str]:
+    """GGUF tensor name -> canonical name, built once; names it does not know are left out.
+
+    `layer_names`: the family's map of layer tensor names (`attn_q` -> `self_attn.q_proj.weight`).
+    """
     out: dict[str, str] = {}
     for name in tensor_names:
-        if name in _GGUF_GLOBAL:
-            out[name] = _GGUF_GLOBAL[name]
+        if name in GGUF_GLOBAL_NAMES:
+            out[name] = GGUF_GLOBAL_NAMES[name]
             continue
         match = _GGUF_LAYER.match(name)
-        if match and match.group(2) in _GGUF_LAYER_SUFFIX:
-            out[name] = layer_name(int(match.group(1)), _GGUF_LAYER_SUFFIX[match.group(2)])
+        if match and match.group(2) in layer_names:
+            out[name] = layer_name(int(match.group(1)), layer_names[match.group(2)])
     return out
 
 
@@ -117,8 +105,14 @@ class GGUFFile:
     def tensor_names(self) -> frozenset[str]:
         return frozenset(t.name for t in self.tensors)
 
-    def args(self) -> LlamaArgs:
-        return LlamaArgs.from_gguf_metadata(self.metadata, self.tensor_names)
+    @property
+    def family(self) -> Family:
+        """The registered family of this file's `general.architecture` (refused when none)."""
+        return family_for_gguf(self.metadata.get("general.architecture"))
+
+    def args(self) -> DecoderArgs:
+        """The architecture, read by the file's family's config class."""
+        return self.family.config_class.from_gguf_metadata(self.metadata, self.tensor_names)
 
 
 def rope_row_order(out_features: int, n_heads: int) -> torch.Tensor:
@@ -193,14 +187,21 @@ class GGUFWeights:
 
 
 def _load_one(
-    tensor: GGUFTensor, canonical: str, args: LlamaArgs, keep_blocks: bool, dtype: torch.dtype
+    tensor: GGUFTensor,
+    canonical: str,
+    args: DecoderArgs,
+    keep_blocks: bool,
+    dtype: torch.dtype,
+    rope_permuted: bool,
 ) -> tuple[WeightValue, str, bool]:
-    """One canonical tensor, its GGUF type name, and whether it stayed in blocks."""
+    """One canonical tensor, its GGUF type name, and whether it stayed in blocks.
+
+    `rope_permuted`: the file's Q/K rows are llama.cpp-interleaved (undone here)."""
     type_name = tensor.tensor_type.name
     heads = None
-    if canonical.endswith("self_attn.q_proj.weight"):
+    if rope_permuted and canonical.endswith("self_attn.q_proj.weight"):
         heads = args.n_heads
-    elif canonical.endswith("self_attn.k_proj.weight"):
+    elif rope_permuted and canonical.endswith("self_attn.k_proj.weight"):
         heads = args.n_kv_heads
     shape = tuple(reversed(tensor.shape))
     if keep_blocks and type_name in STORED_TYPES and len(shape) == 2:
@@ -216,14 +217,15 @@ def _load_one(
 
 def load_gguf(
     gguf_file: GGUFFile,
-    args: LlamaArgs,
+    args: DecoderArgs,
     *,
     dtype: torch.dtype = torch.float32,
     weights: WeightsMode = "float32",
 ) -> GGUFWeights:
     """A GGUF file's tensors as canonical HF-layout tensors (see the module docstring)."""
     tensors = {t.name: t for t in gguf_file.tensors}
-    name_map = gguf_name_map(tensors)
+    family = gguf_file.family
+    name_map = gguf_name_map(tensors, family.gguf_layer_names)
     unknown = sorted(set(tensors) - set(name_map))
     if unknown:
         logger.warning(
@@ -243,7 +245,7 @@ def load_gguf(
         if canonical not in wanted:
             continue
         value, type_name, kept = _load_one(
-            tensors[name], canonical, args, weights == "stored", dtype
+            tensors[name], canonical, args, weights == "stored", dtype, family.gguf_rope_permuted
         )
         gguf_file.contents.drop_pages()  # copied: the file's pages need not add to the peak
         counts = stored if kept else dequantized

@@ -1,4 +1,4 @@
-"""The decode outputs `LlamaVLLMModel` hands an engine between its read calls.
+"""The decode outputs `DecoderVLLMModel` hands an engine between its read calls.
 
 Why a type of their own: an engine that skips a step of the read sequence still hands the
 object back, and the facade knows which step it is at (and releases the step's device

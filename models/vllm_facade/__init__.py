@@ -1,0 +1,1 @@
+"""The generic vLLM facade over any registered decoder family (`facade.DecoderVLLMModel`)."""
