@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from models.llama import LlamaArgs
+from models.decoder.config import DecoderArgs
 from tests.quant_encoders import BLOCK_SIZES, encode
 
 MIXED = "Q4_K_M"
@@ -73,8 +73,19 @@ def llama_cpp_permute(weight: F32Array, n_heads: int) -> F32Array:
     return weight.reshape(n_heads, 2, out // n_heads // 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def gguf_arrays(args: LlamaArgs, state: Mapping[str, torch.Tensor]) -> dict[str, F32Array]:
-    """The float32 tensors of a llama GGUF, by GGUF name, in llama.cpp's layout and order."""
+def gguf_architecture(args: DecoderArgs) -> str:
+    """The `general.architecture` a file of `args`' family is written with (`llama`, `qwen3`)."""
+    return type(args).GGUF_ARCHITECTURES[0] if type(args).GGUF_ARCHITECTURES else "llama"
+
+
+def gguf_arrays(args: DecoderArgs, state: Mapping[str, torch.Tensor]) -> dict[str, F32Array]:
+    """The float32 tensors of a GGUF, by GGUF name, in llama.cpp's layout and order (Q/K rows
+    permuted for `llama` only: llama.cpp converts Qwen3 for NeoX rotary, unpermuted)."""
+    permute = gguf_architecture(args) == "llama"
+    names = dict(_HF_NAMES)
+    if args.qk_norm:
+        names.update({"attn_q_norm": "self_attn.q_norm.weight"})
+        names.update({"attn_k_norm": "self_attn.k_norm.weight"})
 
     def get(name: str) -> F32Array:
         return state[name].detach().to(torch.float32).cpu().numpy()
@@ -84,11 +95,11 @@ def gguf_arrays(args: LlamaArgs, state: Mapping[str, torch.Tensor]) -> dict[str,
     if not args.tie_word_embeddings:
         arrays["output.weight"] = get("lm_head.weight")
     for i in range(args.n_layers):
-        for role, hf_name in _HF_NAMES.items():
+        for role, hf_name in names.items():
             value = get(f"model.layers.{i}.{hf_name}")
-            if role == "attn_q":
+            if role == "attn_q" and permute:
                 value = llama_cpp_permute(value, args.n_heads)
-            elif role == "attn_k":
+            elif role == "attn_k" and permute:
                 value = llama_cpp_permute(value, args.n_kv_heads)
             arrays[f"blk.{i}.{role}.weight"] = np.ascontiguousarray(value)
     return arrays
@@ -155,7 +166,7 @@ def _entries(arrays: Mapping[str, F32Array], types: Mapping[str, str]) -> list[_
     return entries
 
 
-def _add_metadata(writer: Any, args: LlamaArgs, qtype: str) -> None:
+def _add_metadata(writer: Any, args: DecoderArgs, qtype: str) -> None:
     import gguf
 
     writer.add_name(args.name)
@@ -205,11 +216,11 @@ def _add_byte_tokenizer(writer: Any, vocab_size: int) -> None:
 
 
 def _write_file(
-    path: Path, args: LlamaArgs, entries: list[_Entry], qtype: str, tokenizer: bool
+    path: Path, args: DecoderArgs, entries: list[_Entry], qtype: str, tokenizer: bool
 ) -> None:
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), gguf_architecture(args))
     _add_metadata(writer, args, qtype)
     if tokenizer:
         _add_byte_tokenizer(writer, args.vocab_size)
@@ -224,7 +235,7 @@ def _write_file(
 
 def write_llama_gguf(
     path: str | Path,
-    args: LlamaArgs,
+    args: DecoderArgs,
     state: Mapping[str, torch.Tensor],
     *,
     qtype: str,
@@ -357,7 +368,7 @@ class BadFile:
 
 def write_truncated_gguf(
     path: str | Path,
-    args: LlamaArgs,
+    args: DecoderArgs,
     state: Mapping[str, torch.Tensor],
     *,
     qtype: str = "Q4_0",
@@ -385,7 +396,7 @@ def write_truncated_gguf(
 
 def write_misaligned_rows_gguf(
     path: str | Path,
-    args: LlamaArgs,
+    args: DecoderArgs,
     state: Mapping[str, torch.Tensor],
     *,
     tensor: str = "blk.0.attn_q.weight",
@@ -425,7 +436,7 @@ def write_misaligned_rows_gguf(
 
 def write_unknown_type_gguf(
     path: str | Path,
-    args: LlamaArgs,
+    args: DecoderArgs,
     state: Mapping[str, torch.Tensor],
     *,
     tensor: str = "blk.0.ffn_up.weight",
