@@ -41,19 +41,22 @@ def load_transformers(model: str, dtype: str) -> GenerationMixin:
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch_dtype)
         hf.train(False)
         return hf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     loaded = load_model(model, dtype=torch_dtype, with_tokenizer=False)
-    llama = LlamaForCausalLM(LlamaConfig.from_dict(dict(loaded.args.to_hf_config())))
+    # The preset's family names its transformers class (`model_type` in its HF config).
+    config = dict(loaded.args.to_hf_config())
+    hf_config = AutoConfig.for_model(str(config.pop("model_type")), **config)
+    hf = AutoModelForCausalLM.from_config(hf_config)
     if torch_dtype == torch.bfloat16:
-        llama = llama.bfloat16()  # built in float32, transformers' default
-    result = llama.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
+        hf = hf.bfloat16()  # built in float32, transformers' default
+    result = hf.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
     if result.unexpected_keys or not set(result.missing_keys) <= {"lm_head.weight"}:
         raise RuntimeError(f"state dict mismatch: {result}")
     if loaded.args.tie_word_embeddings:
-        llama.tie_weights()
-    llama.train(False)
-    return llama
+        hf.tie_weights()
+    hf.train(False)
+    return hf
 
 
 def hf_run(hf: GenerationMixin, prompts: list[list[int]], new_tokens: int, *, pad: int) -> RunTimes:
