@@ -56,9 +56,9 @@ def violations(families: set[str]) -> list[str]:
             )
             for module in sorted(imported_modules(path)):
                 parts = module.split(".")
-                if len(parts) >= 2 and parts[0] == "models" and parts[1] in families:
-                    if parts[1] != own:
-                        out.append(f"{relative} imports {module}")
+                family = parts[1] if len(parts) >= 2 and parts[0] == "models" else None
+                if family in families and family != own:
+                    out.append(f"{relative} imports {module}")
     return out
 
 

@@ -198,7 +198,7 @@ def test_cli_generate_serves_the_folder_with_no_family_flag(
     assert status == 0, err
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
     completion = next(row for row in rows if "token_ids" in row)
-    prompt = list("hello qwen".encode())
+    prompt = list(b"hello qwen")
     assert completion["token_ids"] == hf_greedy_batch(hf, [prompt], 8)[0]
 
 

@@ -213,7 +213,8 @@ def test_tiny_presets_cover_the_required_shapes() -> None:
     assert any(not a.tie_word_embeddings for a in presets.values())
     kinds = {a.rope_scaling.kind for a in presets.values() if a.rope_scaling is not None}
     assert kinds == {"linear", "llama3"}
-    with pytest.raises(ValueError, match=r"tiny-random preset=.huge. is unknown to LlamaArgs: allowed are"):
+    unknown = r"tiny-random preset=.huge. is unknown to LlamaArgs: allowed are"
+    with pytest.raises(ValueError, match=unknown):
         LlamaArgs.tiny_random("huge")
 
 
