@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -47,16 +47,16 @@ def load_transformers(model: str, dtype: str) -> GenerationMixin:
     # The preset's family names its transformers class (`model_type` in its HF config).
     config = dict(loaded.args.to_hf_config())
     hf_config = AutoConfig.for_model(str(config.pop("model_type")), **config)
-    hf = AutoModelForCausalLM.from_config(hf_config)
+    built: Any = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
     if torch_dtype == torch.bfloat16:
-        hf = hf.bfloat16()  # built in float32, transformers' default
-    result = hf.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
+        built = built.bfloat16()  # built in float32, transformers' default
+    result = built.load_state_dict(loaded.model.canonical_state_dict(), strict=False)
     if result.unexpected_keys or not set(result.missing_keys) <= {"lm_head.weight"}:
         raise RuntimeError(f"state dict mismatch: {result}")
     if loaded.args.tie_word_embeddings:
-        hf.tie_weights()
-    hf.train(False)
-    return hf
+        built.tie_weights()
+    built.train(False)
+    return cast("GenerationMixin", built)
 
 
 def hf_run(hf: GenerationMixin, prompts: list[list[int]], new_tokens: int, *, pad: int) -> RunTimes:
