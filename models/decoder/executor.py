@@ -44,7 +44,7 @@ DEFAULT_MAX_TOP_K = 64
 
 
 class DecoderExecutor(ModelExecutor):
-    """A `ModelExecutor` over a Llama-family model, with its tokenizer attached."""
+    """A `ModelExecutor` over a decoder-family model, with its tokenizer attached."""
 
     def __init__(
         self,

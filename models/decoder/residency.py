@@ -1,4 +1,4 @@
-"""The Llama model's resident tensors, named for sleep, wake and in-place reload.
+"""The decoder model's resident tensors, named for sleep, wake and in-place reload.
 
 Why here: the family knows which tensors are weights (projections, in float or in quantized
 blocks; norms; an untied embedding) and which are buffers the forward needs but no checkpoint

@@ -1,4 +1,4 @@
-"""Text <-> token ids for the Llama family, from `tokenizer.json` or a GGUF-embedded vocabulary.
+"""Text <-> token ids for every decoder family, from `tokenizer.json` or a GGUF-embedded vocabulary.
 
 Both sources end as one `tokenizers.Tokenizer`, so encoding is the same fast Rust code either
 way. The GGUF path rebuilds a byte-level BPE from the file's tokens, merges and token types;
