@@ -214,3 +214,49 @@ def test_cli_refuses_an_unknown_architecture_naming_it(
     assert status == 2
     assert "model_type='mamba'" in err and "MambaForCausalLM" in err
     assert "registered are" in err and "llama (" in err and "qwen3 (" in err
+
+
+def test_the_vllm_facade_serves_qwen3_through_the_engine_contract(
+    checkpoint: tuple[Path, Any],
+) -> None:
+    """The plugin's lookup of `Qwen3ForCausalLM` gives the generic facade, and the engine's
+    call sequence over it (trace decode_only, sampling on device, prefix hits) yields the
+    runtime's own Generator tokens."""
+    from transformers import AutoConfig
+
+    from models.vllm_facade.facade import DecoderVLLMModel
+    from models.vllm_plugin.facades import facade_class
+    from tests.integration.vllm_engine import EngineDriver
+
+    folder, _ = checkpoint
+    config = AutoConfig.from_pretrained(str(folder))
+    config._name_or_path = str(folder)
+    facade = facade_class(config)
+    assert facade is DecoderVLLMModel
+    rng = random.Random(9)
+    base = [rng.randrange(0, 256) for _ in range(13)]
+    waves = [[base, base[:6]], [[*base[:8], 5, 6, 7], [rng.randrange(0, 256) for _ in range(9)]]]
+    lane = _executor(folder, "none")
+    try:
+        lane.start()
+        completions = Generator(lane).generate(
+            [p for wave in waves for p in wave],
+            GenerationParams(max_new_tokens=6, ignore_eos=True),
+        )
+    finally:
+        lane.close()
+    driver = EngineDriver(
+        facade,
+        config,
+        max_batch_size=4,
+        max_model_len=64,
+        block_size=4,
+        trace_mode="decode_only",
+        sample_on_device=True,
+        async_decode=True,
+        facade_options={"block_size": 8, "max_prefill_chunk_size": CHUNK},
+    )
+    driver.start()
+    outputs = driver.generate(waves, max_new_tokens=6)
+    assert outputs == [list(c.token_ids) for c in completions]
+    assert driver.stats.prefix_hit_tokens > 0
