@@ -83,8 +83,10 @@ def run_quant(
     log: Log,
 ) -> dict[str, Any]:
     """Every row of issue 22's table, as one JSON-ready report."""
+    import attrs
     import torch
 
+    from models.decoder.kernels import int8_activations_available
     from runtime.backends.cpu_features import CpuFeatures
 
     rng = __import__("random").Random(0)
@@ -120,6 +122,10 @@ def run_quant(
         log(f"{label}: this runtime batch 1, --weights stored")
         ours, _ = runtime_batch1(bench, config, prompt, log)
         report["files"][label] = {"path": str(path), "llama_cpp": llama, "runtime": ours}
+        if int8_activations_available():  # the opt-in int8 form, as a row of its own
+            log(f"{label}: this runtime batch 1, --weights stored-int8")
+            int8 = attrs.evolve(config, weights="stored-int8")
+            report["files"][label]["runtime_int8"] = runtime_batch1(bench, int8, prompt, log)[0]
     weight_bytes = {label: row["runtime"]["weight_bytes"] for label, row in report["files"].items()}
     largest = max(weight_bytes.values())
     bandwidth = max(read_bandwidth(largest) for _ in range(2))
@@ -132,6 +138,12 @@ def run_quant(
             row["runtime"]["decode_tokens_per_second"]
             / row["llama_cpp"]["decode_tokens_per_second"]
         )
+        if "runtime_int8" in row:
+            row["int8_ratio_vs_llama_cpp"] = (
+                row["runtime_int8"]["decode_tokens_per_second"]
+                / row["llama_cpp"]["decode_tokens_per_second"]
+            )
+            row["int8_share_of_limit"] = row["runtime_int8"]["decode_tokens_per_second"] / limit
         row["prefill_ratio_vs_llama_cpp"] = (
             row["runtime"]["prefill_tokens_per_second"]
             / row["llama_cpp"]["prefill_tokens_per_second"]
@@ -186,6 +198,12 @@ def format_quant(report: dict[str, Any]) -> str:
     ]
     for label, row in report["files"].items():
         ours, theirs = row["runtime"], row["llama_cpp"]
+        if "runtime_int8" in row:
+            lines.append(
+                f"| {label} stored-int8 | | | "
+                f"{row['runtime_int8']['decode_tokens_per_second']:.1f} | "
+                f"{row['int8_ratio_vs_llama_cpp']:.2f}x | {row['int8_share_of_limit']:.0%} | | |"
+            )
         lines.append(
             f"| {label} | {ours['weight_bytes'] / 1e6:.1f} | "
             f"{theirs['decode_tokens_per_second']:.1f} | {ours['decode_tokens_per_second']:.1f} | "

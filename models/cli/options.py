@@ -62,10 +62,12 @@ OPTIONS: dict[str, ArgumentSpec] = {
         choices=("float32", "bfloat16"), default="float32", help="weights and KV cache dtype"
     ),
     "--weights": dict(
-        choices=("stored", "float32", "bfloat16"),
+        choices=("stored", "stored-int8", "float32", "bfloat16"),
         default="stored",
         help="how a GGUF's quantized weights are held: stored (default: kept in their Q4_0, "
-        "Q4_1, Q8_0, Q4_K, Q6_K blocks; other types dequantized), float32 or bfloat16 "
+        "Q4_1, Q8_0, Q4_K, Q6_K blocks; other types dequantized), stored-int8 (the same, and "
+        "decode may multiply them with int8-quantized activations where warmup measures it "
+        "faster: needs AVX-512 VNNI; tokens can differ from float32), float32 or bfloat16 "
         "(everything dequantized; bfloat16 also runs the model in bfloat16)",
     ),
     "--block-size": dict(

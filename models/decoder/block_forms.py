@@ -9,6 +9,11 @@
   exists (the buffer holds `_TILE_ROWS` rows). Without the native library the tile is
   dequantized by torch (`QuantizedMatrix.dequantize`).
 
+* `q_int8`: the native block kernel with the activations quantized to int8 per block and
+  multiplied with AVX-512 VNNI (`native/quant_blocks_i8.h`): fewer instructions per weight
+  than `q_rows`, so faster where `q_rows` is bound by arithmetic, but not bit-equal: within
+  `runtime.quant.int8_activations.error_bound` of the exact product. Only on CPUs with VNNI.
+
 * `torch_int4`: torch's own CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, groups of
   32, `w = (q - 8) * scale + zero`) on q4 blocks, the maintained library's candidate. It runs
   from a converted copy made when it is timed (dropped again unless the plan keeps it).
@@ -44,6 +49,10 @@ def _always() -> bool:
     return True
 
 
+def _any_blocks(matrix: QuantizedMatrix) -> bool:
+    return True
+
+
 def _as_f32(rows: torch.Tensor) -> torch.Tensor:
     if rows.dtype == torch.float32 and rows.is_contiguous():
         return rows
@@ -52,6 +61,14 @@ def _as_f32(rows: torch.Tensor) -> torch.Tensor:
 
 def _q_rows(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
     return native_kernels.quant_matmul().unchecked(matrix, _as_f32(rows))
+
+
+def _int8_available() -> bool:
+    return _native_available() and native_kernels.quant_matmul().int8_available
+
+
+def _q_int8(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
+    return native_kernels.quant_matmul().unchecked_int8(matrix, _as_f32(rows))
 
 
 def _tile_buffer(elements: int) -> torch.Tensor:
@@ -133,6 +150,10 @@ class BlockForm:
     max_rows: int | None = None
     available: Callable[[], bool] = _always
     kinds: tuple[str, ...] = ("q4", "q8")
+    takes: Callable[[QuantizedMatrix], bool] = _any_blocks
+    """Which blocks of those kinds it computes over."""
+    needs: str = "the native kernels"
+    """What `available()` checks, for errors."""
     converted: bool = False
     """Runs from a converted copy of the blocks: warmup times it on one layer and scales,
     so the timing holds one layer's copy rather than every layer's."""
@@ -141,7 +162,7 @@ class BlockForm:
         return self.max_rows is None or rows <= self.max_rows
 
     def applies(self, matrix: QuantizedMatrix) -> bool:
-        return matrix.kind in self.kinds and matrix.device.type == "cpu"
+        return matrix.kind in self.kinds and matrix.device.type == "cpu" and self.takes(matrix)
 
 
 BLOCK_FORMS: dict[str, BlockForm] = {
@@ -150,10 +171,19 @@ BLOCK_FORMS: dict[str, BlockForm] = {
         BlockForm("q_rows", _q_rows, max_rows=64, available=_native_available),
         BlockForm("q_tiles", _q_tiles),
         BlockForm(
+            "q_int8",
+            _q_int8,
+            max_rows=64,
+            available=_int8_available,
+            takes=native_kernels.int8_takes,
+            needs="AVX-512 VNNI (the int8-activation kernel)",
+        ),
+        BlockForm(
             "torch_int4",
             _torch_int4,
             available=_torch_int4_available,
             kinds=("q4",),
+            needs="torch's aten._weight_int4pack_mm_for_cpu",
             converted=True,
         ),
     )

@@ -27,9 +27,12 @@ def measure_block_projection(
     blocks: str,
     buckets: Sequence[int],
     measured: Callable[[int], None] | None = None,
+    *,
+    int8: bool = False,
 ) -> ProjectionChoice:
     """The fastest block form per bucket for these weights (one per layer), with every
-    candidate's microseconds (all layers) in `candidates`."""
+    candidate's microseconds (all layers) in `candidates`. `int8`: the int8-activation form
+    is a candidate too (`--weights stored-int8`; it is not bit-equal to the others)."""
     fan_in = weights[0][0].cols
     generator = torch.Generator().manual_seed(0)
     picked: list[tuple[int, str, float]] = []
@@ -39,7 +42,10 @@ def measure_block_projection(
         names = [
             n
             for n, f in BLOCK_FORMS.items()
-            if f.fits(rows) and f.available() and all(f.applies(p) for p in weights[0])
+            if f.fits(rows)
+            and f.available()
+            and all(f.applies(p) for p in weights[0])
+            and (int8 or n != "q_int8")
         ]
         streaming = rows <= _STREAMING_ROWS
         best = dict.fromkeys(names, float("inf"))

@@ -16,8 +16,8 @@ from typing import cast
 import torch
 
 from lifecycle.journal import Journal, Outcome
-from models.decoder.gguf_weights import WEIGHTS_MODES, WeightsMode
-from models.decoder.kernels import KernelPlan, load_kernel_plan
+from models.decoder.gguf_weights import BLOCK_MODES, WEIGHTS_MODES, WeightsMode
+from models.decoder.kernels import KernelPlan, int8_activations_available, load_kernel_plan
 from models.decoder.layers import Projection
 from models.decoder.residency import check_state_dtypes
 from models.decoder.sampling import DecoderSampler, SamplerConfig
@@ -27,7 +27,11 @@ from models.executor import ModelExecutor, ModelExecutorConfig
 from models.progress import ProgressSink, as_progress
 from runtime.backends import make_device
 from runtime.backends.base import Device
-from runtime.backends.cpu_features import CpuFeatures, require_native_bf16
+from runtime.backends.cpu_features import (
+    CpuFeatures,
+    UnsupportedCpuFeatureError,
+    require_native_bf16,
+)
 from runtime.config import (
     PagedKVCacheConfig,
     RuntimePolicy,
@@ -270,7 +274,13 @@ def _check_weights(weights: str, dtype: str) -> None:
         raise ValueError(
             f"weights (--weights) must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}"
         )
-    if weights != "stored" and weights != dtype:
+    if weights == "stored-int8" and not int8_activations_available():
+        raise UnsupportedCpuFeatureError(
+            "weights='stored-int8' (--weights stored-int8) runs block products with int8 "
+            "activations, which needs a CPU with AVX-512 VNNI and gcc; this one cannot: allowed "
+            "here are --weights stored, float32 or bfloat16"
+        )
+    if weights not in BLOCK_MODES and weights != dtype:
         raise ValueError(
             f"weights={weights!r} (--weights {weights}) dequantizes into the model's dtype, "
             f"but dtype is {dtype!r} (--dtype {dtype}): allowed are weights='stored' or "

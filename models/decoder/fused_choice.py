@@ -5,7 +5,9 @@ decode step, but whether it beats the per-op path at a given row count depends o
 the thread count and the projection forms the plan chose. So for every decode bucket of at
 most `FUSED_MAX_ROWS` rows, warmup times a whole decode step both ways on the model's own
 weights (all layers, so they stream from memory as in a real step) against a scratch paged
-cache of the model's block size, and keeps the fused stack where it measures faster. The
+cache of the model's block size, and keeps the fused stack where it measures faster. Where
+the CPU has VNNI and weights are held in blocks, the stack is also timed with int8
+activations (`native/quant_blocks_i8.h`), and the faster variant over the buckets is kept. The
 result is recorded in the kernel plan (`KernelPlan.fused_decode`), so a replayed plan makes
 the same choice without timing anything.
 """
@@ -21,7 +23,9 @@ import torch
 
 from models.decoder.bound_cache import BoundCache
 from models.decoder.fused_decode import FusedDecodeStack, StackSource, fused_unsupported_reason
-from models.decoder.kernels import FUSED_MAX_ROWS, KernelPlan
+from models.decoder.kernels import FUSED_MAX_ROWS, KernelPlan, int8_activations_available
+from models.decoder.layers import Projection
+from runtime.backends import native_kernels
 from runtime.model_contract import PagedAttentionConfig
 
 
@@ -30,6 +34,7 @@ class TimedDecoder(StackSource, Protocol):
     not imported here): its fused stack slot and its unchecked decode of active rows."""
 
     fused_decode: FusedDecodeStack | None
+    int8_activations: bool
 
     @property
     def n_layers(self) -> int: ...
@@ -79,22 +84,48 @@ def _choose(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
         return attrs.evolve(plan, notes=(*plan.notes, f"fused decode off: {reason}"))
     paged = model.paged_attention_config
     block_size = paged.block_size if paged is not None else _DEFAULT_BLOCK_SIZE
-    timings = []
+    variants = (False, True) if _int8_applies(model) else (False,)
+    timings: list[tuple[int, dict[bool, float], float]] = []
     started = time.perf_counter()
     with torch.inference_mode():
         for bucket in buckets:
-            fused, per_op = _time_bucket(model, bucket, block_size)
-            timings.append((bucket, fused * 1e6, per_op * 1e6))
+            fused, per_op = _time_bucket(model, bucket, block_size, variants)
+            timings.append((bucket, {v: s * 1e6 for v, s in fused.items()}, per_op * 1e6))
     logger.info("measured the fused decode stack in %.2f s", time.perf_counter() - started)
+    # One parts table serves every bucket: int8 where it wins summed over the buckets.
+    int8 = True in variants and sum(f[True] for _, f, _ in timings) < sum(
+        f[False] for _, f, _ in timings
+    )
     return attrs.evolve(
         plan,
-        fused_decode=tuple(bucket for bucket, fused, per_op in timings if fused < per_op),
-        fused_timings=tuple(timings),
+        fused_decode=tuple(bucket for bucket, fused, per_op in timings if fused[int8] < per_op),
+        fused_timings=tuple((bucket, fused[int8], per_op) for bucket, fused, per_op in timings),
+        fused_activations="int8" if int8 else "float32",
+        fused_int8_timings=tuple(
+            (bucket, fused[True]) for bucket, fused, _ in timings if True in fused
+        ),
     )
 
 
-def _time_bucket(model: TimedDecoder, rows: int, block_size: int) -> tuple[float, float]:
-    """Best seconds of one decode step of `rows` rows: fused, then per-op."""
+def _int8_applies(model: TimedDecoder) -> bool:
+    """Whether an int8-activation variant of the stack is timed: asked for (`--weights
+    stored-int8`), VNNI on this CPU and a projection held in blocks the int8 form takes."""
+    if not model.int8_activations or not int8_activations_available():
+        return False
+    return any(
+        isinstance(held, Projection)
+        and held.blocks is not None
+        and any(native_kernels.int8_takes(part) for part in held.blocks)
+        for layer in model.layers
+        for held in layer.children()
+    )
+
+
+def _time_bucket(
+    model: TimedDecoder, rows: int, block_size: int, variants: tuple[bool, ...]
+) -> tuple[dict[bool, float], float]:
+    """Best seconds of one decode step of `rows` rows: fused (per activation variant: int8
+    or not), then per-op."""
     pages_per_row = (_CONTEXT + rows) // block_size + 1
     blocks = rows * pages_per_row
     shape = (blocks, model.args.n_kv_heads, block_size, model.args.head_dim)
@@ -107,18 +138,21 @@ def _time_bucket(model: TimedDecoder, rows: int, block_size: int) -> tuple[float
     pages = torch.arange(blocks, dtype=torch.long).view(rows, pages_per_row)
     positions = torch.arange(rows, dtype=torch.long) + _CONTEXT
     tokens = torch.arange(rows, dtype=torch.long) % model.vocab_size
-    stack = FusedDecodeStack(model, [rows], [rows])
+    stacks: dict[bool | None, FusedDecodeStack | None] = {
+        int8: FusedDecodeStack(model, [rows], [rows], int8=int8) for int8 in variants
+    }
+    stacks[None] = None  # the per-op path
     saved = model.fused_decode
-    best = {True: float("inf"), False: float("inf")}
+    best = dict.fromkeys(stacks, float("inf"))
     try:
         for round_index in range(_ROUNDS + 1):
-            for fused in (True, False):
-                model.fused_decode = stack if fused else None
+            for key, stack in stacks.items():
+                model.fused_decode = stack
                 start = time.perf_counter()
                 model.decode_rows(cache, tokens, positions, pages)
                 seconds = time.perf_counter() - start
                 if round_index:
-                    best[fused] = min(best[fused], seconds)
+                    best[key] = min(best[key], seconds)
     finally:
         model.fused_decode = saved
-    return best[True], best[False]
+    return {v: best[v] for v in variants}, best[None]

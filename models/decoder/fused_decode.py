@@ -2,7 +2,8 @@
 
 Projections held in quantized blocks (`--weights stored`) run the same stack over a parts
 table (`native_kernels.stack_parts_table`): each block is unpacked in registers as it
-streams, with float32 activations and accumulators, so a decode step reads the file's bytes.
+streams, with float32 activations and accumulators, so a decode step reads the file's bytes;
+or, where warmup measured it faster, with the activations quantized to int8 per block (VNNI).
 
 Why: at batch 1 the per-op path runs about 1,000 small torch ops a step (norms, rotary,
 views, copies, residual adds) around the weight-streaming products; their overhead is a
@@ -137,8 +138,17 @@ class FusedDecodeStack:
     cache stays bound.
     """
 
-    def __init__(self, model: StackSource, buckets: Sequence[int], rows: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model: StackSource,
+        buckets: Sequence[int],
+        rows: Sequence[int],
+        *,
+        int8: bool = False,
+    ) -> None:
+        """`int8`: block weights meet int8 activations (the plan's `fused_activations`)."""
         args = model.args
+        self.int8 = int8
         self._model = model
         self._buckets = tuple(sorted(buckets))
         self._rows = frozenset(rows)
@@ -180,6 +190,7 @@ class FusedDecodeStack:
                 self._geometry,
                 [_stack_parts(layer) for layer in self._layers],
                 self._layouts.tolist(),
+                int8=self.int8,
             )
         return self._parts
 

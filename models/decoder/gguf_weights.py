@@ -39,8 +39,10 @@ from runtime.quant.gguf_blocks import STORED_TYPES, permute_rows, repack
 
 logger = logging.getLogger(__name__)
 
-WeightsMode = Literal["stored", "float32", "bfloat16"]
-WEIGHTS_MODES: tuple[WeightsMode, ...] = ("stored", "float32", "bfloat16")
+WeightsMode = Literal["stored", "stored-int8", "float32", "bfloat16"]
+WEIGHTS_MODES: tuple[WeightsMode, ...] = ("stored", "stored-int8", "float32", "bfloat16")
+# Modes that keep the blocks; "stored-int8" also lets warmup run them with int8 activations.
+BLOCK_MODES: tuple[WeightsMode, ...] = ("stored", "stored-int8")
 _MAX_LISTED = 8
 
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
@@ -245,7 +247,12 @@ def load_gguf(
         if canonical not in wanted:
             continue
         value, type_name, kept = _load_one(
-            tensors[name], canonical, args, weights == "stored", dtype, family.gguf_rope_permuted
+            tensors[name],
+            canonical,
+            args,
+            weights in BLOCK_MODES,
+            dtype,
+            family.gguf_rope_permuted,
         )
         gguf_file.contents.drop_pages()  # copied: the file's pages need not add to the peak
         counts = stored if kept else dequantized

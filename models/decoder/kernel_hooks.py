@@ -42,6 +42,9 @@ class KernelPlanHooks:
         fused decode stack."""
         self.decode_attention = None
         self.fused_decode = None
+        # `--weights stored-int8`: warmup may run block products with int8 activations (not
+        # bit-equal to float32 ones, so never chosen unless asked for).
+        self.int8_activations: bool = bool(getattr(self, "int8_activations", False))
         self.kernel_plan: KernelPlan | None = None
         self._replay_plan: KernelPlan | None = None
 
@@ -145,7 +148,12 @@ class KernelPlanHooks:
                 module.apply_choice(choice)
         self.fused_decode = None
         if plan.fused_decode:
-            self.fused_decode = FusedDecodeStack(self._model(), plan.buckets, plan.fused_decode)
+            self.fused_decode = FusedDecodeStack(
+                self._model(),
+                plan.buckets,
+                plan.fused_decode,
+                int8=plan.fused_activations == "int8",
+            )
         self.decode_attention = plan.decode_attention
         self.kernel_plan = plan
         logger.info("%s", plan.summary())

@@ -209,6 +209,11 @@ class MeasuredModel(Protocol):
 
     def projection_groups(self) -> Mapping[str, Sequence[MeasuredProjection]]: ...
 
+    @property
+    def int8_activations(self) -> bool:
+        """Block products may run with int8 activations (`--weights stored-int8`)."""
+        ...
+
 
 # Plans measured in this process, by what they depend on: lanes of one model in one process
 # (and an eager lane next to a traced one) compute with the same forms, bit for bit.
@@ -217,6 +222,9 @@ _PlanKey: TypeAlias = tuple[
 ]
 """What a measured plan depends on: shapes, dtype, buckets, torch threads, attention, notes."""
 _MEASURED: dict[_PlanKey, KernelPlan] = {}
+
+
+INT8_NOTE = "int8 activations allowed (--weights stored-int8)"
 
 
 def measure_kernel_plan(
@@ -231,6 +239,8 @@ def measure_kernel_plan(
     process for a given geometry, dtype, thread count and attention. `progress` gets one
     advance per projection and bucket (`measure kernels i/n: q_proj rows=64`)."""
     shapes = tuple(sorted(model.projection_shapes().items()))
+    if model.int8_activations:
+        notes = (*notes, INT8_NOTE)
     key: _PlanKey = (
         shapes,
         model.dtype,
@@ -267,15 +277,21 @@ def _measure(
             def measured(rows: int, name: str = name) -> None:
                 step.advance(1, f"{name} rows={rows}")
 
+            timed = _group_buckets(name, buckets)
+            if len(timed) < len(buckets):
+                step.advance(len(buckets) - len(timed), f"{name}: no prefill-chunk rows")
+
             held = [module.blocks for module in modules]
             if all(blocks is not None for blocks in held):
                 stacks = [blocks for blocks in held if blocks is not None]
                 source = modules[0].block_source
-                choice = measure_block_projection(stacks, source, buckets, measured)
+                choice = measure_block_projection(
+                    stacks, source, timed, measured, int8=model.int8_activations
+                )
             else:
                 weights = [module.hf_weight() for module in modules]
                 weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
-                choice, scores = measure_projection(weights, modules[0].parts, buckets, measured)
+                choice, scores = measure_projection(weights, modules[0].parts, timed, measured)
                 logger.debug("kernel scores for %s: %s", name, scores)
             projections.append((name, choice))
     logger.info("measured projection kernels in %.2f s", time.perf_counter() - started)
@@ -289,6 +305,16 @@ def _measure(
         cpu=CpuFeatures.probe().summary(),
         notes=tuple(notes),
     )
+
+
+def _group_buckets(name: str, buckets: Sequence[int]) -> Sequence[int]:
+    """The buckets a projection group is timed at. The LM head sees one row per sequence
+    (prefill returns each row's last token), never a prefill chunk's tokens: timing it there
+    would build a `[chunk, vocab]` product (SmolLM2: 50 MB) no step ever makes. Rows past
+    its last bucket take that bucket's form."""
+    if name == "lm_head" and len(buckets) > 1:
+        return buckets[:-1]
+    return buckets
 
 
 def fixed_plan(

@@ -79,6 +79,16 @@ def _native_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return native_kernels.small_rows_matmul().unchecked(weight, rows).to(weight.dtype)
 
 
+FUSED_ACTIVATIONS = ("float32", "int8")
+
+
+def int8_activations_available() -> bool:
+    """Whether this CPU runs block products with int8 activations (AVX-512 VNNI)."""
+    return native_kernels.unavailable_reason() is None and (
+        native_kernels.quant_matmul().int8_available
+    )
+
+
 def _native_available() -> bool:
     return native_kernels.unavailable_reason() is None
 
@@ -181,6 +191,11 @@ class KernelPlan:
     # stack, and what warmup measured for it: `(bucket, fused us, per-op us)` per bucket.
     fused_decode: tuple[int, ...] = ()
     fused_timings: tuple[tuple[int, float, float], ...] = ()
+    # How the fused stack's block weights meet their activations: "float32", or "int8"
+    # (quantized per block, VNNI; `native/quant_blocks_i8.h`), and the int8 variant's
+    # measured `(bucket, us)` where it was timed.
+    fused_activations: str = "float32"
+    fused_int8_timings: tuple[tuple[int, float], ...] = ()
 
     def choice(self, name: str) -> ProjectionChoice:
         return dict(self.projections)[name]
@@ -199,8 +214,18 @@ class KernelPlan:
             "summary": self.summary(),
             "fused_decode": {
                 "buckets": list(self.fused_decode),
+                "activations": self.fused_activations,
                 "measured_us": [
-                    {"bucket": bucket, "fused": round(fused, 1), "per_op": round(per_op, 1)}
+                    {
+                        "bucket": bucket,
+                        "fused": round(fused, 1),
+                        "per_op": round(per_op, 1),
+                        **(
+                            {"fused_int8": round(int8[bucket], 1)}
+                            if bucket in (int8 := dict(self.fused_int8_timings))
+                            else {}
+                        ),
+                    }
                     for bucket, fused, per_op in self.fused_timings
                 ],
             },
@@ -238,6 +263,8 @@ class KernelPlan:
             held = f" {choice.blocks} blocks" if choice.blocks else ""
             parts.append(f"{name}{held} {choice.layout}{fused} {forms}")
         fused = ",".join(f"@{bucket}" for bucket in self.fused_decode) or " off"
+        if self.fused_decode and self.fused_activations != "float32":
+            fused += f" ({self.fused_activations} activations)"
         return (
             f"kernels {self.source}: {'; '.join(parts)}; decode attention {self.decode_attention}"
             f"; fused decode{fused}"
@@ -277,6 +304,7 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
     ]
     buckets = tuple(int(b) for b in data.get("buckets", ()))
     fused, timings = _parse_fused(data.get("fused_decode"), buckets, where)
+    activations, int8_timings = _parse_fused_activations(data.get("fused_decode"), where)
     return KernelPlan(
         projections=tuple(projections),
         decode_attention=attention,
@@ -288,7 +316,30 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
         notes=tuple(str(n) for n in data.get("notes", ())),
         fused_decode=fused,
         fused_timings=timings,
+        fused_activations=activations,
+        fused_int8_timings=int8_timings,
     )
+
+
+def _parse_fused_activations(
+    entry: object, where: str
+) -> tuple[str, tuple[tuple[int, float], ...]]:
+    """A plan's fused-stack activations (absent before int8 existed: float32)."""
+    if not isinstance(entry, dict):
+        return "float32", ()
+    activations = entry.get("activations", "float32")
+    if activations not in FUSED_ACTIVATIONS:
+        raise _error(
+            where,
+            f"fused_decode activations={activations!r} is invalid: allowed are "
+            f"{list(FUSED_ACTIVATIONS)}",
+        )
+    timings = tuple(
+        (int(item["bucket"]), float(item["fused_int8"]))
+        for item in entry.get("measured_us", ())
+        if isinstance(item, dict) and "fused_int8" in item
+    )
+    return str(activations), timings
 
 
 def _parse_fused(
@@ -412,5 +463,12 @@ def check_plan_fits(plan: KernelPlan, shapes: Mapping[str, ProjectionShape], whe
         for _, form in choice.forms:
             available = BLOCK_FORMS[form].available if held else FORMS[form].available
             if not available():
-                reason = native_kernels.unavailable_reason()
+                needs = BLOCK_FORMS[form].needs if held else "the native kernels"
+                reason = native_kernels.unavailable_reason() or f"it needs {needs}"
                 raise _error(where, f"{name} uses form {form!r}, which cannot run here ({reason})")
+    if plan.fused_activations == "int8" and not int8_activations_available():
+        raise _error(
+            where,
+            "fused_decode activations 'int8' cannot run here (it needs AVX-512 VNNI): allowed "
+            "on this CPU is 'float32' (record the plan again here)",
+        )

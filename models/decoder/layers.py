@@ -18,7 +18,9 @@ from runtime.quant.matrix import QuantizedMatrix, concat_rows
 
 def rope_inv_freq(args: DecoderArgs) -> torch.Tensor:
     """Per-pair rotary frequencies (float32), with the config's scaling applied."""
-    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).to(torch.float32)
+    # An explicit CPU device: under `torch.device("meta")` (model construction) a factory call
+    # would run torch's reference ops, which import sympy and torch.fx (+40 MB resident).
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (args.rope_theta ** (exponents / args.head_dim))
     scaling = args.rope_scaling
     if scaling is None:
@@ -46,7 +48,7 @@ def rope_tables(args: DecoderArgs, dtype: torch.dtype) -> tuple[torch.Tensor, to
     rotary is `x * cos + roll(x, head_dim / 2) * sin`.
     """
     inv_freq = rope_inv_freq(args)
-    positions = torch.arange(args.max_seq_len, dtype=torch.int64).to(torch.float32)
+    positions = torch.arange(args.max_seq_len, dtype=torch.int64, device="cpu").float()
     angles = torch.outer(positions, inv_freq)
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
     sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from models.decoder.config import DecoderArgs, parse_tiny_random_name, read_hf_config
-from models.decoder.gguf_weights import GGUFFile, WeightsMode, load_gguf
+from models.decoder.gguf_weights import BLOCK_MODES, GGUFFile, WeightsMode, load_gguf
 from models.decoder.model import DecoderModel
 from models.decoder.tokenizer import DecoderTokenizer
 from models.decoder.weights import (
@@ -220,8 +220,8 @@ def load_weights(
             logger.info("GGUF %s embeds no tokenizer; loading the model alone", source.path)
         loaded = load_gguf(gguf_file, args, dtype=dtype, weights=weights)
         state = loaded.state
-        if weights == "stored":
-            held = f"stored ({loaded.summary()})"
+        if weights in BLOCK_MODES:
+            held = f"{weights} ({loaded.summary()})"
         del gguf_file  # release the memory map before the model is assembled
     else:
         assert source.path is not None
@@ -248,7 +248,7 @@ def load_model(
 
     Block weights run on the CPU kernels only: on another device `stored` dequantizes.
     """
-    if torch.device(device).type != "cpu" and weights == "stored":
+    if torch.device(device).type != "cpu" and weights in BLOCK_MODES:
         weights = "float32" if dtype == torch.float32 else "bfloat16"
     loaded = load_weights(
         name, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer, weights=weights
@@ -257,6 +257,7 @@ def load_model(
     model = tensor_model_class(args).from_state_dict(
         args, loaded.state, dtype=dtype, device=device, consume=True
     )
+    model.int8_activations = weights == "stored-int8"
     logger.info(
         "loaded %s (%s) as %s on %s: weights %s",
         source.name,

@@ -48,7 +48,9 @@ _SOURCES = tuple(
     )
 )
 # Headers the sources include: part of the build's identity, not compiled on their own.
-_HEADERS = (Path(__file__).with_name("native") / "quant_blocks.h",)
+_HEADERS = tuple(
+    Path(__file__).with_name("native") / name for name in ("quant_blocks.h", "quant_blocks_i8.h")
+)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64
 _PTR: type[ctypes.c_void_p] = ctypes.c_void_p
@@ -286,6 +288,18 @@ def quant_descriptor(matrix: QuantizedMatrix) -> int:
     return view[1]  # type: ignore[return-value]
 
 
+_INT8_REASONS = {
+    1: "out of memory for the int8 activations",
+    2: "allowed are q4 blocks and q8 blocks of 16, 32 or 64 values",
+    3: "this CPU has no AVX-512 VNNI (the library was built without it)",
+}
+_INT8_ERRORS: dict[int, type[Exception]] = {
+    1: MemoryError,
+    2: ValueError,
+    3: NativeKernelsUnavailable,
+}
+
+
 class QuantMatmul:
     """`x @ W^T` with W a `QuantizedMatrix` read in its blocks (never dequantized whole), and
     row tiles of W dequantized into a caller's buffer (for prefill's torch.mm)."""
@@ -297,6 +311,11 @@ class QuantMatmul:
         self._dequantize = library.quant_dequantize_rows
         self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
         self._dequantize.restype = None
+        self._matmul_i8 = library.quant_matmul_i8
+        self._matmul_i8.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
+        self._matmul_i8.restype = ctypes.c_int
+        self.int8_available = bool(library.quant_i8_available())
+        """This CPU runs the int8-activation form (AVX-512 VNNI, `quant_blocks_i8.h`)."""
 
     def __call__(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` after checking x: `[R, matrix.cols]` on the CPU. Returns float32
@@ -318,6 +337,26 @@ class QuantMatmul:
         out = torch.empty(rows, matrix.rows)
         if self._matmul(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
             raise MemoryError("quant_matmul could not allocate its block sums")
+        return out
+
+    def unchecked_int8(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
+        """`unchecked` with the activations quantized to int8 per block (VNNI): within
+        `runtime.quant.int8_activations.error_bound` of the exact product, not bit-equal.
+        Raises where `int8_available` is false or the blocks are not q4 / q8 of 16, 32 or 64."""
+        view = matrix.native_view
+        descriptor = view[1] if view else quant_descriptor(matrix)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, matrix.rows)
+        code = self._matmul_i8(
+            descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()
+        )
+        if code:
+            raise _INT8_ERRORS.get(code, RuntimeError)(
+                f"quant_matmul_i8 on {matrix.kind} blocks of {matrix.block}: "
+                f"{_INT8_REASONS.get(code, f'error {code}')}"
+            )
         return out
 
     def dequantize_rows(
@@ -373,15 +412,25 @@ StackPart = torch.Tensor | QuantizedMatrix
 """One part of a fused-stack projection: a float32 weight (in the projection's layout) or blocks."""
 
 
-def part_kind_code(part: StackPart, layout: int) -> int:
+def part_kind_code(part: StackPart, layout: int, int8: bool = False) -> int:
     """The mixed stack's kind code: 0/1 float32 `[out, in]` / `[in, out]`; 2/3 q4 with f16/f32
-    scales; 4/5 q8 with f16/f32 scales."""
+    scales; 4/5 q8 with f16/f32 scales; 6-9 those four with int8 activations (`int8`, for
+    blocks `int8_takes`)."""
     if isinstance(part, QuantizedMatrix):
-        return 2 + 2 * QUANT_KIND_CODES[part.kind] + int(part.scales.dtype == torch.float32)
+        code = 2 + 2 * QUANT_KIND_CODES[part.kind] + int(part.scales.dtype == torch.float32)
+        return code + 4 if int8 and int8_takes(part) else code
     return layout
 
 
-def _part_fields(part: StackPart, layout: int, n_in: int, where: str) -> tuple[int, list[int]]:
+def int8_takes(matrix: QuantizedMatrix) -> bool:
+    """Whether the int8-activation form computes over these blocks (q4, or q8 blocks of 16,
+    32 or 64 values; `quant_blocks_i8.h`)."""
+    return matrix.kind == "q4" or matrix.block in (16, 32, 64)
+
+
+def _part_fields(
+    part: StackPart, layout: int, n_in: int, where: str, int8: bool
+) -> tuple[int, list[int]]:
     """(output rows, the 6 fields) of one part, checked against the projection's input width."""
     if isinstance(part, QuantizedMatrix):
         if part.cols != n_in or part.device.type != "cpu":
@@ -391,7 +440,7 @@ def _part_fields(part: StackPart, layout: int, n_in: int, where: str) -> tuple[i
             )
         mins = 0 if part.mins is None else part.mins.data_ptr()
         fields = [part.qs.data_ptr(), part.scales.data_ptr(), mins]
-        return part.rows, [part_kind_code(part, layout), part.block, part.rows, *fields]
+        return part.rows, [part_kind_code(part, layout, int8), part.block, part.rows, *fields]
     if layout not in (0, 1):
         raise ValueError(f"{where}: layout {layout}: allowed are 0 [out, in] and 1 [in, out]")
     rows = part.shape[0] if layout == 0 else part.shape[-1]
@@ -413,12 +462,17 @@ def stack_parts_table(
     geometry: DecodeStackGeometry,
     layers: Sequence[Sequence[Sequence[StackPart]]],
     layouts: Sequence[int] = (0, 0, 0, 0),
+    *,
+    int8: bool = False,
 ) -> torch.Tensor:
     """The mixed stack's parts table, int64 `[n_layers, STACK_PARTS_WIDTH]`, checked.
 
     `layers[l][p]` lists projection p's parts (p in `STACK_PROJECTIONS` order, at most 3,
     stacked by output rows); float32 parts are in `layouts[p]` (0 `[out, in]`, 1
-    `[in, out]`). The table holds addresses: the parts must outlive its use."""
+    `[in, out]`). `int8`: block parts the int8 form takes run with int8 activations (raises
+    where this CPU cannot). The table holds addresses: the parts must outlive its use."""
+    if int8 and not quant_matmul().int8_available:
+        raise NativeKernelsUnavailable(_INT8_REASONS[3])
     g = geometry
     q_out, kv_out = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
     shapes = (
@@ -442,7 +496,7 @@ def stack_parts_table(
                 raise ValueError(f"{where}: {len(parts)} parts: allowed are 1 to {STACK_MAX_PARTS}")
             total = 0
             for part in parts:
-                part_rows, fields = _part_fields(part, layout, n_in, where)
+                part_rows, fields = _part_fields(part, layout, n_in, where, int8)
                 total += part_rows
                 row.extend(fields)
             if total != n_out:

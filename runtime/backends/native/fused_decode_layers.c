@@ -25,8 +25,11 @@
  * PARTS_WIDTH = 4 projections (QKV, O, gate/up, down) x 3 parts x 6 int64:
  *   {kind, block, rows, weight or qs address, scales address, mins address}
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
- * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32; a part's rows are the projection's next `rows`
- * outputs. The layer table's 4 projection columns are unused there.
+ * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, and 6-9 the same four block kinds with int8
+ * activations (`quant_blocks_i8.h`; a library built without VNNI runs them with float32
+ * activations, and `stack_parts_table` never writes them there); a part's
+ * rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
+ * unused there.
  */
 #include <math.h>
 #include <omp.h>
@@ -35,6 +38,7 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "quant_blocks_i8.h"
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
@@ -166,10 +170,12 @@ static void project(int layout, const float *w, int64_t n_in, int64_t n_out, con
         project_in_out(w, n_in, n_out, x, ldx, rows, y, ldy, o0, o1, accumulate);
 }
 
-/* Per-thread q4 activation form (`qb_prepare_q4`) of a stage's input, made on first need. */
+/* Per-thread activation forms of a stage's input, made on first need: the q4 float form
+ * (`qb_prepare_q4`) and the int8 form (`qb_prepare_i8`, keyed by the weight's kind and block). */
 typedef struct {
     float *xt, *xsum;
     int ready;
+    qb_i8_input i8;
 } q4_input;
 
 /* `project` over a projection given as parts (see the header): each part's slice of this
@@ -189,14 +195,24 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                 project((int)kind, (const float *)(intptr_t)part[PART_W], n_in, n, x, ldx, rows,
                         y + base, ldy, lo, hi, accumulate);
             } else {
-                const int is_q4 = kind <= 3;
+                const int int8 = kind >= 6, code = int8 ? kind - 4 : kind;
+                const int is_q4 = code <= 3;
                 const qb_matrix m = {is_q4 ? QB_Q4 : QB_Q8,
-                                     (kind & 1) == 0,
+                                     (code & 1) == 0,
                                      part[PART_BLOCK],
                                      n_in,
                                      (const void *)(intptr_t)part[PART_W],
                                      (const void *)(intptr_t)part[PART_SCALES],
                                      (const void *)(intptr_t)part[PART_MINS]};
+#if QB_I8_AVAILABLE
+                if (int8) {
+                    if (q4->i8.key != m.kind * 1024 + m.block)
+                        qb_prepare_i8(x, ldx, rows, n_in, m.kind, m.block, &q4->i8);
+                    qb_project_i8(&m, &q4->i8, rows, y + base, ldy, lo, hi, accumulate);
+                    base += n;
+                    continue;
+                }
+#endif
                 const float *xin = x;
                 int64_t ld = ldx;
                 if (is_q4) {
@@ -316,13 +332,16 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             float *rot = (float *)malloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
-            q4_input q4 = {NULL, NULL, 0};
+            q4_input q4 = {NULL, NULL, 0, {NULL, NULL, NULL, 0, 0, 0, -1}};
+            void *i8_memory = NULL;
             if (parts != NULL) {
                 q4.xt = (float *)malloc(sizeof(float) * (rows * widest + rows * (widest / 32) + 1));
                 q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * widest;
+                i8_memory = malloc((size_t)qb_i8_bytes(rows, widest));
+                if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
             }
             int mine_failed = normed == NULL || scores == NULL || rot == NULL ||
-                              (parts != NULL && q4.xt == NULL);
+                              (parts != NULL && (q4.xt == NULL || i8_memory == NULL));
 #pragma omp atomic
             failed += mine_failed;
 #pragma omp barrier
@@ -339,7 +358,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 /* 1. QKV of the normed stream (each thread norms for itself: no barrier) */
                 const int64_t *lp = parts == NULL ? NULL : parts + layer * PARTS_WIDTH;
                 rms_norm(x, (const float *)(intptr_t)entry[ATTN_NORM], normed, rows, dim, eps);
-                q4.ready = 0;
+                q4.ready = 0, q4.i8.key = -1;
                 if (lp != NULL)
                     project_parts(lp + L_QKV * PROJ_WIDTH, dim, normed, dim, rows, qkv, qkv_out, v0,
                                   v1, 0, &q4);
@@ -378,7 +397,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                            head_dim);
                 }
                 /* (implicit barrier) 4. O projection into the residual stream */
-                q4.ready = 0;
+                q4.ready = 0, q4.i8.key = -1;
                 if (lp != NULL)
                     project_parts(lp + L_O * PROJ_WIDTH, q_out, attended, q_out, rows, x, dim, d0,
                                   d1, 1, &q4);
@@ -390,7 +409,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 rms_norm(x, (const float *)(intptr_t)entry[MLP_NORM], normed, rows, dim, eps);
                 const float *w_gu = (const float *)(intptr_t)entry[W_GATE_UP];
                 const int gu_layout = layouts == NULL ? 0 : (int)layouts[L_GATE_UP];
-                q4.ready = 0;
+                q4.ready = 0, q4.i8.key = -1;
                 if (lp != NULL) {
                     const int64_t *gu = lp + L_GATE_UP * PROJ_WIDTH;
                     project_parts(gu, dim, normed, dim, rows, gate_up, 2 * ffn, f0, f1, 0, &q4);
@@ -410,7 +429,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 }
 #pragma omp barrier
                 /* 6. down projection into the residual stream */
-                q4.ready = 0;
+                q4.ready = 0, q4.i8.key = -1;
                 if (lp != NULL)
                     project_parts(lp + L_DOWN * PROJ_WIDTH, ffn, hidden, ffn, rows, x, dim, d0, d1,
                                   1, &q4);
@@ -423,6 +442,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             free(scores);
             free(rot);
             free(q4.xt);
+            free(i8_memory);
         }
     }
     free(qkv);

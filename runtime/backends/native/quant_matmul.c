@@ -7,11 +7,14 @@
  * cache for each further group of 4 rows).
  * `quant_dequantize_rows`: rows [r0, r1) of W as float32 into `out` `[r1 - r0, cols]`, for
  * prefill, which multiplies a dequantized tile at a time with torch.mm.
+ * `quant_matmul_i8`: `quant_matmul` with the activations quantized to int8 per block
+ * (`quant_blocks_i8.h`); returns 3 where this CPU has no AVX-512 VNNI (`quant_i8_available`).
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "quant_blocks.h"
+#include "quant_blocks_i8.h"
 
 /* This thread's share [*o0, *o1) of n rows, in multiples of 16. */
 static void qm_stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *o1) {
@@ -52,4 +55,32 @@ void quant_dequantize_rows(const qb_matrix *m, int64_t r0, int64_t r1, float *ou
         const int64_t a = r0 + c * 16, b = a + 16 < r1 ? a + 16 : r1;
         qb_dequantize_rows(m, a, b, out + (a - r0) * m->cols);
     }
+}
+
+int quant_i8_available(void) { return QB_I8_AVAILABLE; }
+
+/* 0 done, 1 out of memory, 2 a block the int8 form does not take, 3 no VNNI on this CPU. */
+int quant_matmul_i8(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
+                    int n_threads) {
+#if QB_I8_AVAILABLE
+    if (!QB_I8_BLOCK_OK(m->kind, m->block)) return 2;
+    void *memory = malloc((size_t)qb_i8_bytes(rows, m->cols));
+    if (memory == NULL) return 1;
+    qb_i8_input in;
+    qb_i8_bind(&in, memory, rows, m->cols);
+    qb_prepare_i8(x, m->cols, rows, m->cols, m->kind, m->block, &in);
+    int64_t per_thread = (n_out + 15) / 16;
+    if (n_threads > per_thread) n_threads = (int)(per_thread > 0 ? per_thread : 1);
+#pragma omp parallel num_threads(n_threads)
+    {
+        int64_t o0, o1;
+        qm_stripe(n_out, omp_get_thread_num(), omp_get_num_threads(), &o0, &o1);
+        if (o0 < o1) qb_project_i8(m, &in, rows, out, n_out, o0, o1, 0);
+    }
+    free(memory);
+    return 0;
+#else
+    (void)m, (void)x, (void)out, (void)rows, (void)n_out, (void)n_threads;
+    return 3;
+#endif
 }
