@@ -77,7 +77,8 @@ def choose_fused_decode(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
 
 def _choose(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
     reason = fused_unsupported_reason(model)
-    buckets = [bucket for bucket in plan.buckets if bucket <= FUSED_MAX_ROWS]
+    # The decode buckets (the plan's last bucket is the prefill chunk's, `row_buckets`).
+    buckets = [bucket for bucket in plan.buckets[:-1] if bucket <= FUSED_MAX_ROWS]
     if reason is None and not buckets:
         reason = f"no decode bucket of at most {FUSED_MAX_ROWS} rows"
     if reason is not None:

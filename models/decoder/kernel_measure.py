@@ -278,9 +278,6 @@ def _measure(
                 step.advance(1, f"{name} rows={rows}")
 
             timed = _group_buckets(name, buckets)
-            if len(timed) < len(buckets):
-                step.advance(len(buckets) - len(timed), f"{name}: no prefill-chunk rows")
-
             held = [module.blocks for module in modules]
             if all(blocks is not None for blocks in held):
                 stacks = [blocks for blocks in held if blocks is not None]
@@ -293,6 +290,8 @@ def _measure(
                 weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
                 choice, scores = measure_projection(weights, modules[0].parts, timed, measured)
                 logger.debug("kernel scores for %s: %s", name, scores)
+            for rows in buckets[len(timed) :]:
+                step.advance(1, f"{name} rows={rows} not timed (one row per sequence)")
             projections.append((name, choice))
     logger.info("measured projection kernels in %.2f s", time.perf_counter() - started)
     return KernelPlan(

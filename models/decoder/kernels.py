@@ -38,7 +38,7 @@ PLAN_VERSION = 2
 READABLE_PLAN_VERSIONS = (1, 2)
 # The fused decode stack (`models.decoder.fused_decode`) is offered for decode buckets of at
 # most this many rows: above, the products stop being bound by streaming the weights.
-FUSED_MAX_ROWS = 4
+FUSED_MAX_ROWS = 64
 # Decode attention implementations (`DecoderModel.decode_attention`).
 ATTENTION_KINDS = ("paged_inplace", "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).

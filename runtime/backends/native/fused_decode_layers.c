@@ -108,11 +108,11 @@ static inline __attribute__((always_inline)) void dot4(const int R, const float 
     }
 }
 
-/* y[r, o] (= or +=) sum_i W[o, i] x[r, i] for o in [o0, o1), W `[n_out, n_in]` row-major:
- * one sequential pass over the stripe's weight rows, for up to 4 input rows at a time. */
-static void project_out_in(const float *w, int64_t n_in, const float *x, int64_t ldx,
-                           int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
-                           int accumulate) {
+/* `project_out_in` over the output rows [o0, o1) of one tile, for up to 4 input rows at a
+ * time (R a constant where `dot4` is inlined). */
+static void project_tile(const float *w, int64_t n_in, const float *x, int64_t ldx,
+                         int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                         int accumulate) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
         const float *xr = x + r0 * ldx;
@@ -139,6 +139,23 @@ static void project_out_in(const float *w, int64_t n_in, const float *x, int64_t
                 yr[r * ldy + o] = accumulate ? yr[r * ldy + o] + a : a;
             }
         }
+    }
+}
+
+/* Output rows per tile of `project_out_in`: their weights (16 x 1536 float32 = 96 KiB at
+ * most here) stay in L2 while every group of 4 input rows passes over them, so a step of many
+ * rows reads each weight from memory once, not once per 4 rows. */
+#define OUT_TILE 16
+
+/* y[r, o] (= or +=) sum_i W[o, i] x[r, i] for o in [o0, o1), W `[n_out, n_in]` row-major:
+ * one sequential pass over the stripe's weight rows in tiles of `OUT_TILE`, each used for
+ * every input row, 4 at a time. */
+static void project_out_in(const float *w, int64_t n_in, const float *x, int64_t ldx,
+                           int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                           int accumulate) {
+    for (int64_t t0 = o0; t0 < o1; t0 += OUT_TILE) {
+        const int64_t t1 = t0 + OUT_TILE < o1 ? t0 + OUT_TILE : o1;
+        project_tile(w, n_in, x, ldx, rows, y, ldy, t0, t1, accumulate);
     }
 }
 
