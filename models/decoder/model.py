@@ -43,6 +43,7 @@ from models.decoder.bound_cache import BoundCache
 from models.decoder.config import DecoderArgs
 from models.decoder.graph_safe import static_decode, static_prefill, stream_capturing
 from models.decoder.kernel_hooks import KernelPlanHooks
+from models.decoder.kernels import release_packed
 from models.decoder.layers import DecoderLayer, Projection, rope_tables
 from models.decoder.residency import forget_block_descriptors, reload_pairs, weight_tensors
 from models.decoder.weight_names import EMBED, FINAL_NORM, LM_HEAD, layer_name
@@ -274,6 +275,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
     def weights_moved(self) -> None:
         """Forget cached weight addresses and the gather workspace (sleep, wake, reload)."""
         forget_block_descriptors(self)
+        release_packed(self.resident_weights().values())  # oneDNN copies of moved weights
         if self.fused_decode is not None:
             self.fused_decode.forget_addresses()
         self._workspace = None

@@ -220,3 +220,45 @@ def test_parse_rejects_a_single_row_form_for_many_rows() -> None:
     }
     with pytest.raises(KernelPlanError, match="form 'mv' cannot run 8 rows"):
         parse_kernel_plan(data, where="here")
+
+
+@pytest.mark.skipif(not FORMS["onednn"].available(), reason="torch built without oneDNN")
+def test_onednn_form_repacks_after_an_in_place_reload_and_releases_its_copies() -> None:
+    """The packed copy follows the weight: an in-place load (sleep/reload writes weights in
+    place) is seen at the next call, and a released weight holds no packed bytes."""
+    from models.decoder.kernels import packed_bytes, release_packed
+
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 24, generator=generator)
+    projection = _projection(weight, (40,))
+    projection.apply_choice(ProjectionChoice("out_in", False, ((64, "onednn"),)))
+    x = torch.randn(12, 24, generator=generator)
+    torch.testing.assert_close(projection(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    held = packed_bytes()
+    assert held >= weight.numel() * 4
+    fresh = torch.randn(40, 24, generator=generator)
+    with torch.no_grad():
+        projection.weight.copy_(fresh)
+    torch.testing.assert_close(projection(x), F.linear(x, fresh), atol=1e-5, rtol=1e-5)
+    assert packed_bytes() == held  # repacked in place of the stale copy, not beside it
+    release_packed([projection.weight])
+    assert packed_bytes() == held - weight.numel() * 4
+
+
+def test_a_plan_naming_a_form_this_machine_lacks_is_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import attrs
+
+    import models.decoder.kernels as kernels
+
+    model = _model()
+    model.choose_kernels(decode_rows=1, prefill_rows=8)
+    assert model.kernel_plan is not None
+    data = model.kernel_plan.to_json()
+    data["projections"]["wo"] = {"layout": "out_in", "split": False, "forms": [[8, "onednn"]]}
+    path = _write_plan(tmp_path, data)
+    lacking = attrs.evolve(kernels.FORMS["onednn"], available=lambda: False)
+    monkeypatch.setitem(kernels.FORMS, "onednn", lacking)
+    with pytest.raises(KernelPlanError, match=r"--kernels .*uses form 'onednn'.*oneDNN"):
+        load_executor("tiny-random", kernels=path)
