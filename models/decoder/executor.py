@@ -108,9 +108,11 @@ class DecoderExecutor(ModelExecutor):
         model = self.loaded.model
         cache = model.kv_cache
         kv = 0 if cache is None else sum(t.numel() * t.element_size() for t in _tensors(cache))
+        packed = model.packed_weight_bytes()
         return (
             f"weights {_megabytes(model.weight_bytes())} ({self.loaded.weights}), "
             f"KV {_megabytes(kv)}, workspace {_megabytes(model.workspace_bytes())}"
+            + (f", oneDNN packed weight copies {_megabytes(packed)}" if packed else "")
         )
 
     def runtime_summary(self) -> dict[str, JSONValue]:

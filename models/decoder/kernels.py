@@ -123,12 +123,16 @@ def _onednn(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def packed_bytes() -> int:
-    """Bytes held by oneDNN's packed weight copies (`onednn` form) in this process."""
+def packed_bytes(weights: Iterable[torch.Tensor] | None = None) -> int:
+    """Bytes of oneDNN's packed copies (`onednn` form) held for `weights`, or for every
+    weight of this process (None)."""
+    if weights is None:
+        holders = [held for ref in list(_HOLDERS.values()) if (held := ref()) is not None]
+    else:
+        holders = [w if w._base is None else w._base for w in weights]
     return sum(
         packed.numel() * packed.element_size()
-        for ref in list(_HOLDERS.values())
-        if (holder := ref()) is not None
+        for holder in holders
         for _, _, packed in holder.__dict__.get(_PACK_ATTRIBUTE, {}).values()
     )
 

@@ -43,7 +43,7 @@ from models.decoder.bound_cache import BoundCache
 from models.decoder.config import DecoderArgs
 from models.decoder.graph_safe import static_decode, static_prefill, stream_capturing
 from models.decoder.kernel_hooks import KernelPlanHooks
-from models.decoder.kernels import release_packed
+from models.decoder.kernels import packed_bytes, release_packed
 from models.decoder.layers import DecoderLayer, Projection, rope_tables
 from models.decoder.residency import forget_block_descriptors, reload_pairs, weight_tensors
 from models.decoder.weight_names import EMBED, FINAL_NORM, LM_HEAD, layer_name
@@ -228,6 +228,11 @@ class DecoderModel(KernelPlanHooks, nn.Module):
             else sum(t.numel() * t.element_size() for t in self._workspace)
         )
         return held + tile_buffer_bytes()
+
+    def packed_weight_bytes(self) -> int:
+        """Bytes of oneDNN's packed copies of this model's weights (the `onednn` form keeps
+        one beside each weight it computes)."""
+        return packed_bytes(self.resident_weights().values())
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under canonical (HF) names as views, split back from the fused ones."""
