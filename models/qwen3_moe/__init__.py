@@ -1,4 +1,4 @@
-"""Qwen3-MoE: top-k routed SwiGLU experts, stored once, with a batched and a per-row path."""
+"""Qwen3-MoE: top-k routed SwiGLU experts, stored once; batched, per-row and gathered paths."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from models.qwen3_moe.expert_weights import (
 )
 from models.qwen3_moe.experts import (
     EXPERT_PATHS,
+    SYNC_FREE_PATHS,
     ExpertPath,
     ExpertShapeError,
     ExpertShapes,
     StackedExperts,
     batched_experts,
+    gathered_experts,
     per_row_experts,
 )
 from models.qwen3_moe.path_plan import ExpertPathPlan, measure_expert_paths
@@ -28,6 +30,7 @@ __all__ = [
     "DEFAULT_PER_ROW_MAX_ROWS",
     "EXPERT_PATHS",
     "LAYER_NAMES",
+    "SYNC_FREE_PATHS",
     "ExpertPath",
     "ExpertPathPlan",
     "ExpertShapeError",
@@ -41,6 +44,7 @@ __all__ = [
     "StackedExperts",
     "TopKRouting",
     "batched_experts",
+    "gathered_experts",
     "gguf_expert_names",
     "hf_expert_names",
     "measure_expert_paths",

@@ -1,8 +1,10 @@
 """The sparse MLP of a Qwen3-MoE decoder layer: router gate, top-k routing, stacked experts.
 
 It takes the place of the dense MLP: `[..., D]` in, `[..., D]` out. The expert path is fixed
-by `expert_path`, else by a measured `path_plan`, else by row count (one row per-row, more
-batched), so a layer runs before warmup has measured anything.
+by `expert_path`, else by a measured `path_plan`, else by row count (up to
+`DEFAULT_PER_ROW_MAX_ROWS` per-row, more batched), so a layer runs before warmup has measured
+anything. With `graph_safe` set (the model is, or may be, captured in a CUDA graph) only a
+path that never reads device values on the host is taken (`SYNC_FREE_PATHS`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,19 @@ from torch import nn
 
 from models.qwen3_moe.config import MoEArgs
 from models.qwen3_moe.expert_weights import DOWN, GATE_UP, LAYER_NAMES, ROUTER
-from models.qwen3_moe.experts import EXPERT_PATHS, ExpertPath, StackedExperts, check_shape
+from models.qwen3_moe.experts import (
+    EXPERT_PATHS,
+    SYNC_FREE_PATHS,
+    ExpertPath,
+    StackedExperts,
+    check_shape,
+)
 from models.qwen3_moe.path_plan import ExpertPathPlan, measure_expert_paths
 from models.qwen3_moe.routing import Routes
 
-# Without a measured plan: rows up to this many take the per-row path.
-DEFAULT_PER_ROW_MAX_ROWS = 1
+# Without a measured plan: rows up to this many take the per-row path (on CPU it beat the
+# batched path at 1 and 2 rows and lost from 4, for 16 experts of 1024x768, top-4, fp32).
+DEFAULT_PER_ROW_MAX_ROWS = 2
 
 
 class MoEBlock(nn.Module):
@@ -32,6 +41,7 @@ class MoEBlock(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         expert_path: ExpertPath | None = None,
+        graph_safe: bool = False,
     ) -> None:
         super().__init__()
         device = torch.device(device)
@@ -43,6 +53,7 @@ class MoEBlock(nn.Module):
         self.experts = StackedExperts(args.shapes, dtype=dtype, device=device)
         self._expert_path: ExpertPath | None = None
         self.expert_path = expert_path
+        self.graph_safe = graph_safe
         self.path_plan: ExpertPathPlan | None = None
 
     @property
@@ -60,6 +71,13 @@ class MoEBlock(nn.Module):
 
     def path_for(self, rows: int) -> ExpertPath:
         """The path a call with `rows` rows takes."""
+        if self.graph_safe:
+            if self._expert_path is not None and self._expert_path not in SYNC_FREE_PATHS:
+                raise ValueError(
+                    f"expert_path={self._expert_path!r} reads device values on the host, which "
+                    f"graph_safe=True forbids: allowed are {SYNC_FREE_PATHS} or None"
+                )
+            return self._expert_path or SYNC_FREE_PATHS[0]
         if self._expert_path is not None:
             return self._expert_path
         if self.path_plan is not None:
@@ -96,8 +114,15 @@ class MoEBlock(nn.Module):
         }
 
     def measure_paths(self, buckets: Sequence[int], *, rounds: int = 3) -> ExpertPathPlan:
-        """Time both paths per bucket; the caller keeps the plan with `path_plan = plan`."""
-        return measure_expert_paths(self.experts, self.route, buckets, rounds=rounds)
+        """Time the eligible paths per bucket; the caller keeps it with `path_plan = plan`.
+
+        Under `graph_safe` only the sync-free paths are eligible.
+        """
+        paths = SYNC_FREE_PATHS if self.graph_safe else EXPERT_PATHS
+        return measure_expert_paths(self.experts, self.route, buckets, paths=paths, rounds=rounds)
 
     def extra_repr(self) -> str:
-        return f"top_k={self.args.routing.top_k}, expert_path={self._expert_path}"
+        return (
+            f"top_k={self.args.routing.top_k}, expert_path={self._expert_path}, "
+            f"graph_safe={self.graph_safe}"
+        )

@@ -22,6 +22,7 @@ class MoEConfigError(ValueError):
 
 GGUF_ARCHITECTURE = "qwen3moe"
 SUPPORTED_ACTIVATIONS = ("silu",)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
 @attrs.frozen
@@ -67,7 +68,7 @@ class MoEArgs:
             raise MoEConfigError(
                 f"mlp_only_layers={only!r} is invalid: allowed is a list of layer indices"
             )
-        num_experts = _int(config, "num_experts")
+        num_experts = _expert_count(config)
         return cls(
             shapes=ExpertShapes(
                 num_experts=num_experts,
@@ -116,6 +117,19 @@ def _int(config: Mapping[str, object], key: str, default: int | None = None) -> 
     if isinstance(value, bool) or not isinstance(value, int):
         raise MoEConfigError(f"config {key}={value!r} is invalid: allowed is an integer")
     return value
+
+
+def _expert_count(config: Mapping[str, object]) -> int:
+    """Qwen's own configs say `num_experts`; transformers 5 writes `num_local_experts`."""
+    names = [key for key in _EXPERT_COUNT_KEYS if key in config]
+    if not names:
+        raise MoEConfigError(
+            f"config has none of {_EXPERT_COUNT_KEYS}: a Qwen3-MoE config needs one"
+        )
+    counts = {key: _int(config, key) for key in names}
+    if len(set(counts.values())) > 1:
+        raise MoEConfigError(f"config expert counts disagree: {counts}")
+    return counts[names[0]]
 
 
 def _bool(config: Mapping[str, object], key: str, *, default: bool) -> bool:

@@ -1,8 +1,9 @@
 """Choosing an expert path per row bucket by timing both on the layer's own weights.
 
-Which path is faster depends on the device, the expert sizes and the row count: the per-row
-path copies every slot's weights but needs no sort or host sync, the batched path reads each
-used expert once but pays for grouping. Warmup times both for each bucket (as it does for the
+Which path is faster depends on the device, the expert sizes and the row count: the batched
+path reads each used expert once but pays for sorting and grouping, the per-row path skips
+that but runs two small matmuls per (row, expert), the gathered path needs no host sync but
+copies every slot's weights. Warmup times both for each bucket (as it does for the
 other kernels) and keeps the faster; the result is recorded with what each path measured.
 """
 
@@ -22,35 +23,38 @@ _ROUNDS = 3
 
 @attrs.frozen
 class ExpertPathPlan:
-    """Per row bucket (ascending): microseconds of the batched and the per-row path.
+    """Per row bucket (ascending): the microseconds each measured path took.
 
     A call with `r` rows uses the first bucket of at least `r` rows, else the largest.
     """
 
-    timings: tuple[tuple[int, float, float], ...]
+    timings: tuple[tuple[int, tuple[tuple[ExpertPath, float], ...]], ...]
 
     def __attrs_post_init__(self) -> None:
-        buckets = [bucket for bucket, _, _ in self.timings]
+        buckets = [bucket for bucket, _ in self.timings]
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(
                 f"expert path plan buckets {buckets} are invalid: allowed are distinct "
                 "ascending row counts >= 1, at least one"
             )
+        for bucket, times in self.timings:
+            if not times or any(path not in EXPERT_PATHS for path, _ in times):
+                raise ValueError(
+                    f"expert path plan bucket {bucket} times {times} are invalid: allowed are "
+                    f"one or more of {EXPERT_PATHS}"
+                )
 
     @property
     def paths(self) -> dict[int, ExpertPath]:
-        """Bucket -> the faster path (batched on a tie: it reads each expert once)."""
+        """Bucket -> the fastest path (the earlier of `EXPERT_PATHS` on a tie)."""
         return {
-            bucket: "batched" if batched <= per_row else "per_row"
-            for bucket, batched, per_row in self.timings
+            bucket: min(times, key=lambda item: (item[1], EXPERT_PATHS.index(item[0])))[0]
+            for bucket, times in self.timings
         }
 
     @property
     def microseconds(self) -> dict[int, dict[ExpertPath, float]]:
-        return {
-            bucket: {"batched": batched, "per_row": per_row}
-            for bucket, batched, per_row in self.timings
-        }
+        return {bucket: dict(times) for bucket, times in self.timings}
 
     def path_for(self, rows: int) -> ExpertPath:
         paths = self.paths
@@ -63,8 +67,8 @@ class ExpertPathPlan:
         return {
             "paths": [[bucket, path] for bucket, path in self.paths.items()],
             "microseconds": [
-                {"bucket": bucket, "batched": round(batched, 1), "per_row": round(per_row, 1)}
-                for bucket, batched, per_row in self.timings
+                {"bucket": bucket, **{path: round(us, 1) for path, us in times}}
+                for bucket, times in self.timings
             ],
         }
 
@@ -97,10 +101,11 @@ def measure_expert_paths(
     route: Callable[[torch.Tensor], Routes],
     buckets: Sequence[int],
     *,
+    paths: Sequence[ExpertPath] = EXPERT_PATHS,
     rounds: int = _ROUNDS,
     seed: int = 0,
 ) -> ExpertPathPlan:
-    """Both paths timed (best of `rounds`) for each bucket's row count, on routed random rows.
+    """Each of `paths` timed (best of `rounds`) per bucket's row count, on routed random rows.
 
     Rows go through the layer's own router so the experts hit (how many, how spread) are
     what this layer's weights produce; the routing itself is the same for both paths and
@@ -108,16 +113,22 @@ def measure_expert_paths(
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} is invalid: allowed is an integer >= 1")
+    unknown = [path for path in paths if path not in EXPERT_PATHS]
+    if unknown or not paths:
+        raise ValueError(
+            f"paths={list(paths)} is invalid: allowed are one or more of {EXPERT_PATHS}"
+        )
     weight = experts.gate_up
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    timings: list[tuple[int, float, float]] = []
+    timings: list[tuple[int, tuple[tuple[ExpertPath, float], ...]]] = []
     with torch.inference_mode():
         for rows in sorted(set(buckets)):
             x = torch.randn(rows, experts.shapes.hidden_size, generator=generator)
             x = x.to(device=weight.device, dtype=weight.dtype)
-            times = {
-                path: _best_us(_call(experts, x, route(x), path), weight.device, rounds)
-                for path in EXPERT_PATHS
-            }
-            timings.append((rows, times["batched"], times["per_row"]))
+            routes = route(x)
+            times = tuple(
+                (path, _best_us(_call(experts, x, routes, path), weight.device, rounds))
+                for path in dict.fromkeys(paths)
+            )
+            timings.append((rows, times))
     return ExpertPathPlan(timings=tuple(timings))
