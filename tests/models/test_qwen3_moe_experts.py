@@ -9,6 +9,7 @@ outputs are O(1), and the only differences are the order of float sums (expert g
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +112,9 @@ def _assert_all_paths_match(
             torch.testing.assert_close(ours(x), expected, atol=ATOL, rtol=RTOL, msg=path)
 
 
-def _force_routes(block: MoEBlock, reference: Qwen3MoeSparseMoeBlock, wanted: list[list[int]]):
+def _force_routes(
+    block: MoEBlock, reference: Qwen3MoeSparseMoeBlock, wanted: list[list[int]]
+) -> torch.Tensor:
     """Router weights and inputs such that row r picks experts `wanted[r]`, in that order.
 
     Row r is (mostly) the unit vector e_r; the router weight gives the wanted experts large,
@@ -280,10 +283,8 @@ def test_sparse_layers_follow_transformers() -> None:
     for layer in range(6):
         hf_sparse = isinstance(Qwen3MoeDecoderLayer(config, layer).mlp, Qwen3MoeSparseMoeBlock)
         assert args.is_sparse(layer) == hf_sparse, layer
-    assert [args.is_sparse(layer) for layer in range(6)] == [False, True, False, False] + [
-        False,
-        True,
-    ]
+    expected = [False, True, False, False, False, True]
+    assert [args.is_sparse(layer) for layer in range(6)] == expected
 
 
 def test_gguf_metadata_reads_expert_keys_and_defaults_to_renormalising() -> None:
@@ -299,7 +300,7 @@ def test_gguf_metadata_reads_expert_keys_and_defaults_to_renormalising() -> None
     metadata["qwen3moe.expert_weights_norm"] = False
     assert not MoEArgs.from_gguf_metadata(metadata).routing.norm_topk_prob
     del metadata["qwen3moe.expert_used_count"]
-    with pytest.raises(MoEConfigError, match="no 'qwen3moe.expert_used_count'"):
+    with pytest.raises(MoEConfigError, match=r"no 'qwen3moe\.expert_used_count'"):
         MoEArgs.from_gguf_metadata(metadata)
 
 
@@ -342,7 +343,9 @@ def test_hf_missing_and_misshaped_expert_tensors_are_named() -> None:
         stack_hf_experts(missing, LAYER, shapes)
     bad = dict(tensors)
     bad[f"model.layers.{LAYER}.mlp.experts.1.up_proj.weight"] = torch.zeros(8, 15)
-    with pytest.raises(ExpertShapeError, match=r"experts\.1\.up_proj\.weight.*\(8, 15\).*\(8, 16\)"):
+    with pytest.raises(
+        ExpertShapeError, match=r"experts\.1\.up_proj\.weight.*\(8, 15\).*\(8, 16\)"
+    ):
         stack_hf_experts(bad, LAYER, shapes)
 
 
@@ -390,7 +393,11 @@ def test_gguf_misshaped_and_missing_tensors_are_named() -> None:
 def test_block_stores_experts_once_in_the_stacked_layout() -> None:
     _, ours = _pair(experts=4, top_k=2, norm=True)
     names = {name: tuple(p.shape) for name, p in ours.named_parameters()}
-    assert names == {"gate.weight": (4, 16), "experts.gate_up": (4, 16, 16), "experts.down": (4, 16, 8)}
+    assert names == {
+        "gate.weight": (4, 16),
+        "experts.gate_up": (4, 16, 16),
+        "experts.down": (4, 16, 8),
+    }
     with pytest.raises(ExpertShapeError, match=r"experts\.down has shape"):
         ours.experts.load(ours.experts.gate_up, torch.zeros(4, 8, 16))
 
@@ -429,9 +436,7 @@ def test_graph_safe_takes_only_sync_free_paths() -> None:
         ours.path_for(1)
     ours.expert_path = None
     plan = ours.measure_paths([1, 4], rounds=1)
-    assert {path for times in plan.microseconds.values() for path in times} == set(
-        SYNC_FREE_PATHS
-    )
+    assert {path for times in plan.microseconds.values() for path in times} == set(SYNC_FREE_PATHS)
 
 
 def test_forward_runs_the_chosen_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -439,8 +444,10 @@ def test_forward_runs_the_chosen_path(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[tuple[str, int]] = []
     original = dict(experts_module._PATH_FUNCTIONS)
 
-    def recording(path: str):
-        def run(x: torch.Tensor, routes: Routes, gate_up: torch.Tensor, down: torch.Tensor):
+    def recording(path: str) -> Callable[..., torch.Tensor]:
+        def run(
+            x: torch.Tensor, routes: Routes, gate_up: torch.Tensor, down: torch.Tensor
+        ) -> torch.Tensor:
             taken.append((path, x.shape[0]))
             return original[path](x, routes, gate_up, down)
 
@@ -467,7 +474,7 @@ def test_measure_paths_times_every_path_per_bucket_and_keeps_the_fastest() -> No
 
 
 def test_plan_refuses_unordered_buckets_and_unknown_paths() -> None:
-    with pytest.raises(ValueError, match="buckets .* are invalid"):
+    with pytest.raises(ValueError, match=r"buckets .* are invalid"):
         ExpertPathPlan(timings=((4, (("batched", 1.0),)), (2, (("batched", 1.0),))))
-    with pytest.raises(ValueError, match="bucket 1 times .* are invalid"):
+    with pytest.raises(ValueError, match=r"bucket 1 times .* are invalid"):
         ExpertPathPlan(timings=((1, (("dense", 1.0),)),))  # type: ignore[arg-type]
