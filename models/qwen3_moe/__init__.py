@@ -1,7 +1,13 @@
-"""Qwen3-MoE: top-k routed SwiGLU experts, stored once; batched, per-row and gathered paths."""
+"""Qwen3-MoE: top-k routed SwiGLU experts, stored once; batched, per-row and gathered paths.
+
+The family (`family.FAMILY`) is Qwen3's attention on the shared decoder with the layer's MLP
+block swapped for `MoEBlock` (`layer.Qwen3MoeLayer`, `model.Qwen3MoeModel`); its config class
+is `Qwen3MoeArgs` with the tiny presets `tiny-random-qwen3-moe` and `-qwen3-moe-top1`.
+"""
 
 from __future__ import annotations
 
+from models.qwen3_moe.args import TINY_PRESETS, Qwen3MoeArgs
 from models.qwen3_moe.block import DEFAULT_PER_ROW_MAX_ROWS, MoEBlock
 from models.qwen3_moe.config import MoEArgs, MoEConfigError
 from models.qwen3_moe.expert_weights import (
@@ -31,6 +37,7 @@ __all__ = [
     "EXPERT_PATHS",
     "LAYER_NAMES",
     "SYNC_FREE_PATHS",
+    "TINY_PRESETS",
     "ExpertPath",
     "ExpertPathPlan",
     "ExpertShapeError",
@@ -39,6 +46,7 @@ __all__ = [
     "MoEArgs",
     "MoEBlock",
     "MoEConfigError",
+    "Qwen3MoeArgs",
     "Routes",
     "RoutingError",
     "StackedExperts",

@@ -105,6 +105,17 @@ class MoEBlock(nn.Module):
         with torch.no_grad():
             self.gate.weight.copy_(router)
 
+    def adopt_layer(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hold one layer's `LAYER_NAMES` tensors as they are (shape-checked, no copy): a
+        model built on the meta device has no storage to copy into."""
+        missing = [name for name in LAYER_NAMES if name not in tensors]
+        if missing:
+            raise KeyError(f"MoE layer tensors lack {missing}: allowed keys are {LAYER_NAMES}")
+        router = tensors[ROUTER]
+        check_shape(ROUTER, router, tuple(self.gate.weight.shape))
+        self.experts.adopt(tensors[GATE_UP], tensors[DOWN])
+        self.gate.weight = nn.Parameter(router.contiguous(), requires_grad=False)
+
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
         """The layer's tensors under `LAYER_NAMES` (the stacked layout)."""
         return {
@@ -113,13 +124,24 @@ class MoEBlock(nn.Module):
             DOWN: self.experts.down.detach(),
         }
 
-    def measure_paths(self, buckets: Sequence[int], *, rounds: int = 3) -> ExpertPathPlan:
-        """Time the eligible paths per bucket; the caller keeps it with `path_plan = plan`.
+    def measure_paths(
+        self,
+        buckets: Sequence[int],
+        *,
+        rounds: int = 3,
+        paths: Sequence[ExpertPath] | None = None,
+    ) -> ExpertPathPlan:
+        """Time the eligible paths (or those of `paths`) per bucket; the caller keeps it with
+        `path_plan = plan`.
 
         Under `graph_safe` only the sync-free paths are eligible.
         """
-        paths = SYNC_FREE_PATHS if self.graph_safe else EXPERT_PATHS
-        return measure_expert_paths(self.experts, self.route, buckets, paths=paths, rounds=rounds)
+        eligible = SYNC_FREE_PATHS if self.graph_safe else EXPERT_PATHS
+        if paths is not None:
+            eligible = tuple(path for path in eligible if path in paths)
+        return measure_expert_paths(
+            self.experts, self.route, buckets, paths=eligible, rounds=rounds
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -10,7 +10,7 @@ Every tensor is shape-checked and a mismatch names it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -44,12 +44,46 @@ def hf_layer_prefix(layer: int) -> str:
 def hf_expert_names(layer: int, num_experts: int) -> tuple[str, ...]:
     """Every HF checkpoint name of one layer's router and per-expert projections."""
     prefix = hf_layer_prefix(layer)
-    experts = tuple(
-        f"{prefix}mlp.experts.{expert}.{projection}.weight"
+    return (f"{prefix}{ROUTER}", *(prefix + suffix for suffix in expert_suffixes(num_experts)))
+
+
+def expert_suffixes(num_experts: int) -> tuple[str, ...]:
+    """One layer's per-expert tensor names within the layer (`mlp.experts.{e}.gate_proj.weight`),
+    as HF checkpoints hold them: the canonical names the decoder's loaders check."""
+    return tuple(
+        f"mlp.experts.{expert}.{projection}.weight"
         for expert in range(num_experts)
         for projection in _HF_PROJECTIONS
     )
-    return (f"{prefix}{ROUTER}", *experts)
+
+
+def stack_expert_tensors(
+    tensor: Callable[[str], torch.Tensor], shapes: ExpertShapes, *, where: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gate_up` `[E, 2I, D]` and `down` `[E, D, I]` from per-expert tensors, `tensor(suffix)`
+    each (suffixes of `expert_suffixes`, `where` prefixed in errors). Each expert is copied
+    into one preallocated tensor as soon as it is read, so a caller that hands tensors over
+    (pops them) holds the stack plus one expert at a time."""
+    inter = shapes.intermediate_size
+    one = (inter, shapes.hidden_size)
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    for expert in range(shapes.num_experts):
+        base = f"mlp.experts.{expert}."
+        gate = tensor(f"{base}gate_proj.weight")
+        up = tensor(f"{base}up_proj.weight")
+        down_e = tensor(f"{base}down_proj.weight")
+        check_shape(f"{where}{base}gate_proj.weight", gate, one)
+        check_shape(f"{where}{base}up_proj.weight", up, one)
+        check_shape(f"{where}{base}down_proj.weight", down_e, (shapes.hidden_size, inter))
+        if gate_up is None or down is None:
+            gate_up = torch.empty(shapes.gate_up, dtype=gate.dtype, device=gate.device)
+            down = torch.empty(shapes.down, dtype=gate.dtype, device=gate.device)
+        gate_up[expert, :inter].copy_(gate)
+        gate_up[expert, inter:].copy_(up)
+        down[expert].copy_(down_e)
+    assert gate_up is not None and down is not None  # ExpertShapes has num_experts >= 1
+    return gate_up, down
 
 
 def gguf_expert_names(layer: int) -> tuple[str, ...]:
@@ -82,22 +116,9 @@ def stack_hf_experts(
             prefix,
         )
     _require(tensors, hf_expert_names(layer, shapes.num_experts), source)
-    inter = shapes.intermediate_size
-    first = tensors[f"{prefix}mlp.experts.0.gate_proj.weight"]
-    gate_up = torch.empty(shapes.gate_up, dtype=first.dtype, device=first.device)
-    down = torch.empty(shapes.down, dtype=first.dtype, device=first.device)
-    one = (inter, shapes.hidden_size)
-    for expert in range(shapes.num_experts):
-        base = f"{prefix}mlp.experts.{expert}."
-        gate = tensors[f"{base}gate_proj.weight"]
-        up = tensors[f"{base}up_proj.weight"]
-        down_e = tensors[f"{base}down_proj.weight"]
-        check_shape(f"{base}gate_proj.weight", gate, one)
-        check_shape(f"{base}up_proj.weight", up, one)
-        check_shape(f"{base}down_proj.weight", down_e, (shapes.hidden_size, inter))
-        gate_up[expert, :inter].copy_(gate)
-        gate_up[expert, inter:].copy_(up)
-        down[expert].copy_(down_e)
+    gate_up, down = stack_expert_tensors(
+        lambda suffix: tensors[f"{prefix}{suffix}"], shapes, where=prefix
+    )
     router = tensors[f"{prefix}{ROUTER}"]
     return _checked({ROUTER: router, GATE_UP: gate_up, DOWN: down}, shapes, prefix)
 

@@ -168,6 +168,14 @@ class StackedExperts(nn.Module):
             self.gate_up.copy_(gate_up)
             self.down.copy_(down)
 
+    def adopt(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Hold these stacked weights as they are (shape-checked, no copy): how a model built
+        on the meta device takes its weights."""
+        check_shape("experts.gate_up", gate_up, self.shapes.gate_up)
+        check_shape("experts.down", down, self.shapes.down)
+        self.gate_up = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+        self.down = nn.Parameter(down.contiguous(), requires_grad=False)
+
     def forward(self, x: torch.Tensor, routes: Routes, path: ExpertPath) -> torch.Tensor:
         """Weighted sum of each row's routed experts: `[rows, D]` in, `[rows, D]` out."""
         if x.dim() != 2 or x.shape[1] != self.shapes.hidden_size:

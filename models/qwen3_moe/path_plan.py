@@ -26,9 +26,12 @@ class ExpertPathPlan:
     """Per row bucket (ascending): the microseconds each measured path took.
 
     A call with `r` rows uses the first bucket of at least `r` rows, else the largest.
+    `chosen` (a replayed plan: `from_json`) keeps the recorded choice per bucket, so rounding
+    of the recorded times cannot turn a near tie the other way.
     """
 
     timings: tuple[tuple[int, tuple[tuple[ExpertPath, float], ...]], ...]
+    chosen: tuple[tuple[int, ExpertPath], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         buckets = [bucket for bucket, _ in self.timings]
@@ -43,10 +46,22 @@ class ExpertPathPlan:
                     f"expert path plan bucket {bucket} times {times} are invalid: allowed are "
                     f"one or more of {EXPERT_PATHS}"
                 )
+        if self.chosen:
+            timed = {bucket: {path for path, _ in times} for bucket, times in self.timings}
+            if [bucket for bucket, _ in self.chosen] != buckets or any(
+                path not in timed[bucket] for bucket, path in self.chosen
+            ):
+                raise ValueError(
+                    f"expert path plan choice {list(self.chosen)} is invalid: allowed is one "
+                    f"timed path for each of the buckets {buckets}"
+                )
 
     @property
     def paths(self) -> dict[int, ExpertPath]:
-        """Bucket -> the fastest path (the earlier of `EXPERT_PATHS` on a tie)."""
+        """Bucket -> the fastest path (the earlier of `EXPERT_PATHS` on a tie), or the
+        recorded choice of a replayed plan."""
+        if self.chosen:
+            return dict(self.chosen)
         return {
             bucket: min(times, key=lambda item: (item[1], EXPERT_PATHS.index(item[0])))[0]
             for bucket, times in self.timings
@@ -71,6 +86,38 @@ class ExpertPathPlan:
                 for bucket, times in self.timings
             ],
         }
+
+    @classmethod
+    def from_json(cls, data: object, *, where: str) -> ExpertPathPlan:
+        """A plan from `to_json`'s form, its choices kept; `where` names the origin in errors."""
+        try:
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            timings = tuple(
+                (
+                    int(entry["bucket"]),
+                    tuple(
+                        (_path(name, where), float(us))
+                        for name, us in entry.items()
+                        if name != "bucket"
+                    ),
+                )
+                for entry in data["microseconds"]
+            )
+            chosen = tuple((int(bucket), _path(path, where)) for bucket, path in data["paths"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"{where}: expert paths {data!r} are invalid ({error}): allowed is the form "
+                "ExpertPathPlan.to_json writes"
+            ) from error
+        return cls(timings=timings, chosen=chosen)
+
+
+def _path(name: object, where: str) -> ExpertPath:
+    for path in EXPERT_PATHS:
+        if name == path:
+            return path
+    raise ValueError(f"{where}: expert path {name!r} is unknown: allowed are {EXPERT_PATHS}")
 
 
 def _sync(device: torch.device) -> None:
