@@ -61,10 +61,11 @@ class Qwen3MoeLayer(DecoderLayer):
     @classmethod
     def mlp_shapes(cls, args: DecoderArgs) -> dict[str, tuple[int, ...]]:
         shapes = moe_args(args).shapes
-        one = (shapes.intermediate_size, shapes.hidden_size)
+        up = (shapes.intermediate_size, shapes.hidden_size)
+        down = (shapes.hidden_size, shapes.intermediate_size)
         out: dict[str, tuple[int, ...]] = {ROUTER: (shapes.num_experts, shapes.hidden_size)}
         for suffix in expert_suffixes(shapes.num_experts):
-            out[suffix] = (shapes.hidden_size, shapes.intermediate_size) if "down" in suffix else one
+            out[suffix] = down if suffix.endswith("down_proj.weight") else up
         return out
 
     def load_mlp(self, tensor: Callable[[str], WeightValue]) -> None:

@@ -27,6 +27,7 @@ from models.decoder.kernels import KernelPlan
 from models.decoder.model import DecoderModel
 from models.progress import ProgressSink
 from models.qwen3_moe.block import MoEBlock
+from models.qwen3_moe.experts import ExpertPath
 from models.qwen3_moe.layer import Qwen3MoeLayer
 from models.qwen3_moe.path_plan import ExpertPathPlan
 from runtime.weight_reload import ReloadPair, match_tensors
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 EXPERT_NOTE = "qwen3_moe expert paths: "
 """Prefix of the kernel-plan note recording the expert paths (JSON follows)."""
-MEASURED_PATHS = ("batched", "per_row")
+MEASURED_PATHS: tuple[ExpertPath, ...] = ("batched", "per_row")
 """The paths timed against each other on the dynamic path (`gathered` copies every slot's
 weights: for a prefill chunk of a large model that is gigabytes, and it is slower anyway)."""
 

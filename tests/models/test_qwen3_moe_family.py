@@ -193,14 +193,14 @@ def test_the_expert_path_record_round_trips_and_keeps_its_choice() -> None:
     # Rounded to 0.1 us the bucket-1 times tie; the recorded choice still holds.
     assert replayed.microseconds[1] == {"batched": 10.0, "per_row": 10.0}
     assert replayed.paths == plan.paths
-    with pytest.raises(ValueError, match="plan.json: expert paths .* are invalid"):
+    with pytest.raises(ValueError, match=r"plan\.json: expert paths .* are invalid"):
         ExpertPathPlan.from_json({"paths": []}, where="plan.json")
     with pytest.raises(ValueError, match="expert path 'fast' is unknown"):
         ExpertPathPlan.from_json(
             {"paths": [[1, "fast"]], "microseconds": [{"bucket": 1, "batched": 1.0}]},
             where="plan.json",
         )
-    with pytest.raises(ValueError, match="choice .* is invalid"):
+    with pytest.raises(ValueError, match=r"choice .* is invalid"):
         ExpertPathPlan(timings=((1, (("batched", 1.0),)),), chosen=((1, "per_row"),))
 
 
