@@ -13,6 +13,7 @@ with the caches pre-filled with random K/V at `context` (see `model_vs_transform
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -112,6 +113,7 @@ def run(
         "parameters": total,
         "active_parameters": active,
         "threads": torch.get_num_threads(),
+        "load_average_before": os.getloadavg(),
         "kernel_plan_notes": notes,
         "decode": [],
     }
@@ -137,5 +139,11 @@ def run(
             f"x{row['speedup_median']:.2f}",
             flush=True,
         )
+    results["load_average_after"] = os.getloadavg()
     results["wall_s"] = time.perf_counter() - started
+    print(
+        f"threads {torch.get_num_threads()}; load average before "
+        f"{results['load_average_before'][0]:.2f}, after {os.getloadavg()[0]:.2f} (another "
+        "busy process on these cores stalls multi-threaded matmuls: compare runs at low load)"
+    )
     return results
