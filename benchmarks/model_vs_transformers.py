@@ -2,6 +2,10 @@
 
 Run: `python benchmarks/model_vs_transformers.py [--quick] [--json PATH]`.
 
+`--family NAME` (e.g. `qwen3_moe`) instead builds that family's random-weight benchmark model
+(`family_decode.BENCH_CONFIGS`: Qwen3-MoE of about 1B total / 0.2B active parameters) and
+measures batch 1 and batch 16 decode tok/s, ours and transformers, on the same weights.
+
 Measures decode-step latency (batch 1 and 32 at contexts 128 and 512), prefill throughput
 (128 and 512 tokens) and batch-1 decode as a fraction of the memory-bandwidth limit
 (weight bytes read per step / copy bandwidth of a large torch tensor copy).
@@ -181,10 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--family", help="a registered family's random benchmark model (e.g. qwen3_moe)"
+    )
     options = parser.parse_args(argv)
     if options.threads:
         torch.set_num_threads(options.threads)
     reps = 5 if options.quick else 15
+    if options.family:
+        from benchmarks.family_decode import run
+
+        family_results = run(options.family, interleaved, OurDecode, TheirDecode, reps)
+        if options.json:
+            options.json.write_text(json.dumps(family_results, indent=2))
+        return 0
     started = time.perf_counter()
     loaded = load_model("smollm2-135m", dtype=torch.float32, with_tokenizer=False)
     hf = build_transformers(loaded)
