@@ -2,15 +2,14 @@
 
 Greedy tokens equal transformers' `generate` for 8 prompts in eager, `decode_only` and
 `all` trace modes, with the prefix cache and chunked prefill on, and over 2 lanes; logits
-agree at every step within `LOGIT_ATOL`; a GGUF of the same weights (`qwen3` architecture,
-written with the `gguf` package) loads and matches the safetensors run; `llm-runtime
-generate --model DIR` serves the folder with no flag naming the family.
+agree at every step within `family_checks.LOGIT_ATOL`; a GGUF of the same weights (`qwen3`
+architecture, written with the `gguf` package) loads and matches the safetensors run;
+`llm-runtime generate --model DIR` serves the folder with no flag naming the family.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,22 +17,21 @@ from typing import Any
 import pytest
 import torch
 
-from models import load_executor
 from models.cli import main
-from models.decoder.reference import allocate_kv_cache
 from models.decoder.sources import load_model
 from models.families import family_for_hf_config
 from models.generation import GenerationParams, Generator
 from models.qwen3 import Qwen3Args
 from tests.gguf_files import write_llama_gguf
+from tests.integration.family_checks import (
+    CHUNK,
+    NEW_TOKENS,
+    assert_engine_contract_gives_generator_tokens,
+    assert_logits_match_at_every_step,
+    lane,
+    prompts,
+)
 from tests.models.qwen3_checkpoint import EOS_ID, hf_greedy_batch, write_tiny_qwen3
-
-BLOCK = 8
-CHUNK = 32
-NEW_TOKENS = 12
-# float32 on both sides; our fused qkv / per-op forms and transformers' eager attention sum
-# in different orders, so logits differ by rounding only (observed ~1e-6 on these shapes).
-LOGIT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,18 +50,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 @pytest.fixture(scope="module")
 def tied_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3-tied", "qwen3-tied")
-
-
-def prompts() -> list[list[int]]:
-    """Eight prompts of 1-70 tokens; most share a two-block prefix (prefix-cache hits), and
-    three are longer than the prefill chunk."""
-    rng = random.Random(5)
-    prefix = [rng.randrange(0, 256) for _ in range(2 * BLOCK)]
-    out = []
-    for i, n in enumerate((1, 6, 13, 24, 37, 45, 58, 70)):
-        tail = [rng.randrange(0, 256) for _ in range(n)]
-        out.append((prefix + tail)[: max(n, 1) + (0 if i % 2 == 0 else 2 * BLOCK)])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -91,50 +77,14 @@ def test_logits_match_transformers_at_every_step(
     folder, hf = checkpoint if which == "untied" else tied_checkpoint
     model = load_model(folder, with_tokenizer=False).model
     assert model.args.tie_word_embeddings == (which == "tied")
-    prompt = prompts()[5]
-    feed = [7, 200, 31, 31, 250, 1, 96, 128]
-    blocks = -(-(len(prompt) + len(feed)) // BLOCK)
-    model.configure_paged_attention(block_size=BLOCK, max_num_blocks=blocks)
-    model.set_kv_cache(allocate_kv_cache(model, blocks))
-    table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
-    ours = [
-        model.prefill(
-            torch.tensor([prompt]),
-            page_table=table,
-            prompt_lens=torch.tensor([len(prompt)]),
-            chunk_start=torch.tensor([0]),
-        )[0]
-    ]
-    for step, token in enumerate(feed):
-        position = torch.tensor([len(prompt) + step])
-        ours.append(model.decode(torch.tensor([token]), positions=position, page_table=table)[0])
-    model.set_kv_cache(None)
-    with torch.inference_mode():
-        theirs = hf(torch.tensor([prompt + feed])).logits[0].float()
-    for step, logits in enumerate(ours):
-        reference = theirs[len(prompt) - 1 + step]
-        difference = float((logits - reference).abs().max())
-        assert difference <= LOGIT_ATOL, f"step {step}: max |diff| {difference}"
-        assert int(logits.argmax()) == int(reference.argmax())
-
-
-def _executor(folder: Path, trace_mode: str, **kwargs: Any) -> Any:
-    return load_executor(
-        folder,
-        trace_mode=trace_mode,
-        block_size=BLOCK,
-        max_batch_size=4,
-        max_prefill_chunk_size=CHUNK,
-        max_seq_len=128,  # the default warmup covers every request the lane admits
-        **kwargs,
-    )
+    assert_logits_match_at_every_step(folder, hf)
 
 
 @pytest.mark.parametrize("trace_mode", ["none", "decode_only", "all"])
 def test_greedy_tokens_equal_transformers_in_every_trace_mode(
     trace_mode: str, checkpoint: tuple[Path, Any], expected: list[list[int]]
 ) -> None:
-    executor = _executor(checkpoint[0], trace_mode)
+    executor = lane(checkpoint[0], trace_mode)
     try:
         executor.start()
         generator = Generator(executor)  # prefix cache on
@@ -151,7 +101,7 @@ def test_greedy_tokens_equal_transformers_in_every_trace_mode(
 def test_greedy_tokens_equal_transformers_over_two_lanes(
     checkpoint: tuple[Path, Any], expected: list[list[int]]
 ) -> None:
-    group = _executor(checkpoint[0], "decode_only", lanes=2, lane_transport="inprocess")
+    group = lane(checkpoint[0], "decode_only", lanes=2, lane_transport="inprocess")
     try:
         group.start()
         out = Generator(group).generate(prompts(), GenerationParams(max_new_tokens=NEW_TOKENS))
@@ -176,7 +126,7 @@ def test_a_qwen3_gguf_loads_and_matches_the_safetensors_run(
         assert torch.equal(ours[name], tensor), name
     tokens = {}
     for source in (folder, path):
-        executor = _executor(source, "none")
+        executor = lane(source, "none")
         try:
             executor.start()
             out = Generator(executor).generate(
@@ -219,44 +169,6 @@ def test_cli_refuses_an_unknown_architecture_naming_it(
 def test_the_vllm_facade_serves_qwen3_through_the_engine_contract(
     checkpoint: tuple[Path, Any],
 ) -> None:
-    """The plugin's lookup of `Qwen3ForCausalLM` gives the generic facade, and the engine's
-    call sequence over it (trace decode_only, sampling on device, prefix hits) yields the
-    runtime's own Generator tokens."""
-    from transformers import AutoConfig
-
-    from models.vllm_facade.facade import DecoderVLLMModel
-    from models.vllm_plugin.facades import facade_class
-    from tests.integration.vllm_engine import EngineDriver
-
-    folder, _ = checkpoint
-    config = AutoConfig.from_pretrained(str(folder))
-    config._name_or_path = str(folder)
-    facade = facade_class(config)
-    assert facade is DecoderVLLMModel
-    rng = random.Random(9)
-    base = [rng.randrange(0, 256) for _ in range(13)]
-    waves = [[base, base[:6]], [[*base[:8], 5, 6, 7], [rng.randrange(0, 256) for _ in range(9)]]]
-    lane = _executor(folder, "none")
-    try:
-        lane.start()
-        completions = Generator(lane).generate(
-            [p for wave in waves for p in wave],
-            GenerationParams(max_new_tokens=6, ignore_eos=True),
-        )
-    finally:
-        lane.close()
-    driver = EngineDriver(
-        facade,
-        config,
-        max_batch_size=4,
-        max_model_len=64,
-        block_size=4,
-        trace_mode="decode_only",
-        sample_on_device=True,
-        async_decode=True,
-        facade_options={"block_size": 8, "max_prefill_chunk_size": CHUNK},
-    )
-    driver.start()
-    outputs = driver.generate(waves, max_new_tokens=6)
-    assert outputs == [list(c.token_ids) for c in completions]
-    assert driver.stats.prefix_hit_tokens > 0
+    """The generic facade over the folder gives the Generator's tokens through vLLM's
+    engine call sequence (`family_checks`)."""
+    assert_engine_contract_gives_generator_tokens(checkpoint[0], "Qwen3ForCausalLM")

@@ -2,7 +2,7 @@
 
 Greedy tokens equal transformers' `generate` for 8 prompts in eager, `decode_only` and `all`
 trace modes, with the prefix cache and chunked prefill on, and over 2 lanes; logits agree at
-every step within `LOGIT_ATOL`, for top-2 (renormalised) and top-1 (not) routing; the
+every step within `family_checks.LOGIT_ATOL`, for top-2 (renormalised) and top-1 (not) routing; the
 batched and per-row expert paths give the same tokens; warmup records the expert paths in
 the kernel plan and a replayed plan reproduces them; `llm-runtime generate --model DIR`
 serves the folder with no flag naming the family; a qwen3moe GGUF is refused by name.
@@ -11,7 +11,6 @@ serves the folder with no flag naming the family; a qwen3moe GGUF is refused by 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,24 +18,23 @@ from typing import Any
 import pytest
 import torch
 
-from models import load_executor
 from models.cli import main
 from models.decoder.kernels import KernelPlan
-from models.decoder.reference import allocate_kv_cache
 from models.decoder.sources import load_model
 from models.families import family_for_hf_config
 from models.generation import GenerationParams, Generator
 from models.qwen3_moe import Qwen3MoeArgs
 from models.qwen3_moe.model import EXPERT_NOTE, Qwen3MoeModel
+from tests.integration.family_checks import (
+    CHUNK,
+    NEW_TOKENS,
+    assert_engine_contract_gives_generator_tokens,
+    assert_logits_match_at_every_step,
+    lane,
+    prompts,
+)
 from tests.models.qwen3_checkpoint import EOS_ID, hf_greedy_batch
 from tests.models.qwen3_moe_checkpoint import write_tiny_qwen3_moe
-
-BLOCK = 8
-CHUNK = 32
-NEW_TOKENS = 12
-# float32 on both sides; fused qkv, our expert paths and transformers' per-expert loop sum
-# in different orders, so logits differ by rounding only (observed ~3e-6 on these shapes).
-LOGIT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,18 +54,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 def top1_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     folder = tmp_path_factory.mktemp("qwen3moe") / "tiny-qwen3-moe-top1"
     return write_tiny_qwen3_moe(folder, "qwen3-moe-top1")
-
-
-def prompts() -> list[list[int]]:
-    """Eight prompts of 1-70 tokens; most share a two-block prefix (prefix-cache hits), and
-    three are longer than the prefill chunk."""
-    rng = random.Random(5)
-    prefix = [rng.randrange(0, 256) for _ in range(2 * BLOCK)]
-    out = []
-    for i, n in enumerate((1, 6, 13, 24, 37, 45, 58, 70)):
-        tail = [rng.randrange(0, 256) for _ in range(n)]
-        out.append((prefix + tail)[: max(n, 1) + (0 if i % 2 == 0 else 2 * BLOCK)])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -101,43 +87,7 @@ def test_logits_match_transformers_at_every_step(
     model = load_model(folder, with_tokenizer=False).model
     assert isinstance(model.args, Qwen3MoeArgs)
     assert model.args.top_k == (2 if which == "top2" else 1)
-    prompt = prompts()[5]
-    feed = [7, 200, 31, 31, 250, 1, 96, 128]
-    blocks = -(-(len(prompt) + len(feed)) // BLOCK)
-    model.configure_paged_attention(block_size=BLOCK, max_num_blocks=blocks)
-    model.set_kv_cache(allocate_kv_cache(model, blocks))
-    table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
-    ours = [
-        model.prefill(
-            torch.tensor([prompt]),
-            page_table=table,
-            prompt_lens=torch.tensor([len(prompt)]),
-            chunk_start=torch.tensor([0]),
-        )[0]
-    ]
-    for step, token in enumerate(feed):
-        position = torch.tensor([len(prompt) + step])
-        ours.append(model.decode(torch.tensor([token]), positions=position, page_table=table)[0])
-    model.set_kv_cache(None)
-    with torch.inference_mode():
-        theirs = hf(torch.tensor([prompt + feed])).logits[0].float()
-    for step, logits in enumerate(ours):
-        reference = theirs[len(prompt) - 1 + step]
-        difference = float((logits - reference).abs().max())
-        assert difference <= LOGIT_ATOL, f"step {step}: max |diff| {difference}"
-        assert int(logits.argmax()) == int(reference.argmax())
-
-
-def _executor(folder: Path, trace_mode: str, **kwargs: Any) -> Any:
-    return load_executor(
-        folder,
-        trace_mode=trace_mode,
-        block_size=BLOCK,
-        max_batch_size=4,
-        max_prefill_chunk_size=CHUNK,
-        max_seq_len=128,  # the default warmup covers every request the lane admits
-        **kwargs,
-    )
+    assert_logits_match_at_every_step(folder, hf)
 
 
 def _expert_note(plan: KernelPlan | None) -> dict[str, Any]:
@@ -152,7 +102,7 @@ def _expert_note(plan: KernelPlan | None) -> dict[str, Any]:
 def test_greedy_tokens_equal_transformers_in_every_trace_mode(
     trace_mode: str, checkpoint: tuple[Path, Any], expected: list[list[int]]
 ) -> None:
-    executor = _executor(checkpoint[0], trace_mode)
+    executor = lane(checkpoint[0], trace_mode)
     try:
         executor.start()
         generator = Generator(executor)  # prefix cache on
@@ -178,7 +128,7 @@ def test_greedy_tokens_equal_transformers_in_every_trace_mode(
 def test_greedy_tokens_equal_transformers_over_two_lanes(
     checkpoint: tuple[Path, Any], expected: list[list[int]]
 ) -> None:
-    group = _executor(checkpoint[0], "decode_only", lanes=2, lane_transport="inprocess")
+    group = lane(checkpoint[0], "decode_only", lanes=2, lane_transport="inprocess")
     try:
         group.start()
         out = Generator(group).generate(prompts(), GenerationParams(max_new_tokens=NEW_TOKENS))
@@ -189,7 +139,7 @@ def test_greedy_tokens_equal_transformers_over_two_lanes(
 
 def test_top1_greedy_tokens_equal_transformers(top1_checkpoint: tuple[Path, Any]) -> None:
     folder, hf = top1_checkpoint
-    executor = _executor(folder, "decode_only")
+    executor = lane(folder, "decode_only")
     try:
         executor.start()
         out = Generator(executor).generate(prompts(), GenerationParams(max_new_tokens=NEW_TOKENS))
@@ -202,7 +152,7 @@ def test_top1_greedy_tokens_equal_transformers(top1_checkpoint: tuple[Path, Any]
 def test_batched_and_per_row_expert_paths_give_the_same_tokens(
     path: str, checkpoint: tuple[Path, Any], expected: list[list[int]]
 ) -> None:
-    executor = _executor(checkpoint[0], "none")
+    executor = lane(checkpoint[0], "none")
     try:
         executor.start()
         model = executor.loaded.model
@@ -216,7 +166,7 @@ def test_batched_and_per_row_expert_paths_give_the_same_tokens(
 
 
 def test_a_replayed_plan_reproduces_the_expert_paths(checkpoint: tuple[Path, Any]) -> None:
-    first = _executor(checkpoint[0], "none")
+    first = lane(checkpoint[0], "none")
     try:
         first.start()
         plan = first.loaded.model.kernel_plan
@@ -229,7 +179,7 @@ def test_a_replayed_plan_reproduces_the_expert_paths(checkpoint: tuple[Path, Any
     assert plan is not None
     notes = tuple(n for n in plan.notes if not n.startswith(EXPERT_NOTE))
     edited = KernelPlan(**{**_fields(plan), "notes": (*notes, note)})
-    second = _executor(checkpoint[0], "none", kernels=edited)
+    second = lane(checkpoint[0], "none", kernels=edited)
     try:
         second.start()
         in_force = second.loaded.model.expert_path_plan()
@@ -246,7 +196,7 @@ def _fields(plan: KernelPlan) -> dict[str, Any]:
 
 
 def test_a_plan_without_expert_paths_is_refused_naming_it(checkpoint: tuple[Path, Any]) -> None:
-    first = _executor(checkpoint[0], "none")
+    first = lane(checkpoint[0], "none")
     try:
         first.start()
         plan = first.loaded.model.kernel_plan
@@ -256,7 +206,7 @@ def test_a_plan_without_expert_paths_is_refused_naming_it(checkpoint: tuple[Path
     notes = tuple(n for n in plan.notes if not n.startswith(EXPERT_NOTE))
     bare = KernelPlan(**{**_fields(plan), "notes": notes})
     with pytest.raises(ValueError, match="no note starting 'qwen3_moe expert paths: '"):
-        _executor(checkpoint[0], "none", kernels=bare)
+        lane(checkpoint[0], "none", kernels=bare)
 
 
 def test_cli_generate_serves_the_folder_with_no_family_flag(
@@ -295,44 +245,6 @@ def test_a_qwen3moe_gguf_is_refused_naming_the_architecture(
 def test_the_vllm_facade_serves_qwen3_moe_through_the_engine_contract(
     checkpoint: tuple[Path, Any],
 ) -> None:
-    """The plugin's lookup of `Qwen3MoeForCausalLM` gives the generic facade, and the
-    engine's call sequence over it (trace decode_only, sampling on device, prefix hits)
-    yields the runtime's own Generator tokens."""
-    from transformers import AutoConfig
-
-    from models.vllm_facade.facade import DecoderVLLMModel
-    from models.vllm_plugin.facades import facade_class
-    from tests.integration.vllm_engine import EngineDriver
-
-    folder, _ = checkpoint
-    config = AutoConfig.from_pretrained(str(folder))
-    config._name_or_path = str(folder)
-    facade = facade_class(config)
-    assert facade is DecoderVLLMModel
-    rng = random.Random(9)
-    base = [rng.randrange(0, 256) for _ in range(13)]
-    waves = [[base, base[:6]], [[*base[:8], 5, 6, 7], [rng.randrange(0, 256) for _ in range(9)]]]
-    lane = _executor(folder, "none")
-    try:
-        lane.start()
-        completions = Generator(lane).generate(
-            [p for wave in waves for p in wave],
-            GenerationParams(max_new_tokens=6, ignore_eos=True),
-        )
-    finally:
-        lane.close()
-    driver = EngineDriver(
-        facade,
-        config,
-        max_batch_size=4,
-        max_model_len=64,
-        block_size=4,
-        trace_mode="decode_only",
-        sample_on_device=True,
-        async_decode=True,
-        facade_options={"block_size": 8, "max_prefill_chunk_size": CHUNK},
-    )
-    driver.start()
-    outputs = driver.generate(waves, max_new_tokens=6)
-    assert outputs == [list(c.token_ids) for c in completions]
-    assert driver.stats.prefix_hit_tokens > 0
+    """The generic facade over the folder gives the Generator's tokens through vLLM's
+    engine call sequence (`family_checks`)."""
+    assert_engine_contract_gives_generator_tokens(checkpoint[0], "Qwen3MoeForCausalLM")
