@@ -142,3 +142,33 @@ def assert_family_gone(server: Server) -> None:
     """Every process the server started has exited."""
     _, alive = psutil.wait_procs(server.family, timeout=SHUTDOWN_TIMEOUT_S)
     assert not alive, f"processes left after shutdown: {[p.pid for p in alive]}"
+
+
+def assert_serve_equals_generate(
+    folder: Path, log: Path, prompts: list[str], served_name: str, eos_id: int
+) -> None:
+    """`vllm serve` on `folder` through the plugin gives `llm-runtime generate`'s greedy tokens
+    for `prompts` (10 new tokens each), and the family's worker is gone after shutdown."""
+    from tests_vllm.conftest import generate_oracle
+
+    oracles = generate_oracle(str(folder), prompts, 10)
+    extra = ("--skip-tokenizer-init", "--max-num-seqs", "4", "--served-model-name", served_name)
+    with running_server(folder, log, *extra) as server:
+        for oracle in oracles:
+            reply = request(
+                server.base + "/v1/completions",
+                {
+                    "model": served_name,
+                    "prompt": oracle["prompt_token_ids"],
+                    "max_tokens": 10,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                    "stop_token_ids": [eos_id],
+                },
+                timeout=120,
+            )
+            choice = reply["choices"][0]
+            assert choice["token_ids"] == oracle["token_ids"], (choice, oracle)
+        text = server.log_text()
+        assert "llm-runtime" in text or "llm_runtime" in text
+    assert_family_gone(server)
