@@ -219,15 +219,27 @@ class _ProcessCall:
 def _interrupts_ignored() -> Iterator[None]:
     """Start a worker with SIGINT ignored (an ignored signal stays ignored across exec, and
     Python keeps it so): Ctrl-C reaches the parent, which closes its workers in order, and no
-    worker prints a KeyboardInterrupt traceback of its own. Main thread only (signals)."""
+    worker prints a KeyboardInterrupt traceback of its own. Main thread only (signals).
+
+    The parent's own Ctrl-C must not be lost meanwhile: SIGINT is blocked first (a blocked
+    signal is never discarded as ignored, it stays pending), and one already pending stops
+    the start before the disposition changes; whatever arrives in the window is delivered
+    when the handler is back and the mask lifted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    blocking = hasattr(signal, "pthread_sigmask")
+    if blocking:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if signal.SIGINT in signal.sigpending():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # raises here
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if blocking:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class ProcessLane(LaneBase):

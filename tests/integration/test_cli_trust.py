@@ -388,7 +388,7 @@ def test_ctrl_c_prints_what_finished_and_exits_130() -> None:
             "--max-batch",
             "2",
             "--max-new-tokens",
-            "8",
+            "64",  # long enough that the run cannot finish before the signal (tiny-random is fast)
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
