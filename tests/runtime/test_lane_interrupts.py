@@ -7,8 +7,8 @@ so it stays pending and reaches the parent when the start is over.
 
 from __future__ import annotations
 
-import os
 import signal
+import threading
 
 import pytest
 
@@ -19,11 +19,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _interrupt() -> None:
+    """SIGINT to the main thread (a process-wide one may land on another thread of pytest,
+    whose masks these tests do not set)."""
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+
 def test_a_ctrl_c_during_a_worker_start_is_delivered_after_it() -> None:
     reached_the_end = False
     with pytest.raises(KeyboardInterrupt), _interrupts_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C, mid-start
+        _interrupt()  # a terminal's Ctrl-C, mid-start
         reached_the_end = True
     assert reached_the_end  # the start itself was not interrupted
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -32,7 +38,7 @@ def test_a_ctrl_c_during_a_worker_start_is_delivered_after_it() -> None:
 
 def test_a_ctrl_c_pending_before_the_start_stops_it() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    os.kill(os.getpid(), signal.SIGINT)
+    _interrupt()
     started = False
     with pytest.raises(KeyboardInterrupt), _interrupts_ignored():
         started = True
