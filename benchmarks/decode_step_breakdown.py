@@ -106,10 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plan", action="store_true", help="measure the kernel plan first")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--weights",
+        choices=("float32", "stored"),
+        default="float32",
+        help="float32 (the dequantized model) or stored (the GGUF's Q4_1 blocks)",
+    )
     parser.add_argument("--passes", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load_model("smollm2-135m", dtype=torch.float32, with_tokenizer=False).model
+    model = load_model(
+        "smollm2-135m", dtype=torch.float32, with_tokenizer=False, weights=args.weights
+    ).model
     if args.plan:
         model.choose_kernels(decode_rows=32, prefill_rows=256)
         assert model.kernel_plan is not None
