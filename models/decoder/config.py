@@ -29,6 +29,11 @@ ROPE_KINDS: tuple[str, ...] = ("linear", "llama3")
 TINY_RANDOM_PREFIX = "tiny-random"
 
 
+def tiny_random_name(preset: str) -> str:
+    """The model name a tiny-random preset is served under (`tiny-random-<preset>`)."""
+    return f"{TINY_RANDOM_PREFIX}-{preset}"
+
+
 def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not is_int(value) or value <= 0:
         raise ValueError(

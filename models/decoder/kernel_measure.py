@@ -30,7 +30,6 @@ from models.decoder.kernels import (
     ProjectionChoice,
     ProjectionShape,
     default_form,
-    release_packed,
 )
 from models.progress import ProgressSink, as_progress
 from runtime.quant.matrix import QuantizedMatrix
@@ -291,8 +290,6 @@ def _measure(
                 weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
                 choice, scores = measure_projection(weights, modules[0].parts, timed, measured)
                 logger.debug("kernel scores for %s: %s", name, scores)
-                if all(form != "onednn" for _, form in choice.forms):
-                    release_packed(weights)  # packed for timing only
             for rows in buckets[len(timed) :]:
                 step.advance(1, f"{name} rows={rows} not timed (one row per sequence)")
             projections.append((name, choice))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -75,11 +74,10 @@ def _mv_t(weight_t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.mv(weight_t.t(), rows[0]).unsqueeze(0)
 
 
-# Weights holding oneDNN packed copies (`onednn` form). A copy lives on its weight tensor
-# (or the tensor a split part is a view of), so it dies with it; it is checked against the
-# weight's address and version counter, so moved or reloaded weights are packed again.
+# oneDNN packed copies (`onednn` form) live on their weight tensor (or the tensor a split
+# part is a view of), so they die with it; each is checked against the weight's address and
+# version counter, so moved or reloaded weights are packed again.
 _PACK_ATTRIBUTE = "_onednn_packed"
-_HOLDERS: dict[int, weakref.ReferenceType[torch.Tensor]] = {}  # by id (tensors compare by value)
 
 
 def _onednn_available() -> bool:
@@ -92,13 +90,6 @@ def _packs(weight: torch.Tensor) -> dict[tuple[int, ...], tuple[int, int, torch.
     packs: dict[tuple[int, ...], tuple[int, int, torch.Tensor]] = base.__dict__.setdefault(
         _PACK_ATTRIBUTE, {}
     )
-    key = id(base)
-    if key not in _HOLDERS:
-
-        def forget(_: object, key: int = key) -> None:
-            _HOLDERS.pop(key, None)
-
-        _HOLDERS[key] = weakref.ref(base, forget)
     return packs
 
 
@@ -123,13 +114,9 @@ def _onednn(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def packed_bytes(weights: Iterable[torch.Tensor] | None = None) -> int:
-    """Bytes of oneDNN's packed copies (`onednn` form) held for `weights`, or for every
-    weight of this process (None)."""
-    if weights is None:
-        holders = [held for ref in list(_HOLDERS.values()) if (held := ref()) is not None]
-    else:
-        holders = [w if w._base is None else w._base for w in weights]
+def packed_bytes(weights: Iterable[torch.Tensor]) -> int:
+    """Bytes of oneDNN's packed copies (`onednn` form) held for `weights`."""
+    holders = [w if w._base is None else w._base for w in weights]
     return sum(
         packed.numel() * packed.element_size()
         for holder in holders

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import attrs
 
-from models.decoder.config import TINY_RANDOM_PREFIX, DecoderArgs, RopeScaling
+from models.decoder.config import DecoderArgs, RopeScaling, tiny_random_name
 
 
 @attrs.frozen
@@ -23,10 +23,6 @@ class LlamaArgs(DecoderArgs):
     HF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
     GGUF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ("llama",)
     PRESETS: ClassVar[Mapping[str, DecoderArgs]] = {}
-
-
-def _tiny_name(preset: str) -> str:
-    return f"{TINY_RANDOM_PREFIX}-{preset}"
 
 
 _TINY_GQA = LlamaArgs(
@@ -43,7 +39,7 @@ _TINY_GQA = LlamaArgs(
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_ids=(2,),
-    name=_tiny_name("gqa"),
+    name=tiny_random_name("gqa"),
 )
 
 TINY_PRESETS: dict[str, LlamaArgs] = {
@@ -51,12 +47,12 @@ TINY_PRESETS: dict[str, LlamaArgs] = {
     "gqa": _TINY_GQA,
     # multi-head attention with a tied head
     "mha-tied": attrs.evolve(
-        _TINY_GQA, name=_tiny_name("mha-tied"), n_kv_heads=4, tie_word_embeddings=True
+        _TINY_GQA, name=tiny_random_name("mha-tied"), n_kv_heads=4, tie_word_embeddings=True
     ),
     # one KV head, head_dim different from dim / n_heads, three layers
     "mqa": attrs.evolve(
         _TINY_GQA,
-        name=_tiny_name("mqa"),
+        name=tiny_random_name("mqa"),
         n_heads=4,
         n_kv_heads=1,
         head_dim=24,
@@ -66,7 +62,7 @@ TINY_PRESETS: dict[str, LlamaArgs] = {
     # llama3-style rope scaling; original context small so all three bands are used
     "llama3-rope": attrs.evolve(
         _TINY_GQA,
-        name=_tiny_name("llama3-rope"),
+        name=tiny_random_name("llama3-rope"),
         rope_theta=500000.0,
         rope_scaling=RopeScaling(
             kind="llama3",
@@ -80,14 +76,14 @@ TINY_PRESETS: dict[str, LlamaArgs] = {
     # linear position interpolation
     "linear-rope": attrs.evolve(
         _TINY_GQA,
-        name=_tiny_name("linear-rope"),
+        name=tiny_random_name("linear-rope"),
         rope_scaling=RopeScaling(kind="linear", factor=2.0),
     ),
     # every matrix row (dim, ffn_dim) a multiple of 256, for GGUF K-quant super-blocks; with
     # 8 heads of 32 the seeded weights' greedy continuations run past 48 tokens without eos
     "q256": attrs.evolve(
         _TINY_GQA,
-        name=_tiny_name("q256"),
+        name=tiny_random_name("q256"),
         dim=256,
         ffn_dim=512,
         n_heads=8,

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import attrs
 
-from models.decoder.config import TINY_RANDOM_PREFIX, DecoderArgs
+from models.decoder.config import DecoderArgs, tiny_random_name
 from runtime.json_types import JSONObject, JSONValue
 
 
@@ -60,10 +60,6 @@ class Qwen3Args(DecoderArgs):
         return out
 
 
-def _tiny_name(preset: str) -> str:
-    return f"{TINY_RANDOM_PREFIX}-{preset}"
-
-
 _TINY_QWEN3 = Qwen3Args(
     dim=64,
     n_layers=2,
@@ -78,7 +74,7 @@ _TINY_QWEN3 = Qwen3Args(
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_ids=(2,),
-    name=_tiny_name("qwen3"),
+    name=tiny_random_name("qwen3"),
 )
 
 TINY_PRESETS: dict[str, Qwen3Args] = {
@@ -87,7 +83,7 @@ TINY_PRESETS: dict[str, Qwen3Args] = {
     # tied head, three layers, one KV head
     "qwen3-tied": attrs.evolve(
         _TINY_QWEN3,
-        name=_tiny_name("qwen3-tied"),
+        name=tiny_random_name("qwen3-tied"),
         n_kv_heads=1,
         n_layers=3,
         tie_word_embeddings=True,

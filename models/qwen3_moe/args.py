@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Self
 
 import attrs
 
-from models.decoder.config import TINY_RANDOM_PREFIX, DecoderArgs
+from models.decoder.config import DecoderArgs, tiny_random_name
 from models.qwen3_moe.config import GGUF_ARCHITECTURE, MoEArgs
 from models.qwen3_moe.experts import ExpertShapes
 from models.qwen3_moe.routing import TopKRouting
@@ -145,10 +145,6 @@ def _moe_args(args: Qwen3MoeArgs) -> MoEArgs:
     )
 
 
-def _tiny_name(preset: str) -> str:
-    return f"{TINY_RANDOM_PREFIX}-{preset}"
-
-
 _TINY_QWEN3_MOE = Qwen3MoeArgs(
     dim=64,
     n_layers=2,
@@ -163,7 +159,7 @@ _TINY_QWEN3_MOE = Qwen3MoeArgs(
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_ids=(2,),
-    name=_tiny_name("qwen3-moe"),
+    name=tiny_random_name("qwen3-moe"),
     num_experts=8,
     top_k=2,
     moe_ffn_dim=32,
@@ -176,7 +172,7 @@ TINY_PRESETS: dict[str, Qwen3MoeArgs] = {
     # top-1 without renormalising, tied head, three layers, one KV head
     "qwen3-moe-top1": attrs.evolve(
         _TINY_QWEN3_MOE,
-        name=_tiny_name("qwen3-moe-top1"),
+        name=tiny_random_name("qwen3-moe-top1"),
         n_kv_heads=1,
         n_layers=3,
         tie_word_embeddings=True,

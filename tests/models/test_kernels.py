@@ -234,15 +234,17 @@ def test_onednn_form_repacks_after_an_in_place_reload_and_releases_its_copies() 
     projection.apply_choice(ProjectionChoice("out_in", False, ((64, "onednn"),)))
     x = torch.randn(12, 24, generator=generator)
     torch.testing.assert_close(projection(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
-    held = packed_bytes()
+    held = packed_bytes([projection.weight])
     assert held >= weight.numel() * 4
     fresh = torch.randn(40, 24, generator=generator)
     with torch.no_grad():
         projection.weight.copy_(fresh)
     torch.testing.assert_close(projection(x), F.linear(x, fresh), atol=1e-5, rtol=1e-5)
-    assert packed_bytes() == held  # repacked in place of the stale copy, not beside it
+    assert (
+        packed_bytes([projection.weight]) == held
+    )  # repacked in place of the stale copy, not beside it
     release_packed([projection.weight])
-    assert packed_bytes() == held - weight.numel() * 4
+    assert packed_bytes([projection.weight]) == held - weight.numel() * 4
 
 
 def test_a_plan_naming_a_form_this_machine_lacks_is_refused_naming_the_file(
