@@ -45,6 +45,7 @@ _SOURCES = tuple(
         "small_rows_matmul.c",
         "fused_decode_layers.c",
         "quant_matmul.c",
+        "quant_gemm.c",
     )
 )
 # Headers the sources include: part of the build's identity, not compiled on their own.
@@ -314,6 +315,9 @@ class QuantMatmul:
         self._matmul_i8 = library.quant_matmul_i8
         self._matmul_i8.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
         self._matmul_i8.restype = ctypes.c_int
+        self._gemm = library.quant_gemm
+        self._gemm.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
+        self._gemm.restype = ctypes.c_int
         self.int8_available = bool(library.quant_i8_available())
         """This CPU runs the int8-activation form (AVX-512 VNNI, `quant_blocks_i8.h`)."""
 
@@ -337,6 +341,21 @@ class QuantMatmul:
         out = torch.empty(rows, matrix.rows)
         if self._matmul(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
             raise MemoryError("quant_matmul could not allocate its block sums")
+        return out
+
+    def unchecked_gemm(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
+        """`unchecked` for many rows (`native/quant_gemm.c`): panels of the weight dequantized
+        into a per-thread buffer and multiplied by a register-tiled kernel, for prefill and
+        large decode batches. Same tolerance as `unchecked`; only the summation order
+        differs."""
+        view = matrix.native_view
+        descriptor = view[1] if view else quant_descriptor(matrix)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows = x.shape[0]
+        out = torch.empty(rows, matrix.rows)
+        if self._gemm(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
+            raise MemoryError("quant_gemm could not allocate its panels")
         return out
 
     def unchecked_int8(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
