@@ -50,7 +50,8 @@ _SOURCES = tuple(
 )
 # Headers the sources include: part of the build's identity, not compiled on their own.
 _HEADERS = tuple(
-    Path(__file__).with_name("native") / name for name in ("quant_blocks.h", "quant_blocks_i8.h")
+    Path(__file__).with_name("native") / name
+    for name in ("quant_blocks.h", "quant_blocks_i8.h", "gemm_panels.h")
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64

@@ -1,7 +1,8 @@
 """Every float-activation block form (`models.decoder.block_forms`) equals the `gguf`
 package's dequantized weight times x, within `test_quant_kernels`' tolerance, on the row
 counts warmup offers it (odd output counts, and multiples of 16 for `torch_int4`; including
-`q_gemm`'s 16- and 32-row groups, their zero-padded tails and its 128-row chunks). `q_int8` has its own bound (`test_quant_int8_kernels`)."""
+`q_gemm`'s 16- and 32-row groups, their zero-padded tails and its 128-row chunks).
+`q_int8` has its own bound (`test_quant_int8_kernels`)."""
 
 from __future__ import annotations
 

@@ -37,8 +37,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm_panels.h"
 #include "quant_blocks.h"
 #include "quant_blocks_i8.h"
+
+/* Rows from which a stage's float32 (`[out, in]`) and float-activation block products run
+ * on panels (`gemm_panels.h`) instead of the few-row dot kernels: past 4 rows the float one
+ * reloads every weight tile per group of 4 rows and spends its time on loads and horizontal
+ * sums; the block one stays ahead up to 16 rows, where a panel's dequantization is shared by
+ * too few rows (the `q_rows` / `q_gemm` crossover of warmup's block forms on Zen 5). */
+#define PANEL_FROM_ROWS 5
+#define BLOCK_PANEL_FROM_ROWS 17
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
@@ -68,6 +77,25 @@ static inline float hsum(vf v) {
     v4f s = quarters[0];
     for (int i = 1; i < LANES / 4; ++i) s += quarters[i];
     return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/* Per-thread activation forms of a stage's input, made on first need: the q4 float form
+ * (`qb_prepare_q4`), the int8 form (`qb_prepare_i8`, keyed by the weight's kind and block) and
+ * the transposed row groups of the panel products (`qg_transpose`, with their scratch). */
+typedef struct {
+    float *xt, *xsum;
+    int ready;
+    qb_i8_input i8;
+    float *groups, *scratch;
+    int groups_ready;
+} q4_input;
+
+/* The stage input as `qg_stripe` takes it (transposed once per stage and thread). */
+static const float *panel_groups(const float *x, int64_t ldx, int64_t n_in, int64_t rows,
+                                 q4_input *q4) {
+    if (!q4->groups_ready) qg_transpose(x, ldx, n_in, 0, rows, qg_vectors(rows), q4->groups);
+    q4->groups_ready = 1;
+    return q4->groups;
 }
 
 /* out[r][k] = W[k] . x[r] for 4 consecutive weight rows and R (<= 4) input rows: every
@@ -179,21 +207,17 @@ static void project_in_out(const float *wt, int64_t n_in, int64_t n_out, const f
 
 static void project(int layout, const float *w, int64_t n_in, int64_t n_out, const float *x,
                     int64_t ldx, int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
-                    int accumulate) {
+                    int accumulate, q4_input *q4) {
     if (o0 >= o1) return;
-    if (layout == 0)
+    if (layout == 0 && rows >= PANEL_FROM_ROWS)
+        qg_stripe(NULL, w, n_in, panel_groups(x, ldx, n_in, rows, q4), rows, y, ldy, o0, o1,
+                  accumulate, q4->scratch);
+    else if (layout == 0)
         project_out_in(w, n_in, x, ldx, rows, y, ldy, o0, o1, accumulate);
     else
         project_in_out(w, n_in, n_out, x, ldx, rows, y, ldy, o0, o1, accumulate);
 }
 
-/* Per-thread activation forms of a stage's input, made on first need: the q4 float form
- * (`qb_prepare_q4`) and the int8 form (`qb_prepare_i8`, keyed by the weight's kind and block). */
-typedef struct {
-    float *xt, *xsum;
-    int ready;
-    qb_i8_input i8;
-} q4_input;
 
 /* `project` over a projection given as parts (see the header): each part's slice of this
  * thread's output range [o0, o1) from its own weights. */
@@ -210,7 +234,7 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
         if (lo < hi) {
             if (kind <= 1) {
                 project((int)kind, (const float *)(intptr_t)part[PART_W], n_in, n, x, ldx, rows,
-                        y + base, ldy, lo, hi, accumulate);
+                        y + base, ldy, lo, hi, accumulate, q4);
             } else {
                 const int int8 = kind >= 6, code = int8 ? kind - 4 : kind;
                 const int is_q4 = code <= 3;
@@ -230,6 +254,12 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                     continue;
                 }
 #endif
+                if (rows >= BLOCK_PANEL_FROM_ROWS) {
+                    qg_stripe(&m, NULL, n_in, panel_groups(x, ldx, n_in, rows, q4), rows,
+                              y + base, ldy, lo, hi, accumulate, q4->scratch);
+                    base += n;
+                    continue;
+                }
                 const float *xin = x;
                 int64_t ld = ldx;
                 if (is_q4) {
@@ -349,7 +379,12 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             float *rot = (float *)malloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
-            q4_input q4 = {NULL, NULL, 0, {NULL, NULL, NULL, 0, 0, 0, -1}};
+            q4_input q4 = {NULL, NULL, 0, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0};
+            if (rows >= PANEL_FROM_ROWS) {
+                q4.groups = (float *)malloc(
+                    sizeof(float) * (qg_transposed_floats(rows, widest) + qg_scratch_floats(widest)));
+                q4.scratch = q4.groups == NULL ? NULL : q4.groups + qg_transposed_floats(rows, widest);
+            }
             void *i8_memory = NULL;
             if (parts != NULL) {
                 q4.xt = (float *)malloc(sizeof(float) * (rows * widest + rows * (widest / 32) + 1));
@@ -358,6 +393,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
             }
             int mine_failed = normed == NULL || scores == NULL || rot == NULL ||
+                              (rows >= PANEL_FROM_ROWS && q4.groups == NULL) ||
                               (parts != NULL && (q4.xt == NULL || i8_memory == NULL));
 #pragma omp atomic
             failed += mine_failed;
@@ -375,13 +411,13 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 /* 1. QKV of the normed stream (each thread norms for itself: no barrier) */
                 const int64_t *lp = parts == NULL ? NULL : parts + layer * PARTS_WIDTH;
                 rms_norm(x, (const float *)(intptr_t)entry[ATTN_NORM], normed, rows, dim, eps);
-                q4.ready = 0, q4.i8.key = -1;
+                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
                 if (lp != NULL)
                     project_parts(lp + L_QKV * PROJ_WIDTH, dim, normed, dim, rows, qkv, qkv_out, v0,
                                   v1, 0, &q4);
                 else
                     project((int)layouts[L_QKV], (const float *)(intptr_t)entry[WQKV], dim,
-                            qkv_out, normed, dim, rows, qkv, qkv_out, v0, v1, 0);
+                            qkv_out, normed, dim, rows, qkv, qkv_out, v0, v1, 0, &q4);
 #pragma omp barrier
                 /* 2. per (row, KV head): rotary on its q group and k, K/V into the cache at
                  * the row's position */
@@ -404,8 +440,9 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     }
                 }
                 /* (implicit barrier: rows may share pages, so every write lands before any
-                 * read, as in the per-op path) 3. attention over each row's pages in place */
-#pragma omp for schedule(static)
+                 * read, as in the per-op path) 3. attention over each row's pages in place,
+                 * (row, KV head) jobs handed out as threads free up: rows' lengths differ */
+#pragma omp for schedule(dynamic, 1)
                 for (int64_t job = 0; job < rows * kv; ++job) {
                     const int64_t b = job / kv, h = job % kv;
                     attend(qkv + b * qkv_out + h * group * head_dim, k_cache, v_cache,
@@ -414,19 +451,19 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                            head_dim);
                 }
                 /* (implicit barrier) 4. O projection into the residual stream */
-                q4.ready = 0, q4.i8.key = -1;
+                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
                 if (lp != NULL)
                     project_parts(lp + L_O * PROJ_WIDTH, q_out, attended, q_out, rows, x, dim, d0,
                                   d1, 1, &q4);
                 else
                     project((int)layouts[L_O], (const float *)(intptr_t)entry[WO], q_out, dim,
-                            attended, q_out, rows, x, dim, d0, d1, 1);
+                            attended, q_out, rows, x, dim, d0, d1, 1, &q4);
 #pragma omp barrier
                 /* 5. gate and up of the same outputs, then SiLU(gate) * up */
                 rms_norm(x, (const float *)(intptr_t)entry[MLP_NORM], normed, rows, dim, eps);
                 const float *w_gu = (const float *)(intptr_t)entry[W_GATE_UP];
                 const int gu_layout = layouts == NULL ? 0 : (int)layouts[L_GATE_UP];
-                q4.ready = 0, q4.i8.key = -1;
+                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
                 if (lp != NULL) {
                     const int64_t *gu = lp + L_GATE_UP * PROJ_WIDTH;
                     project_parts(gu, dim, normed, dim, rows, gate_up, 2 * ffn, f0, f1, 0, &q4);
@@ -434,9 +471,9 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                                   ffn + f1, 0, &q4);
                 } else {
                     project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn,
-                            f0, f1, 0);
+                            f0, f1, 0, &q4);
                     project(gu_layout, w_gu, dim, 2 * ffn, normed, dim, rows, gate_up, 2 * ffn,
-                            ffn + f0, ffn + f1, 0);
+                            ffn + f0, ffn + f1, 0, &q4);
                 }
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *gr = gate_up + r * 2 * ffn;
@@ -446,19 +483,20 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 }
 #pragma omp barrier
                 /* 6. down projection into the residual stream */
-                q4.ready = 0, q4.i8.key = -1;
+                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
                 if (lp != NULL)
                     project_parts(lp + L_DOWN * PROJ_WIDTH, ffn, hidden, ffn, rows, x, dim, d0, d1,
                                   1, &q4);
                 else
                     project((int)layouts[L_DOWN], (const float *)(intptr_t)entry[W_DOWN], ffn,
-                            dim, hidden, ffn, rows, x, dim, d0, d1, 1);
+                            dim, hidden, ffn, rows, x, dim, d0, d1, 1, &q4);
 #pragma omp barrier
             }
             free(normed);
             free(scores);
             free(rot);
             free(q4.xt);
+            free(q4.groups);
             free(i8_memory);
         }
     }

@@ -1,0 +1,199 @@
+/* Panels of weight rows times groups of transposed activation rows: the many-row product of
+ * `quant_gemm.c` (block weights) and of the fused decode stack past a few rows (block or
+ * float32 weights), as static inline routines each inlines into its own threads.
+ *
+ * Why this shape: a product of 8-64 rows or more is bound by arithmetic, not by reading the
+ * weight, and a dot-product kernel spends its time on loads and horizontal sums. Here
+ * - a panel of QG_NR weight rows is used as scalars: float32 weights in place, block weights
+ *   dequantized into a per-thread buffer `[QG_NR, cols]` (bit-equal to
+ *   `QuantizedMatrix.dequantize`, `qb_dequantize_rows`) that stays in L1/L2;
+ * - the activations are transposed once per stage into groups of 16 or 32 rows, `[cols,
+ *   lanes]` with zero padding, so a group's value at column i is one or two vector loads;
+ * - the micro-kernel keeps QG_NR x (lanes / QG_LANES) accumulator vectors in registers: per
+ *   column it loads the group's values once, broadcasts each panel row's weight and
+ *   multiplies (2 loads and 12 broadcasts per 24 FMAs for 32 rows), at the FMA units' rate,
+ *   while it prefetches the next panel's weight bytes a line per column.
+ * Float32 activations and accumulators; only the summation order differs from the other
+ * forms. GCC/clang vector extensions keep it portable (16 lanes with AVX-512, else 8).
+ */
+#ifndef LLM_RUNTIME_GEMM_PANELS_H
+#define LLM_RUNTIME_GEMM_PANELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX512F__)
+#define QG_LANES 16
+#else
+#define QG_LANES 8
+#endif
+/* Weight rows per panel (accumulators: QG_NR x vectors per row group). */
+#define QG_NR 12
+
+typedef float qg_vec __attribute__((vector_size(QG_LANES * sizeof(float))));
+
+static inline qg_vec qg_load(const float *p) {
+    qg_vec v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* tmp[o, l] = sum_i panel[o, i] xt[i, l] for o < QG_NR, l < V * QG_LANES; meanwhile the
+ * `ahead` bytes at `next` (the next panel's blocks) are fetched into the cache, a line per
+ * column, so its dequantization does not wait for memory. */
+static inline __attribute__((always_inline)) void qg_micro(const int V, const float *panel,
+                                                           int64_t cols, const float *xt,
+                                                           float *tmp, const char *next,
+                                                           int64_t ahead) {
+    qg_vec acc[QG_NR][2];
+#pragma GCC unroll 16
+    for (int o = 0; o < QG_NR; ++o)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) acc[o][v] = (qg_vec){0};
+    const int64_t width = (int64_t)V * QG_LANES;
+    for (int64_t i = 0; i < cols; ++i) {
+        if (i * 64 < ahead) __builtin_prefetch(next + i * 64, 0, 3);
+        qg_vec x[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) x[v] = qg_load(xt + i * width + v * QG_LANES);
+#pragma GCC unroll 16
+        for (int o = 0; o < QG_NR; ++o) {
+            const qg_vec w = (qg_vec){0} + panel[o * cols + i];
+#pragma GCC unroll 2
+            for (int v = 0; v < V; ++v) acc[o][v] += w * x[v];
+        }
+    }
+#pragma GCC unroll 16
+    for (int o = 0; o < QG_NR; ++o)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) memcpy(tmp + o * width + v * QG_LANES, &acc[o][v], sizeof(qg_vec));
+}
+
+#if defined(__AVX512F__)
+/* Rows [o0, o1) of m into panel `[o1 - o0, cols]`: `qb_dequantize_rows` with the blocks of 32
+ * unpacked in vector registers (that one leaves the unpacking to the compiler, and dequantizing
+ * took a third of a 32-row product). Multiply then add, unfused: bit-equal to it. */
+static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, int64_t o1,
+                                         float *panel) {
+    if (m->block != 32) {
+        qb_dequantize_rows(m, o0, o1, panel);
+        return;
+    }
+    const int64_t nb = m->cols / 32, cols = m->cols;
+    float sbuf[nb], mbuf[nb];
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t o = o0; o < o1; ++o) {
+        const float *sc = qb_row_floats(m->scales, m->scale_f16, nb, o, sbuf);
+        float *row = panel + (o - o0) * cols;
+        if (m->kind == QB_Q4) {
+            const float *mn = qb_row_floats(m->mins, m->scale_f16, nb, o, mbuf);
+            const uint8_t *q = (const uint8_t *)m->qs + o * (cols / 2);
+            for (int64_t b = 0; b < nb; ++b) {
+                const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
+                const __m512 s = _mm512_set1_ps(sc[b]), mb = _mm512_set1_ps(mn[b]);
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, low));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+                _mm512_storeu_ps(row + b * 32, _mm512_add_ps(_mm512_mul_ps(lo, s), mb));
+                _mm512_storeu_ps(row + b * 32 + 16, _mm512_add_ps(_mm512_mul_ps(hi, s), mb));
+            }
+        } else {
+            const int8_t *q = (const int8_t *)m->qs + o * cols;
+            for (int64_t b = 0; b < nb; ++b) {
+                const __m512 s = _mm512_set1_ps(sc[b]);
+                for (int h = 0; h < 2; ++h) {
+                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + b * 32 + h * 16));
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+                    _mm512_storeu_ps(row + b * 32 + h * 16, _mm512_mul_ps(v, s));
+                }
+            }
+        }
+    }
+}
+#else
+#define qg_dequantize qb_dequantize_rows
+#endif
+
+/* Rows [r0, r0 + n) of x (`cols` values a row, `ldx` apart) as groups `[cols, V * QG_LANES]`,
+ * zero-padded. */
+static inline void qg_transpose(const float *x, int64_t ldx, int64_t cols, int64_t r0,
+                                int64_t n, int V, float *xt) {
+    const int64_t width = (int64_t)V * QG_LANES;
+    for (int64_t g = 0; g * width < n; ++g) {
+        float *group = xt + g * width * cols;
+        const int64_t rows = n - g * width < width ? n - g * width : width;
+        if (rows < width) memset(group, 0, sizeof(float) * width * cols);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *row = x + (r0 + g * width + r) * ldx;
+            for (int64_t i = 0; i < cols; ++i) group[i * width + r] = row[i];
+        }
+    }
+}
+
+/* Lanes per activation group for `rows`: 32-row groups where there are more than 16 rows
+ * (16 with 8-lane vectors), else one vector (no half-empty second vector). */
+static inline int qg_vectors(int64_t rows) { return rows > QG_LANES ? 2 : 1; }
+
+/* Floats of `qg_transpose`'s output for `rows` rows of `cols` values. */
+static inline int64_t qg_transposed_floats(int64_t rows, int64_t cols) {
+    const int64_t width = (int64_t)qg_vectors(rows) * QG_LANES;
+    return (rows + width - 1) / width * width * cols;
+}
+
+/* Floats of one thread's scratch (a panel and its output tile) for `cols` values a row. */
+static inline int64_t qg_scratch_floats(int64_t cols) {
+    return QG_NR * cols + QG_NR * 2 * QG_LANES;
+}
+
+/* y[r, o] (= or += where `accumulate`) sum_i W[o, i] x[r, i] for o in [o0, o1), r < rows;
+ * `xt` is x as `qg_transpose` wrote it with V = qg_vectors(rows). W is `m`'s blocks, or
+ * where m is NULL the float32 rows `w` `[*, cols]` (read in place). `scratch`: this thread's
+ * `qg_scratch_floats(cols)`. */
+static inline void qg_stripe(const qb_matrix *m, const float *w, int64_t cols, const float *xt,
+                      int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
+                      int accumulate, float *scratch) {
+    const int V = qg_vectors(rows);
+    const int64_t width = (int64_t)V * QG_LANES, groups = (rows + width - 1) / width;
+    float *panel = scratch, *tmp = scratch + QG_NR * cols;
+    const int64_t row_bytes = m == NULL ? cols * 4 : (m->kind == QB_Q4 ? cols / 2 : cols);
+    const int64_t scale_row = m == NULL ? 0 : (cols / m->block) * (m->scale_f16 ? 2 : 4);
+    const char *base = m == NULL ? (const char *)w : (const char *)m->qs;
+    for (int64_t o = o0; o < o1; o += QG_NR) {
+        const int64_t e = o + QG_NR < o1 ? o + QG_NR : o1, count = e - o;
+        const int64_t next_rows = e + QG_NR < o1 ? QG_NR : o1 - e;
+        const float *use = panel;
+        if (m != NULL) {
+            qg_dequantize(m, o, e, panel);
+            for (int64_t b = 0; b < next_rows * scale_row; b += 64) {
+                __builtin_prefetch((const char *)m->scales + e * scale_row + b, 0, 3);
+                if (m->mins) __builtin_prefetch((const char *)m->mins + e * scale_row + b, 0, 3);
+            }
+        } else if (count == QG_NR) {
+            use = w + o * cols;
+        } else {
+            memcpy(panel, w + o * cols, sizeof(float) * count * cols);
+        }
+        if (use == panel && count < QG_NR)
+            memset(panel + count * cols, 0, sizeof(float) * (QG_NR - count) * cols);
+        const char *next = base + e * row_bytes;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t ahead = g ? 0 : next_rows * row_bytes;
+            if (V == 2)
+                qg_micro(2, use, cols, xt + g * width * cols, tmp, next, ahead);
+            else
+                qg_micro(1, use, cols, xt + g * width * cols, tmp, next, ahead);
+            const int64_t rg = g * width, nr = rows - rg < width ? rows - rg : width;
+            for (int64_t r = 0; r < nr; ++r) {
+                float *dst = y + (rg + r) * ldy + o;
+                const float *col = tmp + r;
+                if (accumulate)
+                    for (int64_t k = 0; k < count; ++k) dst[k] += col[k * width];
+                else
+                    for (int64_t k = 0; k < count; ++k) dst[k] = col[k * width];
+            }
+        }
+    }
+}
+
+#endif
