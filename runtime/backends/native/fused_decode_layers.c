@@ -17,7 +17,10 @@
  * Rotary is rotate-half with the row's `cos` / signed `sin` rows `[rows, head_dim]`. Row b
  * sits at position n_keys[b] - 1, writes its K/V there (on page pages[b, pos / bs]; an
  * unmapped page, -1, is not written and its keys are masked) and attends to its first
- * n_keys[b] positions. Attention is computed as in `paged_decode_attention.c`.
+ * n_keys[b] positions. Attention runs `paged_decode_attention.c`'s own work items (a pair
+ * of row and KV head, split into key spans when the pairs are too few for the threads), so
+ * both paths share one kernel: the stack's own scalar loop had cost 1 ms of a 3.5 ms batch-1
+ * step and lost to the per-op path on long mixed contexts.
  *
  * `fused_decode_layers_mixed` is the same stack with each projection given as up to 3 parts
  * stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
@@ -306,54 +309,17 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t head
 }
 
 /* Row b, KV head h: softmax(q K^T * scale) V over the row's pages, for its `group` queries. */
-static void attend(const float *qh, const float *k_cache, const float *v_cache,
-                   const int64_t *pages, int64_t keys, int64_t kv, int64_t h, int64_t group,
-                   int64_t head_dim, int64_t block_size, float scale, float *scores,
-                   float *out, int64_t out_stride) {
-    for (int64_t g = 0; g < group; ++g) memset(out + g * out_stride, 0, sizeof(float) * head_dim);
-    for (int64_t t = 0; t < keys; ++t) {
-        const int64_t page = pages[t / block_size];
-        if (page < 0) {
-            for (int64_t g = 0; g < group; ++g) scores[g * keys + t] = -INFINITY;
-            continue;
-        }
-        const float *kp = k_cache + ((page * kv + h) * block_size + t % block_size) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-            const float *qg = qh + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kp[d];
-            scores[g * keys + t] = dot * scale;
-        }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * keys;
-        float top = -INFINITY;
-        for (int64_t t = 0; t < keys; ++t) top = s[t] > top ? s[t] : top;
-        if (top == -INFINITY) {
-            for (int64_t t = 0; t < keys; ++t) s[t] = 0.0f;
-            continue;
-        }
-        float total = 0.0f;
-        for (int64_t t = 0; t < keys; ++t) {
-            s[t] = expf(s[t] - top);
-            total += s[t];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t t = 0; t < keys; ++t) s[t] *= inv;
-    }
-    for (int64_t t = 0; t < keys; ++t) {
-        const int64_t page = pages[t / block_size];
-        if (page < 0) continue;
-        const float *vp = v_cache + ((page * kv + h) * block_size + t % block_size) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * keys + t];
-            float *og = out + g * out_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) og[d] += p * vp[d];
-        }
-    }
-}
+/* Decode attention's work items (`paged_decode_attention.c`), shared by this team. */
+int64_t paged_attention_spans(int64_t pairs, int64_t longest, int64_t block_size, int threads);
+int64_t paged_attention_state_floats(int64_t group, int64_t head_dim);
+int64_t paged_attention_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size);
+void paged_attention_item_f32(const float *qh, const float *k_cache, const float *v_cache,
+                              const int64_t *row_pages, int64_t keys, int64_t kv, int64_t h,
+                              int64_t group, int64_t head_dim, int64_t block_size, float scale,
+                              int64_t part, int64_t spans, float *scratch, float *kept,
+                              float *out);
+void paged_attention_merge(float *kept, int64_t spans, int64_t group, int64_t head_dim,
+                           float *out);
 
 /* The stack; `parts` NULL: float32 projections from the table in `layouts`, else from parts. */
 static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t *parts, float *x,
@@ -369,13 +335,21 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
     float *attended = (float *)malloc(sizeof(float) * rows * q_out);
     float *gate_up = (float *)malloc(sizeof(float) * rows * 2 * ffn);
     float *hidden = (float *)malloc(sizeof(float) * rows * ffn);
-    int failed = qkv == NULL || attended == NULL || gate_up == NULL || hidden == NULL;
+    /* attention: (row, KV head) pairs split into key spans when they are too few for the
+     * threads (one token at batch 1 is 3 pairs for 2 threads), each span's state kept */
+    const int64_t pairs = rows * kv;
+    const int64_t spans = paged_attention_spans(pairs, max_keys, block_size, n_threads);
+    const int64_t per_state = paged_attention_state_floats(group, head_dim);
+    float *kept = spans > 1 ? (float *)malloc(sizeof(float) * pairs * spans * per_state) : NULL;
+    int failed = qkv == NULL || attended == NULL || gate_up == NULL || hidden == NULL ||
+                 (spans > 1 && kept == NULL);
     if (!failed) {
 #pragma omp parallel num_threads(n_threads)
         {
             const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
             float *normed = (float *)malloc(sizeof(float) * rows * dim);
-            float *scores = (float *)malloc(sizeof(float) * group * max_keys);
+            float *scores = (float *)malloc(
+                sizeof(float) * paged_attention_scratch_floats(group, head_dim, block_size));
             float *rot = (float *)malloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
@@ -440,15 +414,22 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     }
                 }
                 /* (implicit barrier: rows may share pages, so every write lands before any
-                 * read, as in the per-op path) 3. attention over each row's pages in place,
-                 * (row, KV head) jobs handed out as threads free up: rows' lengths differ */
+                 * read, as in the per-op path) 3. attention over each row's pages in place:
+                 * `paged_decode_attention.c`'s work items, handed out as threads free up */
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t job = 0; job < rows * kv; ++job) {
-                    const int64_t b = job / kv, h = job % kv;
-                    attend(qkv + b * qkv_out + h * group * head_dim, k_cache, v_cache,
-                           pages + b * width, n_keys[b], kv, h, group, head_dim, block_size,
-                           scale, scores, attended + b * q_out + h * group * head_dim,
-                           head_dim);
+                for (int64_t item = 0; item < pairs * spans; ++item) {
+                    const int64_t pair = item / spans, b = pair / kv, h = pair % kv;
+                    paged_attention_item_f32(
+                        qkv + b * qkv_out + h * group * head_dim, k_cache, v_cache,
+                        pages + b * width, n_keys[b], kv, h, group, head_dim, block_size, scale,
+                        item % spans, spans, scores, kept == NULL ? NULL : kept + item * per_state,
+                        attended + b * q_out + h * group * head_dim);
+                }
+                if (spans > 1) {
+#pragma omp for schedule(static)
+                    for (int64_t pair = 0; pair < pairs; ++pair)
+                        paged_attention_merge(kept + pair * spans * per_state, spans, group,
+                                              head_dim, attended + pair * group * head_dim);
                 }
                 /* (implicit barrier) 4. O projection into the residual stream */
                 q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
@@ -504,6 +485,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
     free(attended);
     free(gate_up);
     free(hidden);
+    free(kept);
     return failed != 0;
 }
 

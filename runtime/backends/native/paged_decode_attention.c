@@ -408,3 +408,51 @@ static void merge_spans(const span_state *states, int64_t spans, int64_t group,
 
 DEFINE_KERNEL(paged_decode_attention_f32, attend_span_f32, float)
 DEFINE_KERNEL(paged_decode_attention_bf16, attend_span_bf16, uint16_t)
+
+/* Work items for a caller that is itself an OpenMP team (the fused decode stack): the same
+ * spans, items and merge as the kernels above, one call per item, so its threads share them
+ * with their own worksharing loop. Float32 caches. */
+
+int64_t paged_attention_spans(int64_t pairs, int64_t longest, int64_t block_size, int threads) {
+    return spans_per_row(pairs, longest, block_size, threads);
+}
+
+/* Floats of one item's kept state, and of its page scratch (scores and a state). */
+int64_t paged_attention_state_floats(int64_t group, int64_t head_dim) {
+    return state_floats(group, head_dim);
+}
+
+int64_t paged_attention_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size) {
+    return group * score_stride(block_size) + state_floats(group, head_dim);
+}
+
+/* Span `part` of `spans` of one (row, kv head h) over its `keys` keys; qh its [g, hd] queries.
+ * With one span the result goes to `out` ([g, hd]); else the state is left in `kept` for
+ * `paged_attention_merge`. */
+void paged_attention_item_f32(const float *qh, const float *k_cache, const float *v_cache,
+                              const int64_t *row_pages, int64_t keys, int64_t kv, int64_t h,
+                              int64_t group, int64_t head_dim, int64_t block_size, float scale,
+                              int64_t part, int64_t spans, float *scratch, float *kept,
+                              float *out) {
+    keys = keys > 0 ? keys : 0;
+    const int64_t per_span = ((keys + block_size - 1) / block_size + spans - 1) / spans;
+    const int64_t first = part * per_span * block_size, last = (part + 1) * per_span * block_size;
+    const span_state state = clear_state(
+        spans > 1 ? kept : scratch + group * score_stride(block_size), group, head_dim);
+    attend_span_f32(qh, k_cache, v_cache, row_pages, first < keys ? first : keys,
+                    last < keys ? last : keys, kv, h, group, head_dim, block_size, scale, scratch,
+                    &state);
+    if (spans == 1) merge_spans(&state, 1, group, head_dim, out);
+}
+
+/* One (row, head)'s output from its `spans` kept states (consecutive in `kept`). */
+void paged_attention_merge(float *kept, int64_t spans, int64_t group, int64_t head_dim,
+                           float *out) {
+    span_state states[spans];
+    const int64_t per_state = state_floats(group, head_dim);
+    for (int64_t part = 0; part < spans; ++part) {
+        float *buffer = kept + part * per_state;
+        states[part] = (span_state){buffer, buffer + group, buffer + 2 * group};
+    }
+    merge_spans(states, spans, group, head_dim, out);
+}
