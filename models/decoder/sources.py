@@ -203,6 +203,13 @@ def load_weights(
     sources hold no blocks, so for them it means `dtype`.
     """
     source = resolve_source(name)
+    if weights == "stored-int8" and source.kind != "gguf":
+        # Asked for explicitly, it must not quietly mean float32.
+        raise ValueError(
+            f"weights='stored-int8' (--weights stored-int8) multiplies a GGUF's quantized blocks "
+            f"with int8 activations, but {source.name} is a {source.kind} source with no blocks: "
+            "allowed here are --weights stored, float32 or bfloat16"
+        )
     tokenizer: DecoderTokenizer | None = None
     held = str(dtype).removeprefix("torch.")
     state: dict[str, WeightValue]

@@ -17,7 +17,7 @@ import torch
 from models import load_executor
 from models.decoder import greedy_generate, load_model, random_state_dict
 from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
-from models.decoder.kernels import KernelPlanError
+from models.decoder.kernels import KernelPlanError, int8_activations_available
 from models.decoder.layers import Projection
 from models.generation.generator import GenerationParams, Generator
 from models.llama import LlamaArgs
@@ -148,3 +148,6 @@ def test_weights_argument_is_checked_before_loading() -> None:
         load_executor("tiny-random", weights="int4")
     with pytest.raises(ValueError, match=r"--weights bfloat16.*--dtype float32"):
         load_executor("tiny-random", weights="bfloat16")
+    if int8_activations_available():  # else refused for the CPU first
+        with pytest.raises(ValueError, match=r"stored-int8.*tiny_random source with no blocks"):
+            load_executor("tiny-random", weights="stored-int8")
