@@ -42,6 +42,8 @@ from runtime.quant.matrix import QuantizedMatrix
 # Output rows dequantized per tile: 256 rows of a 576-wide matrix are 576 KiB of float32,
 # which stays in a Zen 4 / Xeon core's L2 while the GEMM reads it.
 _TILE_ROWS = 256
+NEEDS_NATIVE = "the native kernels"
+"""`needs` of a form that runs on the native library (its errors then say why it cannot)."""
 _BUFFERS: dict[int, torch.Tensor] = {}
 
 
@@ -165,7 +167,7 @@ class BlockForm:
     kinds: tuple[str, ...] = ("q4", "q8")
     takes: Callable[[QuantizedMatrix], bool] = _any_blocks
     """Which blocks of those kinds it computes over."""
-    needs: str = "the native kernels"
+    needs: str = NEEDS_NATIVE
     """What `available()` checks, for errors."""
     converted: bool = False
     """Runs from a converted copy of the blocks: warmup times it on one layer and scales,

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from models.decoder.block_forms import BLOCK_FORMS
+from models.decoder.block_forms import BLOCK_FORMS, NEEDS_NATIVE
 from runtime.backends import native_kernels
 from runtime.json_types import JSONValue
 
@@ -164,7 +164,7 @@ class Form:
     compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     max_rows: int | None = None
     available: Callable[[], bool] = _always
-    needs: str = "the native kernels"
+    needs: str = NEEDS_NATIVE
     """What `available()` checks, for errors."""
 
     def fits(self, rows: int) -> bool:
@@ -531,9 +531,7 @@ def check_plan_fits(plan: KernelPlan, shapes: Mapping[str, ProjectionShape], whe
             available = BLOCK_FORMS[form].available if held else FORMS[form].available
             if not available():
                 needs = BLOCK_FORMS[form].needs if held else FORMS[form].needs
-                native = (
-                    native_kernels.unavailable_reason() if needs == "the native kernels" else None
-                )
+                native = native_kernels.unavailable_reason() if needs == NEEDS_NATIVE else None
                 reason = native or f"it needs {needs}"
                 raise _error(where, f"{name} uses form {form!r}, which cannot run here ({reason})")
     if plan.fused_activations == "int8" and not int8_activations_available():
