@@ -1,17 +1,22 @@
-"""Where one batch-32 mixed-length decode step's time goes (SmolLM2-135M, dynamic CPU path).
+"""Where one mixed-length decode step's time goes (SmolLM2-135M, dynamic CPU path).
 
-Run: `python benchmarks/decode_step_breakdown.py [--threads N] [--plan] [--reps R]` (about a
-minute with `--plan`). To compare two commits, run it in a worktree of each in the same
-minutes, under `flock /tmp/bench.lock`.
+Run: `python benchmarks/decode_step_breakdown.py [--rows 1|8|32] [--weights float32|stored]
+[--threads N] [--plan] [--reps R]` (about a minute with `--plan`). To compare two commits,
+run it in a worktree of each in the same minutes, under `flock /tmp/bench.lock`.
 
-Method: the `decode b32 ctx48-520` case of `model_step_times.py` (block size 32, random K/V,
-shuffled pages). `--plan` first measures the kernel plan for a 32-slot lane, as warmup does;
-without it the model runs its default forms. Then, best and median of `reps` calls, passes
-alternating: the whole `model.decode`; the native paged attention over every layer's cache
-(the step's queries replaced by random ones of the same shape); each projection kind over
-every layer at 32 rows, through the model's `Projection` (the plan's form) and through a
-plain `F.linear`; the KV writes. "rest" is the step minus the parts: norms, rotary, SwiGLU,
-residual adds, views and per-op overhead.
+Method: a decode case of `model_step_times.py` (block size 32, random K/V, shuffled pages):
+`decode b32 ctx48-520` by default, `b8 ctx128-192` or `b1 ctx160`. `--plan` first measures
+the kernel plan for a lane of that many slots, as warmup does; without it the model runs its
+default forms. Then, best and median of `reps` calls, passes alternating: the whole
+`model.decode` (the fused stack where the plan chose it, and the per-op path beside it); the
+native paged attention over every layer's cache (the step's queries replaced by random ones
+of the same shape); each projection kind over every layer, through the model's `Projection`
+(the plan's form) and through a plain `F.linear`; the KV writes. "rest" is the per-op step
+minus the parts: norms, rotary, SwiGLU, residual adds, views and per-op overhead.
+
+Floors: attention, the step's K/V bytes at the read rate `torch.sum` reaches on a buffer of
+that size; projections, their FLOPs at the best GEMM rate `gemm_candidates.py` measured on
+this machine kind (`--peak-gflops`, default 494: Zen 5, 2 threads).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from models.decoder import dynamic_addressing as dynamic
 from models.decoder.attention import write_kv
 from runtime.backends import native_kernels
 
-CASE = "decode b32 ctx48-520"
+_MEMORY_PROBE_BYTES = 512 << 20
+CASES = {1: "decode b1 ctx160", 8: "decode b8 ctx128-192", 32: "decode b32 ctx48-520"}
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 
@@ -113,17 +119,31 @@ def main(argv: list[str] | None = None) -> int:
         help="float32 (the dequantized model) or stored (the GGUF's Q4_1 blocks)",
     )
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--rows", type=int, choices=sorted(CASES), default=32)
+    parser.add_argument("--peak-gflops", type=float, default=494.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(
         "smollm2-135m", dtype=torch.float32, with_tokenizer=False, weights=args.weights
     ).model
     if args.plan:
-        model.choose_kernels(decode_rows=32, prefill_rows=256)
+        model.choose_kernels(decode_rows=args.rows, prefill_rows=256)
         assert model.kernel_plan is not None
         print(model.kernel_plan.summary())
-    call = _cases(model, random.Random(0))[CASE]
-    timed = {"step (model.decode)": call, **_parts(model, _step_inputs(model, call))}
+    call = _cases(model, random.Random(0))[CASES[args.rows]]
+    inputs = _step_inputs(model, call)
+    timed = {"step (model.decode)": call, **_parts(model, inputs)}
+    fused = model.fused_decode
+    if fused is not None and fused.runs(args.rows):
+
+        def per_op() -> torch.Tensor:
+            model.fused_decode = None
+            try:
+                return call()
+            finally:
+                model.fused_decode = fused
+
+        timed["step, per-op path"] = per_op
     samples: dict[str, list[float]] = {name: [] for name in timed}
     with torch.inference_mode():
         for _ in range(args.passes):
@@ -137,9 +157,41 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:32s} min {best[name]:8.2f} ms   median {statistics.median(times) * 1e3:8.2f} ms"
         )
-    step = best["step (model.decode)"]
-    print(f"{'rest (step - parts, plan forms)':32s} {step - accounted:12.2f} ms")
+    step = best.get("step, per-op path", best["step (model.decode)"])
+    print(f"{'rest (per-op step - parts)':32s} {step - accounted:12.2f} ms")
+    for line in _floors(model, inputs, best, args.peak_gflops):
+        print(line)
     return 0
+
+
+def _floors(
+    model: DecoderModel, inputs: dict[str, torch.Tensor], best: dict[str, float], peak: float
+) -> list[str]:
+    """Attention and projections against their floors (see the module docstring)."""
+    from benchmarks.llama_cpp_compare import read_bandwidth
+
+    args = model.args
+    keys = int((inputs["positions"].long() + 1).sum())
+    kv_bytes = keys * args.n_kv_heads * args.head_dim * 4 * 2 * len(model.layers)
+    # A step's K/V and weights come from memory, not cache: read a buffer larger than L3.
+    bandwidth = max(read_bandwidth(_MEMORY_PROBE_BYTES) for _ in range(3))
+    attention_floor = kv_bytes / bandwidth * 1e3
+    rows = int(inputs["positions"].shape[0])
+    modules = [m for name in PROJECTIONS for m in model.projection_groups()[name]]
+    flops = 2 * rows * sum(m.in_features * m.out_features for m in modules)
+    weight_bytes = sum(m.resident_bytes for m in modules)
+    projection_floor = max(flops / peak / 1e6, weight_bytes / bandwidth * 1e3)
+    projections = sum(best[f"{name} (plan form)"] for name in PROJECTIONS)
+    attention = best["attention (native, all layers)"]
+    return [
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({_MEMORY_PROBE_BYTES >> 20} MiB buffer)",
+        f"attention floor: {kv_bytes / 1e6:.0f} MB of K/V = {attention_floor:.2f} ms; "
+        f"measured {attention:.2f} ms ({attention / attention_floor:.2f}x)",
+        f"projection floor: {flops / 1e9:.2f} GFLOP at {peak:.0f} GFLOP/s or "
+        f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "
+        f"{projection_floor:.2f} ms; measured {projections:.2f} ms "
+        f"({projections / projection_floor:.2f}x)",
+    ]
 
 
 if __name__ == "__main__":
