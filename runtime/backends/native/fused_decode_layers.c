@@ -45,11 +45,12 @@
 #include "quant_blocks_i8.h"
 
 /* Rows from which a stage's float32 (`[out, in]`) and float-activation block products run
- * on panels (`gemm_panels.h`) instead of the few-row dot kernels: past 4 rows the float one
- * reloads every weight tile per group of 4 rows and spends its time on loads and horizontal
- * sums; the block one stays ahead up to 16 rows, where a panel's dequantization is shared by
- * too few rows (the `q_rows` / `q_gemm` crossover of warmup's block forms on Zen 5). */
-#define PANEL_FROM_ROWS 5
+ * on panels (`gemm_panels.h`) instead of the few-row dot kernels. Float32: from 3 rows the dot
+ * kernel's reloads of each weight tile per group of rows and its horizontal sums cost more
+ * (a 4-row SmolLM2 step 19.8 -> 16.8 ms on Zen 5; at 2 rows the two tie). Blocks: the
+ * streaming kernel stays ahead up to 16 rows, where a panel's dequantization is shared by too
+ * few rows (the `q_rows` / `q_gemm` crossover of warmup's block forms on Zen 5). */
+#define PANEL_FROM_ROWS 3
 #define BLOCK_PANEL_FROM_ROWS 17
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
