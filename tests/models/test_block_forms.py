@@ -62,3 +62,18 @@ def test_many_row_form_is_the_default_past_the_streaming_rows() -> None:
         block_product(parts, x, "q_gemm"), block_product((whole,), x, "q_gemm")
     )
     _assert_close(block_product(parts, x, "q_gemm"), gguf_reference("Q4_1", raw), x)
+
+
+@pytest.mark.skipif(
+    native_kernels.unavailable_reason() is not None,
+    reason="the native block kernels need a C compiler (gcc)",
+)
+@pytest.mark.parametrize("type_name", sorted(STORED_TYPES))
+def test_many_row_form_reads_the_exact_weights(type_name: str) -> None:
+    """One-hot rows pick single weights: `q_gemm`'s panels hold the weight bit-equal to
+    `QuantizedMatrix.dequantize` (its dequantization is a lookup, not an approximation)."""
+    cols = 2 * STORED_TYPES[type_name][0]
+    matrix = repack(type_name, raw_blocks(type_name, 25, cols, seed=4), 25, cols)
+    picks = torch.eye(cols)[:40]
+    got = block_product((matrix,), picks, "q_gemm")
+    assert torch.equal(got, matrix.dequantize()[:, :40].T)

@@ -84,6 +84,7 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
     const int64_t nb = m->cols / 32, cols = m->cols;
     float sbuf[nb], mbuf[nb];
     const __m512i low = _mm512_set1_epi32(0x0F);
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t o = o0; o < o1; ++o) {
         const float *sc = qb_row_floats(m->scales, m->scale_f16, nb, o, sbuf);
         float *row = panel + (o - o0) * cols;
@@ -91,12 +92,13 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
             const float *mn = qb_row_floats(m->mins, m->scale_f16, nb, o, mbuf);
             const uint8_t *q = (const uint8_t *)m->qs + o * (cols / 2);
             for (int64_t b = 0; b < nb; ++b) {
+                /* the block's 16 possible values q * s + m, then two lookups by nibble */
                 const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-                const __m512 s = _mm512_set1_ps(sc[b]), mb = _mm512_set1_ps(mn[b]);
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, low));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-                _mm512_storeu_ps(row + b * 32, _mm512_add_ps(_mm512_mul_ps(lo, s), mb));
-                _mm512_storeu_ps(row + b * 32 + 16, _mm512_add_ps(_mm512_mul_ps(hi, s), mb));
+                const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(sc[b])),
+                                                   _mm512_set1_ps(mn[b]));
+                _mm512_storeu_ps(row + b * 32, _mm512_permutexvar_ps(_mm512_and_si512(w, low), table));
+                _mm512_storeu_ps(row + b * 32 + 16,
+                                 _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table));
             }
         } else {
             const int8_t *q = (const int8_t *)m->qs + o * cols;
