@@ -160,7 +160,7 @@ def _geometry(args: LlamaArgs) -> DecodeStackGeometry:
     )
 
 
-# 20 and 33 rows: the stack's block products run on panels from 17 rows (`gemm_panels.h`).
+# 20 and 33 rows: the stack's block products run on panels from 9 rows (`gemm_panels.h`).
 @example(mix="straddling", layout=0, positions=list(range(0, 40, 2)), threads=2, seed=1, int8=False)
 @example(mix="straddling", layout=0, positions=list(range(33)), threads=3, seed=2, int8=False)
 @given(

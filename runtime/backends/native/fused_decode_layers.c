@@ -48,10 +48,11 @@
  * on panels (`gemm_panels.h`) instead of the few-row dot kernels. Float32: from 3 rows the dot
  * kernel's reloads of each weight tile per group of rows and its horizontal sums cost more
  * (a 4-row SmolLM2 step 19.8 -> 16.8 ms on Zen 5; at 2 rows the two tie). Blocks: the
- * streaming kernel stays ahead up to 16 rows, where a panel's dequantization is shared by too
- * few rows (the `q_rows` / `q_gemm` crossover of warmup's block forms on Zen 5). */
+ * streaming kernel stays ahead up to 8 rows, where a panel's dequantization is shared by too
+ * few rows (Q4_1 SmolLM2 on Zen 5: 8 rows 14.9 ms streaming against 18.5 on panels, 16 rows
+ * 30.8 against 22.6). */
 #define PANEL_FROM_ROWS 3
-#define BLOCK_PANEL_FROM_ROWS 17
+#define BLOCK_PANEL_FROM_ROWS 9
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
