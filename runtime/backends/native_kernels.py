@@ -4,7 +4,7 @@ Why native: decode attention over a paged KV cache needs each row's keys, which 
 scattered pages. torch has no paged attention on CPU, so the torch path gathers the pages
 into a workspace first, copying every key and value once more per step. The kernel in
 `native/paged_decode_attention.c` reads the pages in place, once, with an online softmax in
-vector loops, over (row, KV head, key span) work items shared by the threads.
+vector loops, over (row, key span) work items shared by the threads.
 `native/small_rows_matmul.c` is one more candidate form for decode projections (a
 weight-streaming product for a few rows); warmup keeps it only where it measures fastest.
 `native/fused_decode_layers.c` runs a whole decoder stack of a few-row float32 decode step in

@@ -6,26 +6,32 @@
  * at offset t % bs (a page of -1 is unmapped: its keys are masked out).
  *
  * Why it is shaped this way: a batch-32 decode step reads about as many K/V bytes as weight
- * bytes, so attention must run at the memory's read rate, not at the rate of scalar code.
- * - Work items are (row, kv head, key span) triples handed out dynamically to the OpenMP
- *   threads: long rows do not leave a thread idle, and a preempted thread's share is taken
- *   by the others. A row is split into spans (flash-decoding) only when rows x heads are too
- *   few to keep every thread busy; the spans are merged at the end.
- * - Each item walks its pages once with an online softmax: a page's keys (contiguous
- *   [bs, hd] for one head) are dotted with the head's g queries, the running maximum and sum
- *   are updated, and the same page's values are accumulated into a [g, hd] state on the
- *   stack. Every key and value is read once per step; nothing grows with the context.
- * - The inner loops use GCC/clang vector extensions (16 lanes with AVX-512, else 8) and an
- *   exp without libm, so they vectorise without -ffast-math; the next page is prefetched
- *   while the current one is processed. Head sizes that are not a multiple of the lane count
- *   take a scalar loop with the same arithmetic.
+ * bytes, so attention must run at the memory's read rate, and the math must be small next
+ * to the reads (measured on Zen 5: ~2.3x less math than a per-key dot product with a
+ * horizontal sum; the reads, not the math, now set the time).
+ * - Work items are (row, key span) pairs, handed out dynamically to the OpenMP threads,
+ *   longest rows first so that the threads finish together. A row is split into spans
+ *   (flash-decoding) only when the rows are too few to keep every thread busy; the spans are
+ *   merged at the end. An item does every kv head: a page's heads are contiguous
+ *   ([kv, bs, hd]), so a page is one sweep of K and one of V.
+ * - Per page and head, the keys and values are first read line by line side by side (two
+ *   streams keep more lines in flight than one) while the next page's lines are
+ *   prefetched; the math then runs from L1.
+ * - Scores are computed LANES keys at a time (16 with AVX-512, else 8): one partial-sum
+ *   vector per key, then a transposing tree sums the 16 vectors into one vector of 16 scores
+ *   (~2 shuffles a score, not ~8). The online softmax is vectorised over a page's scores,
+ *   with an exp without libm, so nothing needs -ffast-math.
+ * - The values are accumulated into register tiles of up to 4 queries x 4 lane chunks (the
+ *   whole [3, 64] output for SmolLM2), the page's rescale folded into loading the tile.
+ * - Head sizes that are not a multiple of the lane count take a scalar loop with the same
+ *   arithmetic. Head sizes 64 and 128 are compiled as constants (fixed key-row offsets).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Floats of per-item scratch (scores and state) kept on the stack; larger heads malloc. */
+/* Floats of per-item scratch (scores, a key block, states) kept on the stack; more mallocs. */
 #define STACK_FLOATS 8192
 /* Work items per thread below which rows are split into key spans. */
 #define ITEMS_PER_THREAD 4
@@ -84,12 +90,20 @@ static inline float hsum(vfloat v) {
     return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
+/* Largest lane: each step keeps the larger of the vector and its halves swapped. */
+static inline vfloat vmax(vfloat a, vfloat b);
 static inline float hmax(vfloat v) {
-    float lanes[LANES];
-    memcpy(lanes, &v, sizeof(v));
-    float out = lanes[0];
-    for (int i = 1; i < LANES; ++i) out = lanes[i] > out ? lanes[i] : out;
-    return out;
+#if LANES == 16
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+#else
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0));
+#endif
+    return v[0];
 }
 
 /* e^x for x <= 0 (scores minus their running maximum), relative error below 2e-7; 0 below
@@ -131,6 +145,7 @@ static inline vfloat vselect(vint mask, vfloat a, vfloat b) {
     memcpy(&f, &out, sizeof(f));
     return f;
 }
+static inline vfloat vmax(vfloat a, vfloat b) { return vselect(a > b, a, b); }
 static inline vfloat vexp_nonpositive(vfloat x) { EXP_BODY(vfloat, vint, splat, splat_i, vselect) }
 
 /* Online-softmax state of one work item: running maximum and sum per query, and the
@@ -164,7 +179,7 @@ static inline void softmax_page(const span_state *state, int64_t gi, float *s, i
     vfloat top_v = load_f32(s);
     for (int64_t t = LANES; t < padded; t += LANES) {
         const vfloat x = load_f32(s + t);
-        top_v = vselect(x > top_v, x, top_v);
+        top_v = vmax(x, top_v);
     }
     const float top = hmax(top_v), old = state->top[gi];
     if (top > old) {
@@ -184,52 +199,192 @@ static inline void softmax_page(const span_state *state, int64_t gi, float *s, i
     state->total[gi] += hsum(sum);
 }
 
-/* One page of one (row, head), vector loops: head_dim is a multiple of LANES. `next_keys` /
- * `next_values` (or NULL) are the next page's, prefetched row by row. */
-#define DEFINE_PAGE_VECTOR(NAME, KV_T, LOAD)                                                   \
-    static inline void NAME(const float *restrict qh, const KV_T *restrict keys,              \
-                            const KV_T *restrict values, const KV_T *next_keys,               \
-                            const KV_T *next_values, int64_t count, int64_t group,            \
-                            int64_t head_dim, float scale, int64_t stride,                  \
-                            float *restrict scores, const span_state *state) {                \
-        const int64_t padded = (count + LANES - 1) / LANES * LANES;                           \
-        const int64_t chunks = head_dim / LANES;                                              \
+/* softmax_page for the vector path: the same update, but the rescaling of the output is
+ * left to the caller (it folds it into loading its register tiles): returns the factor. */
+static inline float softmax_scores(const span_state *state, int64_t gi, float *s, int64_t count) {
+    const int64_t padded = (count + LANES - 1) / LANES * LANES;
+    vfloat top_v = load_f32(s);
+    for (int64_t t = LANES; t < padded; t += LANES) {
+        const vfloat x = load_f32(s + t);
+        top_v = vmax(x, top_v);
+    }
+    const float top = hmax(top_v), old = state->top[gi];
+    float factor = 1.0f;
+    if (top > old) {
+        factor = exp_nonpositive(old - top);
+        state->total[gi] *= factor;
+        state->top[gi] = top;
+    }
+    const vfloat current = splat(state->top[gi]);
+    vfloat sum = splat(0.0f);
+    for (int64_t t = 0; t < padded; t += LANES) {
+        const vfloat w = vexp_nonpositive(load_f32(s + t) - current);
+        memcpy(s + t, &w, sizeof(w));
+        sum += w;
+    }
+    state->total[gi] += hsum(sum);
+    return factor;
+}
+
+/* Vector path tiles: V accumulators of up to TILE_QUERIES queries x TILE_CHUNKS lane chunks
+ * stay in registers while a page's values stream past (12 of 32 zmm for g = 3, hd = 64). */
+#define TILE_QUERIES 4
+#if LANES == 16
+#define TILE_CHUNKS 4
+#else
+#define TILE_CHUNKS 2
+#endif
+
+/* Lane j of the result is the sum of part[j]'s lanes: a transposing tree (each level adds
+ * pairs of vectors after interleaving their halves), ~2 shuffles a sum instead of ~8. */
+static inline vfloat reduce_lanes(vfloat *part) {
+#if LANES == 16
+    for (int j = 0; j < 8; ++j)
+        part[j] = __builtin_shufflevector(part[j], part[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                          18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(part[j], part[j + 8], 8, 9, 10, 11, 12, 13, 14, 15,
+                                          24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; ++j)
+        part[j] = __builtin_shufflevector(part[j], part[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8,
+                                          9, 10, 11, 24, 25, 26, 27) +
+                  __builtin_shufflevector(part[j], part[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12,
+                                          13, 14, 15, 28, 29, 30, 31);
+    for (int j = 0; j < 2; ++j)
+        part[j] = __builtin_shufflevector(part[j], part[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8,
+                                          9, 24, 25, 12, 13, 28, 29) +
+                  __builtin_shufflevector(part[j], part[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10,
+                                          11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(part[0], part[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
+                                   12, 28, 14, 30) +
+           __builtin_shufflevector(part[0], part[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
+                                   13, 29, 15, 31);
+#else
+    for (int j = 0; j < 4; ++j)
+        part[j] = __builtin_shufflevector(part[j], part[j + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(part[j], part[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int j = 0; j < 2; ++j)
+        part[j] = __builtin_shufflevector(part[j], part[j + 2], 0, 1, 8, 9, 4, 5, 12, 13) +
+                  __builtin_shufflevector(part[j], part[j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(part[0], part[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(part[0], part[1], 1, 9, 3, 11, 5, 13, 7, 15);
+#endif
+}
+
+static const float lane_index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* Vector path pieces per cache type: scores of LANES keys for every query, then the values of
+ * a page into one register tile of the output state. */
+#define DEFINE_VECTOR_PIECES(SUFFIX, KV_T, LOAD)                                                \
+    /* Scores of keys rows[0 .. LANES) (row j at keys + j * head_dim) for each query; lanes  \
+     * at or past `valid` get -inf. */                                                        \
+    static inline __attribute__((always_inline)) void key_block_##SUFFIX(                    \
+        const float *restrict qh, const KV_T *restrict keys, int64_t valid, int64_t group,   \
+        int64_t head_dim, float scale, int64_t stride, float *restrict out) {                \
+        const vint beyond = load_f32(lane_index) >= splat((float)valid);                      \
+        for (int64_t gi = 0; gi < group; ++gi) {                                             \
+            const float *qg = qh + gi * head_dim;                                            \
+            vfloat part[LANES];                                                              \
+            for (int j = 0; j < LANES; ++j) part[j] = splat(0.0f);                           \
+            for (int64_t c = 0; c < head_dim; c += LANES) {                                  \
+                const vfloat qv = load_f32(qg + c);                                          \
+                for (int j = 0; j < LANES; ++j) part[j] += qv * LOAD(keys + j * head_dim + c); \
+            }                                                                                \
+            const vfloat s = vselect(beyond, splat(-INFINITY), reduce_lanes(part) * splat(scale)); \
+            memcpy(out + gi * stride, &s, sizeof(s));                                        \
+        }                                                                                    \
+    }                                                                                        \
+    /* key_block with the common head sizes as constants: the 16 key rows are then fixed    \
+     * offsets from one pointer instead of 16 pointers spilled to the stack. */              \
+    static void key_block_any_##SUFFIX(const float *qh, const KV_T *keys, int64_t valid,     \
+                                       int64_t group, int64_t head_dim, float scale,         \
+                                       int64_t stride, float *out) {                         \
+        if (head_dim == 64)                                                                  \
+            key_block_##SUFFIX(qh, keys, valid, group, 64, scale, stride, out);              \
+        else if (head_dim == 128)                                                            \
+            key_block_##SUFFIX(qh, keys, valid, group, 128, scale, stride, out);             \
+        else                                                                                 \
+            key_block_##SUFFIX(qh, keys, valid, group, head_dim, scale, stride, out);        \
+    }                                                                                        \
+    /* acc[qi][c] = acc * factor[qi] + sum_t w[qi][t] v[t][c] for NQ queries, NC chunks. */  \
+    static inline __attribute__((always_inline)) void value_tile_##SUFFIX(                   \
+        const KV_T *restrict values, int64_t count, int64_t head_dim, const float *w,        \
+        int64_t stride, float *acc, const float *factor, int nq, int nc) {                   \
+        vfloat a[TILE_QUERIES][TILE_CHUNKS];                                                 \
+        for (int qi = 0; qi < nq; ++qi)                                                      \
+            for (int c = 0; c < nc; ++c)                                                     \
+                a[qi][c] = load_f32(acc + qi * head_dim + c * LANES) * splat(factor[qi]);    \
+        for (int64_t t = 0; t < count; ++t) {                                                \
+            vfloat v[TILE_CHUNKS];                                                           \
+            for (int c = 0; c < nc; ++c) v[c] = LOAD(values + t * head_dim + c * LANES);     \
+            for (int qi = 0; qi < nq; ++qi) {                                                \
+                const vfloat wq = splat(w[qi * stride + t]);                                 \
+                for (int c = 0; c < nc; ++c) a[qi][c] += wq * v[c];                          \
+            }                                                                                \
+        }                                                                                    \
+        for (int qi = 0; qi < nq; ++qi)                                                      \
+            for (int c = 0; c < nc; ++c)                                                     \
+                memcpy(acc + qi * head_dim + c * LANES, &a[qi][c], sizeof(vfloat));          \
+    }
+
+DEFINE_VECTOR_PIECES(f32, float, load_f32)
+DEFINE_VECTOR_PIECES(bf16, uint16_t, load_bf16)
+
+/* value_tile with nq and nc as constants, so that its tile lives in registers. */
+#define VALUE_TILE_CASE(SUFFIX, NQ, NC)                                                       \
+    case (NQ) * 8 + (NC):                                                                     \
+        value_tile_##SUFFIX(values, count, head_dim, w, stride, acc, factor, NQ, NC);         \
+        return;
+#if LANES == 16
+#define VALUE_TILE_CASES(SUFFIX, NQ)                                                          \
+    VALUE_TILE_CASE(SUFFIX, NQ, 1)                                                            \
+    VALUE_TILE_CASE(SUFFIX, NQ, 2) VALUE_TILE_CASE(SUFFIX, NQ, 3) VALUE_TILE_CASE(SUFFIX, NQ, 4)
+#else
+#define VALUE_TILE_CASES(SUFFIX, NQ) VALUE_TILE_CASE(SUFFIX, NQ, 1) VALUE_TILE_CASE(SUFFIX, NQ, 2)
+#endif
+#define DEFINE_VALUE_TILE_ANY(SUFFIX, KV_T)                                                   \
+    static void value_tile_any_##SUFFIX(const KV_T *values, int64_t count, int64_t head_dim,  \
+                                        const float *w, int64_t stride, float *acc,           \
+                                        const float *factor, int nq, int nc) {                \
+        switch (nq * 8 + nc) {                                                                \
+            VALUE_TILE_CASES(SUFFIX, 1)                                                       \
+            VALUE_TILE_CASES(SUFFIX, 2) VALUE_TILE_CASES(SUFFIX, 3) VALUE_TILE_CASES(SUFFIX, 4) \
+        }                                                                                     \
+    }
+DEFINE_VALUE_TILE_ANY(f32, float)
+DEFINE_VALUE_TILE_ANY(bf16, uint16_t)
+
+/* One page of one (row, head), vector loops: head_dim is a multiple of LANES. Scores come
+ * LANES keys at a time (a partial last block is copied, zero-padded, into `tail`), then the
+ * online softmax, then the values tile by tile. `next_keys` / `next_values` (or NULL) are
+ * the next page's, prefetched while this one is processed. */
+#define DEFINE_PAGE_VECTOR(NAME, SUFFIX, KV_T)                                                 \
+    static void NAME(const float *restrict qh, const KV_T *restrict keys,                     \
+                     const KV_T *restrict values, int64_t count, int64_t group,               \
+                     int64_t head_dim, float scale, int64_t stride, float *restrict scores,   \
+                     const span_state *state, KV_T *tail) {                                   \
         const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T);                           \
-        for (int64_t t = 0; t < count; ++t) {                                                 \
-            const KV_T *kt = keys + t * head_dim;                                             \
-            if (next_keys != NULL)                                                            \
-                for (int64_t b = 0; b < row_bytes; b += 64)                                   \
-                    __builtin_prefetch((const char *)(next_keys + t * head_dim) + b);         \
-            for (int64_t gi = 0; gi < group; ++gi) {                                          \
-                const float *qg = qh + gi * head_dim;                                         \
-                vfloat a0 = splat(0.0f), a1 = splat(0.0f);                                    \
-                int64_t c = 0;                                                                \
-                for (; c + 1 < chunks; c += 2) {                                              \
-                    a0 += load_f32(qg + c * LANES) * LOAD(kt + c * LANES);                    \
-                    a1 += load_f32(qg + (c + 1) * LANES) * LOAD(kt + (c + 1) * LANES);        \
-                }                                                                             \
-                if (c < chunks) a0 += load_f32(qg + c * LANES) * LOAD(kt + c * LANES);        \
-                scores[gi * stride + t] = hsum(a0 + a1) * scale;              \
-            }                                                                                 \
+        int64_t t0 = 0;                                                                       \
+        for (; t0 + LANES <= count; t0 += LANES) {                                            \
+            key_block_any_##SUFFIX(qh, keys + t0 * head_dim, LANES, group, head_dim, scale,   \
+                                   stride, scores + t0);                                      \
         }                                                                                     \
-        for (int64_t gi = 0; gi < group; ++gi) {                                              \
-            float *s = scores + gi * stride;                                  \
-            for (int64_t t = count; t < padded; ++t) s[t] = -INFINITY;                        \
-            softmax_page(state, gi, s, count, head_dim);                                      \
+        if (t0 < count) {                                                                     \
+            const int64_t valid = count - t0;                                                 \
+            memcpy(tail, keys + t0 * head_dim, valid * row_bytes);                            \
+            memset(tail + valid * head_dim, 0, (LANES - valid) * row_bytes);                  \
+            key_block_any_##SUFFIX(qh, tail, valid, group, head_dim, scale, stride, scores + t0); \
         }                                                                                     \
-        for (int64_t t = 0; t < count; ++t) {                                                 \
-            const KV_T *vt = values + t * head_dim;                                           \
-            if (next_values != NULL)                                                          \
-                for (int64_t b = 0; b < row_bytes; b += 64)                                   \
-                    __builtin_prefetch((const char *)(next_values + t * head_dim) + b);       \
-            for (int64_t c = 0; c < chunks; ++c) {                                            \
-                const vfloat v = LOAD(vt + c * LANES);                                        \
-                for (int64_t gi = 0; gi < group; ++gi) {                                      \
-                    float *acc = state->acc + gi * head_dim + c * LANES;                      \
-                    const vfloat w = splat(scores[gi * stride + t]);          \
-                    const vfloat sum = load_f32(acc) + w * v;                                 \
-                    memcpy(acc, &sum, sizeof(sum));                                           \
-                }                                                                             \
+        for (int64_t q0 = 0; q0 < group; q0 += TILE_QUERIES) {                                \
+            const int nq = group - q0 < TILE_QUERIES ? (int)(group - q0) : TILE_QUERIES;      \
+            float factor[TILE_QUERIES];                                                       \
+            for (int qi = 0; qi < nq; ++qi)                                                   \
+                factor[qi] = softmax_scores(state, q0 + qi, scores + (q0 + qi) * stride, count); \
+            for (int64_t c0 = 0; c0 < head_dim; c0 += TILE_CHUNKS * LANES) {                  \
+                const int64_t left = (head_dim - c0) / LANES;                                 \
+                const int nc = left < TILE_CHUNKS ? (int)left : TILE_CHUNKS;                  \
+                value_tile_any_##SUFFIX(values + c0, count, head_dim, scores + q0 * stride,   \
+                                        stride, state->acc + q0 * head_dim + c0, factor, nq,  \
+                                        nc);                                                  \
             }                                                                                 \
         }                                                                                     \
     }
@@ -263,8 +418,8 @@ static inline void softmax_page(const span_state *state, int64_t gi, float *s, i
 #define SCALAR_F32(x) (x)
 #define SCALAR_BF16(x) bf16_to_float(x)
 
-DEFINE_PAGE_VECTOR(page_vector_f32, float, load_f32)
-DEFINE_PAGE_VECTOR(page_vector_bf16, uint16_t, load_bf16)
+DEFINE_PAGE_VECTOR(page_vector_f32, f32, float)
+DEFINE_PAGE_VECTOR(page_vector_bf16, bf16, uint16_t)
 DEFINE_PAGE_SCALAR(page_scalar_f32, float, SCALAR_F32)
 DEFINE_PAGE_SCALAR(page_scalar_bf16, uint16_t, SCALAR_BF16)
 
@@ -273,14 +428,40 @@ static inline int64_t score_stride(int64_t block_size) {
     return (block_size + LANES - 1) / LANES * LANES;
 }
 
-/* Keys [first, last) of one row's kv head h, page by page, into `state` (cleared). */
+/* Reads `bytes` of a page's keys and values line by line, the two streams side by side,
+ * prefetching the same lines of the next page (NULL: none); the page's math then runs from
+ * L1. Measured: the two streams at once read ~20% faster than keys then values, and the
+ * math after this pass is faster than with the reads spread through it. */
+static void touch_page(const void *keys, const void *values, const void *next_keys,
+                       const void *next_values, int64_t bytes) {
+    const char *k = (const char *)keys, *v = (const char *)values;
+    vint sink = splat_i(0);
+    for (int64_t b = 0; b + (int64_t)sizeof(vint) <= bytes; b += (int64_t)sizeof(vint)) {
+        vint x, y;
+        memcpy(&x, k + b, sizeof(x));
+        memcpy(&y, v + b, sizeof(y));
+        sink |= x | y;
+        if (next_keys != NULL && b % 64 == 0) {
+            __builtin_prefetch((const char *)next_keys + b);
+            __builtin_prefetch((const char *)next_values + b);
+        }
+    }
+    __asm__ volatile("" : : "x"(sink));
+}
+
+/* Keys [first, last) of one row's kv heads [h0, h1), page by page, into
+ * states[(h - h0) * apart].
+ * Each head's page is read by touch_page, then scored and accumulated from L1. */
 #define DEFINE_SPAN(NAME, KV_T, PAGE_VECTOR, PAGE_SCALAR)                                      \
-    static void NAME(const float *qh, const KV_T *k_cache, const KV_T *v_cache,               \
+    static void NAME(const float *q_row, const KV_T *k_cache, const KV_T *v_cache,            \
                      const int64_t *row_pages, int64_t first, int64_t last, int64_t kv,       \
-                     int64_t h, int64_t group, int64_t head_dim, int64_t block_size,          \
-                     float scale, float *scores, const span_state *state) {                   \
+                     int64_t h0, int64_t h1, int64_t group, int64_t head_dim,                 \
+                     int64_t block_size, float scale, float *scores,                          \
+                     const span_state *states, int64_t apart) {                               \
         const int vector = head_dim % LANES == 0;                                             \
         const int64_t stride = score_stride(block_size);                                      \
+        const int64_t head_floats = block_size * head_dim, pair_dim = group * head_dim;       \
+        KV_T *tail = (KV_T *)(scores + group * stride);                                       \
         for (int64_t start = first; start < last;) {                                          \
             const int64_t slot = start / block_size, offset = start % block_size;             \
             const int64_t room = block_size - offset;                                         \
@@ -288,34 +469,49 @@ static inline int64_t score_stride(int64_t block_size) {
             const int64_t page = row_pages[slot];                                             \
             start += count;                                                                   \
             if (page < 0) continue;                                                           \
-            const int64_t base = ((page * kv + h) * block_size + offset) * head_dim;          \
-            const KV_T *next_keys = NULL, *next_values = NULL;                                \
-            if (start < last && row_pages[slot + 1] >= 0) {                                   \
-                const int64_t next = (row_pages[slot + 1] * kv + h) * block_size * head_dim;  \
-                next_keys = k_cache + next;                                                   \
-                next_values = v_cache + next;                                                 \
+            const int64_t next = start < last ? row_pages[slot + 1] : -1;                     \
+            for (int64_t h = h0; h < h1; ++h) {                                               \
+                const int64_t base = (page * kv + h) * head_floats + offset * head_dim;       \
+                const KV_T *next_keys = NULL, *next_values = NULL;                            \
+                if (next >= 0) {                                                              \
+                    next_keys = k_cache + (next * kv + h) * head_floats;                      \
+                    next_values = v_cache + (next * kv + h) * head_floats;                    \
+                }                                                                             \
+                const float *qh = q_row + h * pair_dim;                                       \
+                touch_page(k_cache + base, v_cache + base, next_keys, next_values,            \
+                           count * head_dim * (int64_t)sizeof(KV_T));                         \
+                if (vector)                                                                   \
+                    PAGE_VECTOR(qh, k_cache + base, v_cache + base, count, group, head_dim,   \
+                                scale, stride, scores, &states[(h - h0) * apart], tail);      \
+                else                                                                          \
+                    PAGE_SCALAR(qh, k_cache + base, v_cache + base, count, group, head_dim,   \
+                                scale, stride, scores, &states[(h - h0) * apart]);            \
             }                                                                                 \
-            if (vector)                                                                       \
-                PAGE_VECTOR(qh, k_cache + base, v_cache + base, next_keys, next_values, count, \
-                            group, head_dim, scale, stride, scores, state);                   \
-            else                                                                              \
-                PAGE_SCALAR(qh, k_cache + base, v_cache + base, count, group, head_dim, scale, \
-                            stride, scores, state);                                           \
         }                                                                                     \
     }
 
 DEFINE_SPAN(attend_span_f32, float, page_vector_f32, page_scalar_f32)
 DEFINE_SPAN(attend_span_bf16, uint16_t, page_vector_bf16, page_scalar_bf16)
 
-/* Spans per (row, head): 1 unless rows x heads leave threads idle; then enough that every
- * thread gets ITEMS_PER_THREAD items, each span at least one page long. */
-static int64_t spans_per_row(int64_t pairs, int64_t longest, int64_t block_size, int threads) {
+/* Spans per row: 1 unless the rows leave threads idle; then enough that every thread gets
+ * ITEMS_PER_THREAD items, each span at least one page long. */
+static int64_t spans_per_row(int64_t rows, int64_t longest, int64_t block_size, int threads) {
     const int64_t wanted = (int64_t)threads * ITEMS_PER_THREAD;
-    if (threads <= 1 || pairs <= 0 || pairs >= wanted) return 1;
-    int64_t spans = (wanted + pairs - 1) / pairs;
+    if (threads <= 1 || rows <= 0 || rows >= wanted) return 1;
+    int64_t spans = (wanted + rows - 1) / rows;
     const int64_t pages = (longest + block_size - 1) / block_size;
     if (spans > pages) spans = pages;
     return spans < 1 ? 1 : spans;
+}
+
+/* Rows by decreasing key count (stable): handed out longest first, the last items are the
+ * shortest, so the threads finish close together. */
+static void longest_first(const int64_t *n_keys, int64_t batch, int64_t *order) {
+    for (int64_t i = 0; i < batch; ++i) {
+        int64_t j = i;
+        for (; j > 0 && n_keys[order[j - 1]] < n_keys[i]; --j) order[j] = order[j - 1];
+        order[j] = i;
+    }
 }
 
 /* Output of one (row, head) from its spans' states: rescale to the common maximum, add,
@@ -350,24 +546,26 @@ static void merge_spans(const span_state *states, int64_t spans, int64_t group,
         int64_t longest = 0;                                                                  \
         for (int64_t b = 0; b < batch; ++b) longest = n_keys[b] > longest ? n_keys[b] : longest; \
         const int64_t pairs = batch * kv, pair_dim = group * head_dim;                        \
-        const int64_t spans = spans_per_row(pairs, longest, block_size, n_threads);           \
+        const int64_t spans = spans_per_row(batch, longest, block_size, n_threads);           \
         const int64_t per_state = state_floats(group, head_dim);                              \
-        const int64_t per_item = group * score_stride(block_size) + per_state;                \
-        /* Split rows keep every span's state until the merge: [pairs * spans] states. */     \
+        /* Scratch: scores [g, stride], a padded key block [LANES, hd], kv states. */         \
+        const int64_t per_item =                                                              \
+            group * score_stride(block_size) + LANES * head_dim + kv * per_state;             \
+        /* Split rows keep every span's state until the merge: [pairs, spans] states. */      \
+        int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));        \
         float *kept = NULL;                                                                   \
-        span_state *states = NULL;                                                            \
-        if (spans > 1) {                                                                      \
-            kept = (float *)malloc(sizeof(float) * per_state * pairs * spans);                \
-            states = (span_state *)malloc(sizeof(span_state) * pairs * spans);                \
-            if (kept == NULL || states == NULL) {                                             \
-                free(kept);                                                                   \
-                free(states);                                                                 \
-                return 1;                                                                     \
-            }                                                                                 \
+        span_state *states = (span_state *)malloc(sizeof(span_state) * (pairs * spans + 1));  \
+        if (spans > 1) kept = (float *)malloc(sizeof(float) * per_state * pairs * spans);     \
+        if (order == NULL || states == NULL || (spans > 1 && kept == NULL)) {                 \
+            free(order);                                                                      \
+            free(kept);                                                                       \
+            free(states);                                                                     \
+            return 1;                                                                         \
         }                                                                                     \
+        longest_first(n_keys, batch, order);                                                  \
         int failed = 0;                                                                       \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(n_threads)")               \
-        for (int64_t item = 0; item < pairs * spans; ++item) {                                \
+        for (int64_t item = 0; item < batch * spans; ++item) {                                \
             float stack[STACK_FLOATS] __attribute__((aligned(64)));                           \
             float *scratch = per_item <= STACK_FLOATS ? stack                                 \
                                                       : (float *)malloc(sizeof(float) * per_item); \
@@ -375,34 +573,36 @@ static void merge_spans(const span_state *states, int64_t spans, int64_t group,
                 failed = 1;                                                                   \
                 continue;                                                                     \
             }                                                                                 \
-            const int64_t pair = item / spans, part = item % spans;                           \
-            const int64_t b = pair / kv, h = pair % kv;                                       \
+            const int64_t b = order[item / spans], part = item % spans;                       \
             const int64_t keys = n_keys[b] > 0 ? n_keys[b] : 0;                               \
             const int64_t per_span = ((keys + block_size - 1) / block_size + spans - 1) / spans; \
             const int64_t first = part * per_span * block_size;                               \
             const int64_t last = (part + 1) * per_span * block_size;                          \
-            const span_state state = clear_state(                                             \
-                kept != NULL ? kept + item * per_state : scratch + per_item - per_state, group, \
-                head_dim);                                                                    \
-            SPAN(q + pair * pair_dim, k_cache, v_cache, pages + b * width,                    \
-                 first < keys ? first : keys, last < keys ? last : keys, kv, h, group,        \
-                 head_dim, block_size, scale, scratch, &state);                               \
-            if (states != NULL)                                                               \
-                states[item] = state;                                                         \
-            else                                                                              \
-                merge_spans(&state, 1, group, head_dim, out + pair * pair_dim);               \
+            span_state *row_states = states + b * kv * spans + part;                          \
+            for (int64_t h = 0; h < kv; ++h) {                                                \
+                const int64_t at = (b * kv + h) * spans + part;                               \
+                float *buffer = kept != NULL ? kept + at * per_state                          \
+                                             : scratch + per_item - (kv - h) * per_state;     \
+                row_states[h * spans] = clear_state(buffer, group, head_dim);                 \
+            }                                                                                 \
+            SPAN(q + b * kv * pair_dim, k_cache, v_cache, pages + b * width,                  \
+                 first < keys ? first : keys, last < keys ? last : keys, kv, 0, kv, group,    \
+                 head_dim, block_size, scale, scratch, row_states, spans);                    \
+            if (kept == NULL)                                                                 \
+                for (int64_t h = 0; h < kv; ++h)                                              \
+                    merge_spans(&row_states[h], 1, group, head_dim,                           \
+                                out + (b * kv + h) * pair_dim);                               \
             if (scratch != stack) free(scratch);                                              \
         }                                                                                     \
-        if (states != NULL) {                                                                 \
-            if (!failed) {                                                                    \
-                _Pragma("omp parallel for schedule(static) num_threads(n_threads)")           \
-                for (int64_t pair = 0; pair < pairs; ++pair)                                  \
-                    merge_spans(states + pair * spans, spans, group, head_dim,                \
-                                out + pair * pair_dim);                                       \
-            }                                                                                 \
-            free(kept);                                                                       \
-            free(states);                                                                     \
+        if (kept != NULL && !failed) {                                                        \
+            _Pragma("omp parallel for schedule(static) num_threads(n_threads)")               \
+            for (int64_t pair = 0; pair < pairs; ++pair)                                      \
+                merge_spans(states + pair * spans, spans, group, head_dim,                    \
+                            out + pair * pair_dim);                                           \
         }                                                                                     \
+        free(order);                                                                          \
+        free(kept);                                                                           \
+        free(states);                                                                         \
         return failed;                                                                        \
     }
 
@@ -417,13 +617,13 @@ int64_t paged_attention_spans(int64_t pairs, int64_t longest, int64_t block_size
     return spans_per_row(pairs, longest, block_size, threads);
 }
 
-/* Floats of one item's kept state, and of its page scratch (scores and a state). */
+/* Floats of one item's kept state, and of its page scratch (scores, a key block, a state). */
 int64_t paged_attention_state_floats(int64_t group, int64_t head_dim) {
     return state_floats(group, head_dim);
 }
 
 int64_t paged_attention_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size) {
-    return group * score_stride(block_size) + state_floats(group, head_dim);
+    return group * score_stride(block_size) + LANES * head_dim + state_floats(group, head_dim);
 }
 
 /* Span `part` of `spans` of one (row, kv head h) over its `keys` keys; qh its [g, hd] queries.
@@ -438,10 +638,12 @@ void paged_attention_item_f32(const float *qh, const float *k_cache, const float
     const int64_t per_span = ((keys + block_size - 1) / block_size + spans - 1) / spans;
     const int64_t first = part * per_span * block_size, last = (part + 1) * per_span * block_size;
     const span_state state = clear_state(
-        spans > 1 ? kept : scratch + group * score_stride(block_size), group, head_dim);
-    attend_span_f32(qh, k_cache, v_cache, row_pages, first < keys ? first : keys,
-                    last < keys ? last : keys, kv, h, group, head_dim, block_size, scale, scratch,
-                    &state);
+        spans > 1 ? kept : scratch + group * score_stride(block_size) + LANES * head_dim, group,
+        head_dim);
+    /* q_row is laid out [kv, g, hd]: head h's queries sit h * g * hd past its start. */
+    attend_span_f32(qh - h * group * head_dim, k_cache, v_cache, row_pages,
+                    first < keys ? first : keys, last < keys ? last : keys, kv, h, h + 1, group,
+                    head_dim, block_size, scale, scratch, &state, 1);
     if (spans == 1) merge_spans(&state, 1, group, head_dim, out);
 }
 
