@@ -163,19 +163,28 @@ class BlockManager:
         return True
 
     def free(self, table: BlockTable) -> None:
-        """Drop a sequence's references; cached blocks stay reusable until evicted."""
-        for block_id in reversed(table.block_ids):
-            block = self._blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._cached_free[block_id] = None
-                else:
-                    self._never_used.append(block_id)
-        table.block_ids.clear()
+        """Drop a sequence's references; cached blocks stay reusable until evicted.
+
+        Each block leaves the table before its reference is dropped, so a free cut short (a
+        Ctrl-C lands between any two bytecodes) and run again drops each reference once: at
+        worst one block is never returned, never one returned twice."""
+        while table.block_ids:
+            block_id = table.block_ids.pop()
+            if table.hashes:
+                table.hashes.pop()
+            self._drop_reference(block_id)
         table.hashes.clear()
+
+    def _drop_reference(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._cached_free[block_id] = None
+            else:
+                self._never_used.append(block_id)
 
     # -- internals ------------------------------------------------------------------------------
 

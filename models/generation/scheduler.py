@@ -246,7 +246,7 @@ class Scheduler:
             self.block_managers[self.lane_of(sequence.slot)].free(sequence.table)
             sequence.table = None
         if sequence.slot is not None:
-            del self.running[sequence.slot]
+            self.running.pop(sequence.slot, None)  # a release cut short may have done this
             sequence.slot = None
 
     def _preempt(self, sequence: SequenceState) -> None:
