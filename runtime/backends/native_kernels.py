@@ -28,7 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -334,29 +334,27 @@ class QuantMatmul:
     def unchecked(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`__call__` without the checks (a decode step calls this ~150 times): x must be a
         2-D CPU tensor `[R, matrix.cols]` (cast to contiguous float32 when it is not)."""
-        view = matrix.native_view
-        descriptor = view[1] if view else quant_descriptor(matrix)
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, matrix.rows)
-        if self._matmul(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
-            raise MemoryError("quant_matmul could not allocate its block sums")
-        return out
+        return self._product(self._matmul, matrix, x, "quant_matmul could not allocate its sums")
 
     def unchecked_gemm(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` for many rows (`native/quant_gemm.c`): panels of the weight dequantized
         into a per-thread buffer and multiplied by a register-tiled kernel, for prefill and
         large decode batches. Same tolerance as `unchecked`; only the summation order
         differs."""
+        return self._product(self._gemm, matrix, x, "quant_gemm could not allocate its panels")
+
+    @staticmethod
+    def _product(
+        kernel: Callable[..., int], matrix: QuantizedMatrix, x: torch.Tensor, out_of_memory: str
+    ) -> torch.Tensor:
         view = matrix.native_view
         descriptor = view[1] if view else quant_descriptor(matrix)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, matrix.rows)
-        if self._gemm(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
-            raise MemoryError("quant_gemm could not allocate its panels")
+        if kernel(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
+            raise MemoryError(out_of_memory)
         return out
 
     def unchecked_int8(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:

@@ -172,35 +172,8 @@ static span_state clear_state(float *buffer, int64_t group, int64_t head_dim) {
 }
 
 /* Query gi's page of `count` scores (in `s`, padded to a multiple of LANES with -inf): update
- * its running maximum (rescaling the state), turn the scores into weights, add their sum. */
-static inline void softmax_page(const span_state *state, int64_t gi, float *s, int64_t count,
-                                int64_t head_dim) {
-    const int64_t padded = (count + LANES - 1) / LANES * LANES;
-    vfloat top_v = load_f32(s);
-    for (int64_t t = LANES; t < padded; t += LANES) {
-        const vfloat x = load_f32(s + t);
-        top_v = vmax(x, top_v);
-    }
-    const float top = hmax(top_v), old = state->top[gi];
-    if (top > old) {
-        const float factor = exp_nonpositive(old - top);
-        float *acc = state->acc + gi * head_dim;
-        state->total[gi] *= factor;
-        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= factor;
-        state->top[gi] = top;
-    }
-    const vfloat current = splat(state->top[gi]);
-    vfloat sum = splat(0.0f);
-    for (int64_t t = 0; t < padded; t += LANES) {
-        const vfloat w = vexp_nonpositive(load_f32(s + t) - current);
-        memcpy(s + t, &w, sizeof(w));
-        sum += w;
-    }
-    state->total[gi] += hsum(sum);
-}
-
-/* softmax_page for the vector path: the same update, but the rescaling of the output is
- * left to the caller (it folds it into loading its register tiles): returns the factor. */
+ * its running maximum and sum, turn the scores into weights, and return the factor the output
+ * so far must be scaled by (the vector path folds it into loading its register tiles). */
 static inline float softmax_scores(const span_state *state, int64_t gi, float *s, int64_t count) {
     const int64_t padded = (count + LANES - 1) / LANES * LANES;
     vfloat top_v = load_f32(s);
@@ -224,6 +197,16 @@ static inline float softmax_scores(const span_state *state, int64_t gi, float *s
     }
     state->total[gi] += hsum(sum);
     return factor;
+}
+
+/* `softmax_scores` with the output rescaled here (the scalar path). */
+static inline void softmax_page(const span_state *state, int64_t gi, float *s, int64_t count,
+                                int64_t head_dim) {
+    const float factor = softmax_scores(state, gi, s, count);
+    if (factor != 1.0f) {
+        float *acc = state->acc + gi * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= factor;
+    }
 }
 
 /* Vector path tiles: V accumulators of up to TILE_QUERIES queries x TILE_CHUNKS lane chunks
