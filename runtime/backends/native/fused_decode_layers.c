@@ -17,10 +17,10 @@
  * Rotary is rotate-half with the row's `cos` / signed `sin` rows `[rows, head_dim]`. Row b
  * sits at position n_keys[b] - 1, writes its K/V there (on page pages[b, pos / bs]; an
  * unmapped page, -1, is not written and its keys are masked) and attends to its first
- * n_keys[b] positions. Attention runs `paged_decode_attention.c`'s own work items (a pair
- * of row and KV head, split into key spans when the pairs are too few for the threads), so
- * both paths share one kernel: the stack's own scalar loop had cost 1 ms of a 3.5 ms batch-1
- * step and lost to the per-op path on long mixed contexts.
+ * n_keys[b] positions. Attention is `paged_decode_attention.c`'s own team body (rows longest
+ * first, split into key spans when they are too few for the threads), run by this stack's
+ * threads, so both paths share one kernel: the stack's own scalar loop had cost 1 ms of a
+ * 3.5 ms batch-1 step and lost to the per-op path on long mixed contexts.
  *
  * `fused_decode_layers_mixed` is the same stack with each projection given as up to 3 parts
  * stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
@@ -311,17 +311,17 @@ static void rotate(float *head, const float *cos, const float *sin, int64_t head
 }
 
 /* Row b, KV head h: softmax(q K^T * scale) V over the row's pages, for its `group` queries. */
-/* Decode attention's work items (`paged_decode_attention.c`), shared by this team. */
-int64_t paged_attention_spans(int64_t pairs, int64_t longest, int64_t block_size, int threads);
-int64_t paged_attention_state_floats(int64_t group, int64_t head_dim);
-int64_t paged_attention_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size);
-void paged_attention_item_f32(const float *qh, const float *k_cache, const float *v_cache,
-                              const int64_t *row_pages, int64_t keys, int64_t kv, int64_t h,
-                              int64_t group, int64_t head_dim, int64_t block_size, float scale,
-                              int64_t part, int64_t spans, float *scratch, float *kept,
-                              float *out);
-void paged_attention_merge(float *kept, int64_t spans, int64_t group, int64_t head_dim,
-                           float *out);
+/* Decode attention (`paged_decode_attention.c`), run by this stack's own team. */
+int64_t paged_attention_spans(int64_t batch, int64_t longest, int64_t block_size, int threads);
+int64_t paged_attention_team_bytes(int64_t batch, int64_t kv, int64_t group, int64_t head_dim,
+                                   int64_t spans);
+void paged_attention_team_prepare(void *memory, const int64_t *n_keys, int64_t batch,
+                                  int64_t kv, int64_t spans);
+void paged_attention_team_f32(void *memory, const float *q, int64_t q_stride,
+                              const float *k_cache, const float *v_cache, const int64_t *pages,
+                              const int64_t *n_keys, float *out, int64_t batch, int64_t kv,
+                              int64_t group, int64_t head_dim, int64_t block_size, int64_t width,
+                              float scale, int64_t spans, int *failed);
 
 /* The stack; `parts` NULL: float32 projections from the table in `layouts`, else from parts. */
 static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t *parts, float *x,
@@ -337,21 +337,21 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
     float *attended = (float *)malloc(sizeof(float) * rows * q_out);
     float *gate_up = (float *)malloc(sizeof(float) * rows * 2 * ffn);
     float *hidden = (float *)malloc(sizeof(float) * rows * ffn);
-    /* attention: (row, KV head) pairs split into key spans when they are too few for the
-     * threads (one token at batch 1 is 3 pairs for 2 threads), each span's state kept */
-    const int64_t pairs = rows * kv;
-    const int64_t spans = paged_attention_spans(pairs, max_keys, block_size, n_threads);
-    const int64_t per_state = paged_attention_state_floats(group, head_dim);
-    float *kept = spans > 1 ? (float *)malloc(sizeof(float) * pairs * spans * per_state) : NULL;
+    /* attention: the rows' order and span states, shared by every layer of the step */
+    const int64_t spans = paged_attention_spans(rows, max_keys, block_size, n_threads);
+    void *attention = malloc((size_t)paged_attention_team_bytes(rows, kv, group, head_dim, spans));
+    if (attention != NULL)
+        paged_attention_team_prepare(attention, n_keys, rows, kv, spans);
     int failed = qkv == NULL || attended == NULL || gate_up == NULL || hidden == NULL ||
-                 (spans > 1 && kept == NULL);
+                 attention == NULL;
+    /* Shared by the team: the attention's loops read it after a barrier, so all agree. */
+    int attention_failed = 0;
     if (!failed) {
 #pragma omp parallel num_threads(n_threads)
         {
             const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
             float *normed = (float *)malloc(sizeof(float) * rows * dim);
-            float *scores = (float *)malloc(
-                sizeof(float) * paged_attention_scratch_floats(group, head_dim, block_size));
+
             float *rot = (float *)malloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
@@ -368,7 +368,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 i8_memory = malloc((size_t)qb_i8_bytes(rows, widest));
                 if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
             }
-            int mine_failed = normed == NULL || scores == NULL || rot == NULL ||
+            int mine_failed = normed == NULL || rot == NULL ||
                               (rows >= PANEL_FROM_ROWS && q4.groups == NULL) ||
                               (parts != NULL && (q4.xt == NULL || i8_memory == NULL));
 #pragma omp atomic
@@ -417,22 +417,10 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 }
                 /* (implicit barrier: rows may share pages, so every write lands before any
                  * read, as in the per-op path) 3. attention over each row's pages in place:
-                 * `paged_decode_attention.c`'s work items, handed out as threads free up */
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t item = 0; item < pairs * spans; ++item) {
-                    const int64_t pair = item / spans, b = pair / kv, h = pair % kv;
-                    paged_attention_item_f32(
-                        qkv + b * qkv_out + h * group * head_dim, k_cache, v_cache,
-                        pages + b * width, n_keys[b], kv, h, group, head_dim, block_size, scale,
-                        item % spans, spans, scores, kept == NULL ? NULL : kept + item * per_state,
-                        attended + b * q_out + h * group * head_dim);
-                }
-                if (spans > 1) {
-#pragma omp for schedule(static)
-                    for (int64_t pair = 0; pair < pairs; ++pair)
-                        paged_attention_merge(kept + pair * spans * per_state, spans, group,
-                                              head_dim, attended + pair * group * head_dim);
-                }
+                 * `paged_decode_attention.c`'s own items, run by this team */
+                paged_attention_team_f32(attention, qkv, qkv_out, k_cache, v_cache, pages, n_keys,
+                                         attended, rows, kv, group, head_dim, block_size, width,
+                                         scale, spans, &attention_failed);
                 /* (implicit barrier) 4. O projection into the residual stream */
                 q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
                 if (lp != NULL)
@@ -476,7 +464,6 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 #pragma omp barrier
             }
             free(normed);
-            free(scores);
             free(rot);
             free(q4.xt);
             free(q4.groups);
@@ -487,8 +474,8 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
     free(attended);
     free(gate_up);
     free(hidden);
-    free(kept);
-    return failed != 0;
+    free(attention);
+    return failed != 0 || attention_failed != 0;
 }
 
 int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,

@@ -13,7 +13,9 @@
  *   longest rows first so that the threads finish together. A row is split into spans
  *   (flash-decoding) only when the rows are too few to keep every thread busy; the spans are
  *   merged at the end. An item does every kv head: a page's heads are contiguous
- *   ([kv, bs, hd]), so a page is one sweep of K and one of V.
+ *   ([kv, bs, hd]), so a page is one sweep of K and one of V. The items and the merge are
+ *   one team body (`paged_attention_team_*`, orphaned worksharing loops): the kernel opens
+ *   its own team for it, and the fused decode stack runs it with its threads.
  * - Per page and head, the keys and values are first read line by line side by side (two
  *   streams keep more lines in flight than one) while the next page's lines are
  *   prefetched; the math then runs from L1.
@@ -520,124 +522,122 @@ static void merge_spans(const span_state *states, int64_t spans, int64_t group,
     }
 }
 
+/* Where one step's work items keep their order and states: the rows longest first,
+ * [rows, kv, spans] states and, when rows are split into spans, their floats until the
+ * merge. One block of memory, laid out by `team_layout`. */
+typedef struct {
+    int64_t *order;
+    span_state *states;
+    float *kept;
+} team_memory;
+
+static team_memory team_layout(void *memory, int64_t batch, int64_t kv, int64_t spans) {
+    char *at = (char *)memory;
+    team_memory m;
+    m.order = (int64_t *)at;
+    at += sizeof(int64_t) * (batch > 0 ? batch : 1);
+    m.states = (span_state *)at;
+    at += sizeof(span_state) * (batch * kv * spans + 1);
+    m.kept = spans > 1 ? (float *)at : NULL;
+    return m;
+}
+
+/* Bytes of `team_layout`'s memory (malloc's alignment suffices for each part). */
+int64_t paged_attention_team_bytes(int64_t batch, int64_t kv, int64_t group, int64_t head_dim,
+                                   int64_t spans) {
+    int64_t bytes = sizeof(int64_t) * (batch > 0 ? batch : 1) +
+                    sizeof(span_state) * (batch * kv * spans + 1);
+    if (spans > 1) bytes += sizeof(float) * state_floats(group, head_dim) * batch * kv * spans;
+    return bytes;
+}
+
+/* Key spans per row for `threads` (1 unless rows are too few to keep every thread busy). */
+int64_t paged_attention_spans(int64_t batch, int64_t longest, int64_t block_size, int threads) {
+    return spans_per_row(batch, longest, block_size, threads);
+}
+
+/* Orders the rows in `memory` (once per step: every layer's call reuses it). */
+void paged_attention_team_prepare(void *memory, const int64_t *n_keys, int64_t batch,
+                                  int64_t kv, int64_t spans) {
+    longest_first(n_keys, batch, team_layout(memory, batch, kv, spans).order);
+}
+
+/* One step's attention, run by every thread of the calling OpenMP team (orphaned worksharing
+ * loops: the standalone kernel opens its own team; the fused decode stack calls it from
+ * inside its one). Work items are (row, key span) over all KV heads, longest rows first;
+ * split rows are merged after the items. q rows `q_stride` floats apart (`[kv, g, hd]` at
+ * the start of each), out `[batch, kv, g, hd]`. Sets *failed when an item's scratch cannot
+ * be allocated. */
+#define DEFINE_TEAM(NAME, SPAN, KV_T)                                                          \
+    void NAME(void *memory, const float *q, int64_t q_stride, const KV_T *k_cache,            \
+              const KV_T *v_cache, const int64_t *pages, const int64_t *n_keys, float *out,   \
+              int64_t batch, int64_t kv, int64_t group, int64_t head_dim, int64_t block_size, \
+              int64_t width, float scale, int64_t spans, int *failed) {                       \
+        const team_memory m = team_layout(memory, batch, kv, spans);         \
+        const int64_t pair_dim = group * head_dim, per_state = state_floats(group, head_dim); \
+        /* Scratch: scores [g, stride], a padded key block [LANES, hd], kv states. */         \
+        const int64_t per_item =                                                              \
+            group * score_stride(block_size) + LANES * head_dim + kv * per_state;             \
+        _Pragma("omp for schedule(dynamic, 1)")                                               \
+        for (int64_t item = 0; item < batch * spans; ++item) {                                \
+            float stack[STACK_FLOATS] __attribute__((aligned(64)));                           \
+            float *scratch = per_item <= STACK_FLOATS ? stack                                 \
+                                                      : (float *)malloc(sizeof(float) * per_item); \
+            if (scratch == NULL) {                                                            \
+                _Pragma("omp atomic write") *failed = 1;                                      \
+                continue;                                                                     \
+            }                                                                                 \
+            const int64_t b = m.order[item / spans], part = item % spans;                     \
+            const int64_t keys = n_keys[b] > 0 ? n_keys[b] : 0;                               \
+            const int64_t per_span = ((keys + block_size - 1) / block_size + spans - 1) / spans; \
+            const int64_t first = part * per_span * block_size;                               \
+            const int64_t last = (part + 1) * per_span * block_size;                          \
+            span_state *row_states = m.states + b * kv * spans + part;                        \
+            for (int64_t h = 0; h < kv; ++h) {                                                \
+                const int64_t at = (b * kv + h) * spans + part;                               \
+                float *buffer = m.kept != NULL ? m.kept + at * per_state                      \
+                                               : scratch + per_item - (kv - h) * per_state;   \
+                row_states[h * spans] = clear_state(buffer, group, head_dim);                 \
+            }                                                                                 \
+            SPAN(q + b * q_stride, k_cache, v_cache, pages + b * width,                       \
+                 first < keys ? first : keys, last < keys ? last : keys, kv, 0, kv, group,    \
+                 head_dim, block_size, scale, scratch, row_states, spans);                    \
+            if (m.kept == NULL)                                                               \
+                for (int64_t h = 0; h < kv; ++h)                                              \
+                    merge_spans(&row_states[h], 1, group, head_dim,                           \
+                                out + (b * kv + h) * pair_dim);                               \
+            if (scratch != stack) free(scratch);                                              \
+        }                                                                                     \
+        if (m.kept != NULL && !*failed) { /* after the loop's barrier: one answer for all */ \
+            _Pragma("omp for schedule(static)")                                               \
+            for (int64_t pair = 0; pair < batch * kv; ++pair)                                 \
+                merge_spans(m.states + pair * spans, spans, group, head_dim,                  \
+                            out + pair * pair_dim);                                           \
+        }                                                                                     \
+    }
+
+DEFINE_TEAM(paged_attention_team_f32, attend_span_f32, float)
+DEFINE_TEAM(paged_attention_team_bf16, attend_span_bf16, uint16_t)
+
 /* Returns 0, or 1 when scratch memory cannot be allocated. */
-#define DEFINE_KERNEL(NAME, SPAN, KV_T)                                                        \
+#define DEFINE_KERNEL(NAME, TEAM, KV_T)                                                        \
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *pages,  \
              const int64_t *n_keys, float *out, int64_t batch, int64_t kv, int64_t group,     \
              int64_t head_dim, int64_t block_size, int64_t width, float scale,                \
              int n_threads) {                                                                 \
         int64_t longest = 0;                                                                  \
         for (int64_t b = 0; b < batch; ++b) longest = n_keys[b] > longest ? n_keys[b] : longest; \
-        const int64_t pairs = batch * kv, pair_dim = group * head_dim;                        \
         const int64_t spans = spans_per_row(batch, longest, block_size, n_threads);           \
-        const int64_t per_state = state_floats(group, head_dim);                              \
-        /* Scratch: scores [g, stride], a padded key block [LANES, hd], kv states. */         \
-        const int64_t per_item =                                                              \
-            group * score_stride(block_size) + LANES * head_dim + kv * per_state;             \
-        /* Split rows keep every span's state until the merge: [pairs, spans] states. */      \
-        int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));        \
-        float *kept = NULL;                                                                   \
-        span_state *states = (span_state *)malloc(sizeof(span_state) * (pairs * spans + 1));  \
-        if (spans > 1) kept = (float *)malloc(sizeof(float) * per_state * pairs * spans);     \
-        if (order == NULL || states == NULL || (spans > 1 && kept == NULL)) {                 \
-            free(order);                                                                      \
-            free(kept);                                                                       \
-            free(states);                                                                     \
-            return 1;                                                                         \
-        }                                                                                     \
-        longest_first(n_keys, batch, order);                                                  \
+        void *memory = malloc((size_t)paged_attention_team_bytes(batch, kv, group, head_dim, spans)); \
+        if (memory == NULL) return 1;                                                         \
+        paged_attention_team_prepare(memory, n_keys, batch, kv, spans);      \
         int failed = 0;                                                                       \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(n_threads)")               \
-        for (int64_t item = 0; item < batch * spans; ++item) {                                \
-            float stack[STACK_FLOATS] __attribute__((aligned(64)));                           \
-            float *scratch = per_item <= STACK_FLOATS ? stack                                 \
-                                                      : (float *)malloc(sizeof(float) * per_item); \
-            if (scratch == NULL) {                                                            \
-                failed = 1;                                                                   \
-                continue;                                                                     \
-            }                                                                                 \
-            const int64_t b = order[item / spans], part = item % spans;                       \
-            const int64_t keys = n_keys[b] > 0 ? n_keys[b] : 0;                               \
-            const int64_t per_span = ((keys + block_size - 1) / block_size + spans - 1) / spans; \
-            const int64_t first = part * per_span * block_size;                               \
-            const int64_t last = (part + 1) * per_span * block_size;                          \
-            span_state *row_states = states + b * kv * spans + part;                          \
-            for (int64_t h = 0; h < kv; ++h) {                                                \
-                const int64_t at = (b * kv + h) * spans + part;                               \
-                float *buffer = kept != NULL ? kept + at * per_state                          \
-                                             : scratch + per_item - (kv - h) * per_state;     \
-                row_states[h * spans] = clear_state(buffer, group, head_dim);                 \
-            }                                                                                 \
-            SPAN(q + b * kv * pair_dim, k_cache, v_cache, pages + b * width,                  \
-                 first < keys ? first : keys, last < keys ? last : keys, kv, 0, kv, group,    \
-                 head_dim, block_size, scale, scratch, row_states, spans);                    \
-            if (kept == NULL)                                                                 \
-                for (int64_t h = 0; h < kv; ++h)                                              \
-                    merge_spans(&row_states[h], 1, group, head_dim,                           \
-                                out + (b * kv + h) * pair_dim);                               \
-            if (scratch != stack) free(scratch);                                              \
-        }                                                                                     \
-        if (kept != NULL && !failed) {                                                        \
-            _Pragma("omp parallel for schedule(static) num_threads(n_threads)")               \
-            for (int64_t pair = 0; pair < pairs; ++pair)                                      \
-                merge_spans(states + pair * spans, spans, group, head_dim,                    \
-                            out + pair * pair_dim);                                           \
-        }                                                                                     \
-        free(order);                                                                          \
-        free(kept);                                                                           \
-        free(states);                                                                         \
+        _Pragma("omp parallel num_threads(n_threads)")                                        \
+        TEAM(memory, q, kv * group * head_dim, k_cache, v_cache, pages, n_keys, out, batch,   \
+             kv, group, head_dim, block_size, width, scale, spans, &failed);                  \
+        free(memory);                                                                         \
         return failed;                                                                        \
     }
 
-DEFINE_KERNEL(paged_decode_attention_f32, attend_span_f32, float)
-DEFINE_KERNEL(paged_decode_attention_bf16, attend_span_bf16, uint16_t)
-
-/* Work items for a caller that is itself an OpenMP team (the fused decode stack): the same
- * spans, items and merge as the kernels above, one call per item, so its threads share them
- * with their own worksharing loop. Float32 caches. */
-
-int64_t paged_attention_spans(int64_t pairs, int64_t longest, int64_t block_size, int threads) {
-    return spans_per_row(pairs, longest, block_size, threads);
-}
-
-/* Floats of one item's kept state, and of its page scratch (scores, a key block, a state). */
-int64_t paged_attention_state_floats(int64_t group, int64_t head_dim) {
-    return state_floats(group, head_dim);
-}
-
-int64_t paged_attention_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size) {
-    return group * score_stride(block_size) + LANES * head_dim + state_floats(group, head_dim);
-}
-
-/* Span `part` of `spans` of one (row, kv head h) over its `keys` keys; qh its [g, hd] queries.
- * With one span the result goes to `out` ([g, hd]); else the state is left in `kept` for
- * `paged_attention_merge`. */
-void paged_attention_item_f32(const float *qh, const float *k_cache, const float *v_cache,
-                              const int64_t *row_pages, int64_t keys, int64_t kv, int64_t h,
-                              int64_t group, int64_t head_dim, int64_t block_size, float scale,
-                              int64_t part, int64_t spans, float *scratch, float *kept,
-                              float *out) {
-    keys = keys > 0 ? keys : 0;
-    const int64_t per_span = ((keys + block_size - 1) / block_size + spans - 1) / spans;
-    const int64_t first = part * per_span * block_size, last = (part + 1) * per_span * block_size;
-    const span_state state = clear_state(
-        spans > 1 ? kept : scratch + group * score_stride(block_size) + LANES * head_dim, group,
-        head_dim);
-    /* q_row is laid out [kv, g, hd]: head h's queries sit h * g * hd past its start. */
-    attend_span_f32(qh - h * group * head_dim, k_cache, v_cache, row_pages,
-                    first < keys ? first : keys, last < keys ? last : keys, kv, h, h + 1, group,
-                    head_dim, block_size, scale, scratch, &state, 1);
-    if (spans == 1) merge_spans(&state, 1, group, head_dim, out);
-}
-
-/* One (row, head)'s output from its `spans` kept states (consecutive in `kept`). */
-void paged_attention_merge(float *kept, int64_t spans, int64_t group, int64_t head_dim,
-                           float *out) {
-    span_state states[spans];
-    const int64_t per_state = state_floats(group, head_dim);
-    for (int64_t part = 0; part < spans; ++part) {
-        float *buffer = kept + part * per_state;
-        states[part] = (span_state){buffer, buffer + group, buffer + 2 * group};
-    }
-    merge_spans(states, spans, group, head_dim, out);
-}
+DEFINE_KERNEL(paged_decode_attention_f32, paged_attention_team_f32, float)
+DEFINE_KERNEL(paged_decode_attention_bf16, paged_attention_team_bf16, uint16_t)
