@@ -107,6 +107,16 @@ def _time(call: Callable[[], object], reps: int) -> list[float]:
     return times
 
 
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: allowed is a GFLOP/s rate > 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--rows", type=int, choices=sorted(CASES), default=32)
-    parser.add_argument("--peak-gflops", type=float, default=494.0)
+    parser.add_argument("--peak-gflops", type=_positive_rate, default=494.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(

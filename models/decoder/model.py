@@ -514,6 +514,10 @@ class DecoderModel(KernelPlanHooks, nn.Module):
             )
         return out
 
+    def _entering_path(self, graph_safe: bool) -> None:
+        """Called as a forward enters the graph-safe (static) or the dynamic path. A family
+        whose layers pick their kernels by it (Qwen3-MoE's experts) overrides this."""
+
     def _prefill_packed(
         self,
         cache: BoundCache,
@@ -523,6 +527,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         start: torch.Tensor,
     ) -> torch.Tensor:
         """Dynamic prefill of rows that each have `real` (>= 1) tokens from `start`."""
+        self._entering_path(graph_safe=False)
         token_ids, token_pos, path = dynamic.packed_prefill(
             tokens, pages, real, start, **self._geometry(cache)
         )
@@ -555,6 +560,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         lens: torch.Tensor,
         start: torch.Tensor,
     ) -> torch.Tensor:
+        self._entering_path(graph_safe=True)
         batch = tokens.shape[0]
         if pages.shape[1] == 0:
             raise ValueError("page_table has 0 columns: the graph-safe prefill needs W >= 1")
@@ -611,6 +617,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         warmup's timing of the fused stack in `fused_choice`): attention reads K/V pages in
         place (the native kernel) or, rows sorted by position (undone on the last hidden
         state), gathers key tiles per group of rows."""
+        self._entering_path(graph_safe=False)
         # Fused decode stack (`models.decoder.fused_decode`): chosen per row bucket at warmup.
         fused = self.fused_decode
         if fused is not None and fused.runs(tokens.shape[0]):
@@ -663,6 +670,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
     def _decode_static(
         self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
     ) -> torch.Tensor:
+        self._entering_path(graph_safe=True)
         if pages.shape[1] == 0:
             # A static fact: no row can hold a token, so every row must be inactive.
             return self._zero_logits(tokens.shape[0])

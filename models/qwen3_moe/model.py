@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from models.decoder.bound_cache import BoundCache
 from models.decoder.kernels import KernelPlan
 from models.decoder.model import DecoderModel
 from models.progress import ProgressSink
@@ -61,45 +60,12 @@ class Qwen3MoeModel(DecoderModel):
         """The expert paths warmup chose (or replayed), None before it ran."""
         return self.moe_blocks()[0].path_plan
 
-    def _set_graph_safe_experts(self, graph_safe: bool) -> None:
+    def _entering_path(self, graph_safe: bool) -> None:
+        # The graph-safe path's experts run the sync-free gathered product; the dynamic
+        # path's run the one warmup chose.
         for block in self.moe_blocks():
             if block.graph_safe != graph_safe:
                 block.graph_safe = graph_safe
-
-    # ------------------------------------------- decode/prefill: which paths may run
-    def _decode_static(
-        self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
-    ) -> torch.Tensor:
-        self._set_graph_safe_experts(True)
-        return super()._decode_static(cache, tokens, pos, pages)
-
-    def _prefill_static(
-        self,
-        cache: BoundCache,
-        tokens: torch.Tensor,
-        pages: torch.Tensor,
-        lens: torch.Tensor,
-        start: torch.Tensor,
-    ) -> torch.Tensor:
-        self._set_graph_safe_experts(True)
-        return super()._prefill_static(cache, tokens, pages, lens, start)
-
-    def decode_rows(
-        self, cache: BoundCache, tokens: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor
-    ) -> torch.Tensor:
-        self._set_graph_safe_experts(False)
-        return super().decode_rows(cache, tokens, pos, pages)
-
-    def _prefill_packed(
-        self,
-        cache: BoundCache,
-        tokens: torch.Tensor,
-        pages: torch.Tensor,
-        real: torch.Tensor,
-        start: torch.Tensor,
-    ) -> torch.Tensor:
-        self._set_graph_safe_experts(False)
-        return super()._prefill_packed(cache, tokens, pages, real, start)
 
     # ------------------------------------------------------------ the kernel plan
     def replay_kernels(self, plan: KernelPlan, *, where: str = "kernels") -> None:

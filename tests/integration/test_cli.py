@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from models.cli import main
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 
 SMALL = ["--model", "tiny-random", "--block-size", "16", "--prefill-chunk", "32"]
 SUMMARY_KEYS = {
@@ -31,15 +31,6 @@ SUMMARY_KEYS = {
     "phases",
 }
 COMPLETION_KEYS = {"index", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models are dominated by thread synchronisation; one thread is faster and steadier."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +27,10 @@ from models.cli import OPTIONS, SUBCOMMAND_OPTIONS, build_parser, main
 from models.decoder.weights import random_state_dict
 from models.llama import LlamaArgs
 from models.progress import ConsoleProgress
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 
 SMALL = ["--model", "tiny-random", "--block-size", "16", "--prefill-chunk", "32"]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

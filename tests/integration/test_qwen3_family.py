@@ -10,7 +10,6 @@ architecture, written with the `gguf` package) loads and matches the safetensors
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from models.families import family_for_hf_config
 from models.generation import GenerationParams, Generator
 from models.qwen3 import Qwen3Args
 from tests.gguf_files import write_llama_gguf
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.family_checks import (
     CHUNK,
     NEW_TOKENS,
@@ -32,14 +32,6 @@ from tests.integration.family_checks import (
     prompts,
 )
 from tests.models.qwen3_checkpoint import EOS_ID, hf_greedy_batch, write_tiny_qwen3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ serves the folder with no flag naming the family; a qwen3moe GGUF is refused by 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from models.families import family_for_hf_config
 from models.generation import GenerationParams, Generator
 from models.qwen3_moe import Qwen3MoeArgs
 from models.qwen3_moe.model import EXPERT_NOTE, Qwen3MoeModel
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.family_checks import (
     CHUNK,
     NEW_TOKENS,
@@ -35,14 +35,6 @@ from tests.integration.family_checks import (
 )
 from tests.models.qwen3_checkpoint import EOS_ID, hf_greedy_batch
 from tests.models.qwen3_moe_checkpoint import write_tiny_qwen3_moe
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from models.generation import GenerationParams, Generator
 from models.llama import LlamaArgs
 from models.vllm_facade.facade import DecodeOutput, DecoderVLLMModel, HostDecodeOutput
 from runtime.config import WarmupConfig
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 from tests.integration.vllm_engine import EngineDriver, EngineSamplingParams
 
 transformers = pytest.importorskip("transformers", reason="install with: pip install transformers")
@@ -42,14 +42,6 @@ FACADE_OPTIONS: dict[str, Any] = {
     "max_prefill_chunk_size": CHUNK,
     "warmup": WARMUP,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def hf_config(args: LlamaArgs, name: str) -> Any:

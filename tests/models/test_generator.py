@@ -11,7 +11,6 @@ from typing import Any
 
 import attrs
 import pytest
-import torch
 
 from models import load_executor
 from models.generation import (
@@ -22,17 +21,9 @@ from models.generation import (
 )
 from runtime.config import WarmupConfig
 from runtime.sampling import SamplingParams
+from tests.integration.executor_setup import one_torch_thread as one_torch_thread
 
 EOS = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models are dominated by thread synchronisation; one thread is faster and steadier."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
