@@ -13,10 +13,17 @@
   candidate, and the form without the native library (the tile is then dequantized by torch,
   `QuantizedMatrix.dequantize`).
 
+* `q_int16`: `q_rows` over q4 blocks with the activations rounded to int16 per 32 values and
+  multiplied with AVX-512 VNNI (`native/quant_blocks_i16.h`): about four instructions a block
+  instead of six, 1.4-1.8x `q_rows` where that is bound by arithmetic (batch-1 decode on
+  Zen 5). Not bit-equal: within `runtime.quant.rounded_activations.error_bound(...,
+  INT16_LEVELS)` of the exact product (1.5e-5 of a block's largest activation), so it is a
+  candidate like the others and kept only where warmup measures it faster.
+
 * `q_int8`: the native block kernel with the activations quantized to int8 per block and
   multiplied with AVX-512 VNNI (`native/quant_blocks_i8.h`): fewer instructions per weight
   than `q_rows`, so faster where `q_rows` is bound by arithmetic, but not bit-equal: within
-  `runtime.quant.int8_activations.error_bound` of the exact product. Only on CPUs with VNNI.
+  `runtime.quant.rounded_activations.error_bound` of the exact product. Only on CPUs with VNNI.
 
 * `torch_int4`: torch's own CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`, groups of
   32, `w = (q - 8) * scale + zero`) on q4 blocks, the maintained library's candidate. It runs
@@ -79,6 +86,14 @@ def _q_gemm(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
 
 def _q_int8(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
     return native_kernels.quant_matmul().unchecked_int8(matrix, _as_f32(rows))
+
+
+def _int16_available() -> bool:
+    return _native_available() and native_kernels.quant_matmul().int16_available
+
+
+def _q_int16(matrix: QuantizedMatrix, rows: torch.Tensor) -> torch.Tensor:
+    return native_kernels.quant_matmul().unchecked_int16(matrix, _as_f32(rows))
 
 
 def _tile_buffer(elements: int) -> torch.Tensor:
@@ -186,6 +201,14 @@ BLOCK_FORMS: dict[str, BlockForm] = {
         BlockForm("q_rows", _q_rows, max_rows=64, available=_native_available),
         BlockForm("q_gemm", _q_gemm, available=_native_available),
         BlockForm("q_tiles", _q_tiles),
+        BlockForm(
+            "q_int16",
+            _q_int16,
+            max_rows=64,
+            available=_int16_available,
+            kinds=("q4",),
+            needs="AVX-512 VNNI (the int16-activation kernel)",
+        ),
         BlockForm(
             "q_int8",
             _q_int8,

@@ -6,10 +6,11 @@ the thread count and the projection forms the plan chose. So for every decode bu
 most `FUSED_MAX_ROWS` rows, warmup times a whole decode step both ways on the model's own
 weights (all layers, so they stream from memory as in a real step) against a scratch paged
 cache of the model's block size, and keeps the fused stack where it measures faster. Where
-the CPU has VNNI and weights are held in blocks, the stack is also timed with int8
-activations (`native/quant_blocks_i8.h`), and the faster variant over the buckets is kept. The
-result is recorded in the kernel plan (`KernelPlan.fused_decode`), so a replayed plan makes
-the same choice without timing anything.
+the CPU has VNNI and weights are held in q4 blocks, the stack is also timed with int16
+activations (`native/quant_blocks_i16.h`), and with `--weights stored-int8` with int8 ones
+(`native/quant_blocks_i8.h`); the fastest variant over the buckets is kept. The result is
+recorded in the kernel plan (`KernelPlan.fused_decode`), so a replayed plan makes the same
+choice without timing anything.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import torch
 
 from models.decoder.bound_cache import BoundCache
 from models.decoder.fused_decode import FusedDecodeStack, StackSource, fused_unsupported_reason
-from models.decoder.kernels import FUSED_MAX_ROWS, KernelPlan, int8_activations_available
+from models.decoder.kernels import (
+    FUSED_MAX_ROWS,
+    KernelPlan,
+    int8_activations_available,
+    int16_activations_available,
+)
 from models.decoder.layers import Projection
 from runtime.backends import native_kernels
 from runtime.model_contract import PagedAttentionConfig
@@ -85,48 +91,58 @@ def _choose(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
         return attrs.evolve(plan, notes=(*plan.notes, f"fused decode off: {reason}"))
     paged = model.paged_attention_config
     block_size = paged.block_size if paged is not None else _DEFAULT_BLOCK_SIZE
-    variants = (False, True) if _int8_applies(model) else (False,)
-    timings: list[tuple[int, dict[bool, float], float]] = []
+    variants = _variants(model)
+    timings: list[tuple[int, dict[str, float], float]] = []
     started = time.perf_counter()
     with torch.inference_mode():
         for bucket in buckets:
             fused, per_op = _time_bucket(model, bucket, block_size, variants)
             timings.append((bucket, {v: s * 1e6 for v, s in fused.items()}, per_op * 1e6))
     logger.info("measured the fused decode stack in %.2f s", time.perf_counter() - started)
-    # One parts table serves every bucket: int8 where it wins summed over the buckets.
-    int8 = True in variants and sum(f[True] for _, f, _ in timings) < sum(
-        f[False] for _, f, _ in timings
-    )
+    # One parts table serves every bucket: the variant fastest summed over the buckets.
+    kept = min(variants, key=lambda v: sum(fused[v] for _, fused, _ in timings))
     return attrs.evolve(
         plan,
-        fused_decode=tuple(bucket for bucket, fused, per_op in timings if fused[int8] < per_op),
-        fused_timings=tuple((bucket, fused[int8], per_op) for bucket, fused, per_op in timings),
-        fused_activations="int8" if int8 else "float32",
-        fused_int8_timings=tuple(
-            (bucket, fused[True]) for bucket, fused, _ in timings if True in fused
+        fused_decode=tuple(bucket for bucket, fused, per_op in timings if fused[kept] < per_op),
+        fused_timings=tuple((bucket, fused[kept], per_op) for bucket, fused, per_op in timings),
+        fused_activations=kept,
+        fused_variant_timings=tuple(
+            (variant, bucket, fused[variant])
+            for bucket, fused, _ in timings
+            for variant in variants
+            if len(variants) > 1
         ),
     )
 
 
-def _int8_applies(model: TimedDecoder) -> bool:
-    """Whether an int8-activation variant of the stack is timed: asked for (`--weights
-    stored-int8`), VNNI on this CPU and a projection held in blocks the int8 form takes."""
-    if not model.int8_activations or not int8_activations_available():
-        return False
-    return any(
-        isinstance(held, Projection)
-        and held.blocks is not None
-        and any(native_kernels.int8_takes(part) for part in held.blocks)
+def _variants(model: TimedDecoder) -> tuple[str, ...]:
+    """The stack's activation variants to time: float32; int16 where this CPU has VNNI and a
+    projection holds q4 blocks; int8 where also asked for (`--weights stored-int8`) and a
+    projection holds blocks the int8 form takes."""
+    held = [
+        part
         for layer in model.layers
-        for held in layer.children()
-    )
+        for projection in layer.children()
+        if isinstance(projection, Projection) and projection.blocks is not None
+        for part in projection.blocks
+    ]
+    variants = ["float32"]
+    if int16_activations_available() and any(native_kernels.int16_takes(p) for p in held):
+        variants.append("int16")
+    if (
+        model.int8_activations
+        and int8_activations_available()
+        and any(native_kernels.int8_takes(p) for p in held)
+    ):
+        variants.append("int8")
+    return tuple(variants)
 
 
 def _time_bucket(
-    model: TimedDecoder, rows: int, block_size: int, variants: tuple[bool, ...]
-) -> tuple[dict[bool, float], float]:
-    """Best seconds of one decode step of `rows` rows: fused (per activation variant: int8
-    or not), then per-op."""
+    model: TimedDecoder, rows: int, block_size: int, variants: tuple[str, ...]
+) -> tuple[dict[str, float], float]:
+    """Best seconds of one decode step of `rows` rows: fused (per activation variant), then
+    per-op."""
     pages_per_row = (_CONTEXT + rows) // block_size + 1
     blocks = rows * pages_per_row
     shape = (blocks, model.args.n_kv_heads, block_size, model.args.head_dim)
@@ -139,8 +155,9 @@ def _time_bucket(
     pages = torch.arange(blocks, dtype=torch.long).view(rows, pages_per_row)
     positions = torch.arange(rows, dtype=torch.long) + _CONTEXT
     tokens = torch.arange(rows, dtype=torch.long) % model.vocab_size
-    stacks: dict[bool | None, FusedDecodeStack | None] = {
-        int8: FusedDecodeStack(model, [rows], [rows], int8=int8) for int8 in variants
+    stacks: dict[str | None, FusedDecodeStack | None] = {
+        variant: FusedDecodeStack(model, [rows], [rows], activations=variant)
+        for variant in variants
     }
     stacks[None] = None  # the per-op path
     saved = model.fused_decode

@@ -3,7 +3,9 @@
 Projections held in quantized blocks (`--weights stored`) run the same stack over a parts
 table (`native_kernels.stack_parts_table`): each block is unpacked in registers as it
 streams, with float32 activations and accumulators, so a decode step reads the file's bytes;
-or, where warmup measured it faster, with the activations quantized to int8 per block (VNNI).
+or, where warmup measured it faster, with q4 blocks meeting activations rounded to int16 per
+block (VNNI, `native/quant_blocks_i16.h`), or (`--weights stored-int8`) with the activations
+quantized to int8 per block.
 
 Why: at batch 1 the per-op path runs about 1,000 small torch ops a step (norms, rotary,
 views, copies, residual adds) around the weight-streaming products; their overhead is a
@@ -144,11 +146,12 @@ class FusedDecodeStack:
         buckets: Sequence[int],
         rows: Sequence[int],
         *,
-        int8: bool = False,
+        activations: str = "float32",
     ) -> None:
-        """`int8`: block weights meet int8 activations (the plan's `fused_activations`)."""
+        """`activations`: how block weights meet their activations (the plan's
+        `fused_activations`: "float32", "int16" or "int8")."""
         args = model.args
-        self.int8 = int8
+        self.activations = activations
         self._model = model
         self._buckets = tuple(sorted(buckets))
         self._rows = frozenset(rows)
@@ -190,7 +193,7 @@ class FusedDecodeStack:
                 self._geometry,
                 [_stack_parts(layer) for layer in self._layers],
                 self._layouts.tolist(),
-                int8=self.int8,
+                activations=self.activations,
             )
         return self._parts
 

@@ -152,7 +152,7 @@ class KernelPlanHooks:
                 self._model(),
                 plan.buckets,
                 plan.fused_decode,
-                int8=plan.fused_activations == "int8",
+                activations=plan.fused_activations,
             )
         self.decode_attention = plan.decode_attention
         self.kernel_plan = plan

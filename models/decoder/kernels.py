@@ -136,13 +136,20 @@ def _native_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return native_kernels.small_rows_matmul().unchecked(weight, rows).to(weight.dtype)
 
 
-FUSED_ACTIVATIONS = ("float32", "int8")
+FUSED_ACTIVATIONS = native_kernels.ACTIVATIONS
 
 
 def int8_activations_available() -> bool:
     """Whether this CPU runs block products with int8 activations (AVX-512 VNNI)."""
     return native_kernels.unavailable_reason() is None and (
         native_kernels.quant_matmul().int8_available
+    )
+
+
+def int16_activations_available() -> bool:
+    """Whether this CPU runs q4 block products with int16 activations (AVX-512 VNNI)."""
+    return native_kernels.unavailable_reason() is None and (
+        native_kernels.quant_matmul().int16_available
     )
 
 
@@ -258,11 +265,12 @@ class KernelPlan:
     # stack, and what warmup measured for it: `(bucket, fused us, per-op us)` per bucket.
     fused_decode: tuple[int, ...] = ()
     fused_timings: tuple[tuple[int, float, float], ...] = ()
-    # How the fused stack's block weights meet their activations: "float32", or "int8"
-    # (quantized per block, VNNI; `native/quant_blocks_i8.h`), and the int8 variant's
-    # measured `(bucket, us)` where it was timed.
+    # How the fused stack's block weights meet their activations (`FUSED_ACTIVATIONS`):
+    # "float32", "int16" (q4 blocks, rounded per block; `native/quant_blocks_i16.h`) or "int8"
+    # (quantized per block; `native/quant_blocks_i8.h`), and, where more than one variant was
+    # timed, each variant's measured `(activations, bucket, us)`.
     fused_activations: str = "float32"
-    fused_int8_timings: tuple[tuple[int, float], ...] = ()
+    fused_variant_timings: tuple[tuple[str, int, float], ...] = ()
 
     def choice(self, name: str) -> ProjectionChoice:
         return dict(self.projections)[name]
@@ -287,11 +295,11 @@ class KernelPlan:
                         "bucket": bucket,
                         "fused": round(fused, 1),
                         "per_op": round(per_op, 1),
-                        **(
-                            {"fused_int8": round(int8[bucket], 1)}
-                            if bucket in (int8 := dict(self.fused_int8_timings))
-                            else {}
-                        ),
+                        **{
+                            f"fused_{variant}": round(us, 1)
+                            for variant, timed, us in self.fused_variant_timings
+                            if timed == bucket
+                        },
                     }
                     for bucket, fused, per_op in self.fused_timings
                 ],
@@ -371,7 +379,7 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
     ]
     buckets = tuple(int(b) for b in data.get("buckets", ()))
     fused, timings = _parse_fused(data.get("fused_decode"), buckets, where)
-    activations, int8_timings = _parse_fused_activations(data.get("fused_decode"), where)
+    activations, variant_timings = _parse_fused_activations(data.get("fused_decode"), where)
     return KernelPlan(
         projections=tuple(projections),
         decode_attention=attention,
@@ -384,14 +392,15 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
         fused_decode=fused,
         fused_timings=timings,
         fused_activations=activations,
-        fused_int8_timings=int8_timings,
+        fused_variant_timings=variant_timings,
     )
 
 
 def _parse_fused_activations(
     entry: object, where: str
-) -> tuple[str, tuple[tuple[int, float], ...]]:
-    """A plan's fused-stack activations (absent before int8 existed: float32)."""
+) -> tuple[str, tuple[tuple[str, int, float], ...]]:
+    """A plan's fused-stack activations (absent before int8 existed: float32) and the rounded
+    variants' timings (`fused_int16`, `fused_int8` beside each bucket's)."""
     if not isinstance(entry, dict):
         return "float32", ()
     activations = entry.get("activations", "float32")
@@ -402,9 +411,11 @@ def _parse_fused_activations(
             f"{list(FUSED_ACTIVATIONS)}",
         )
     timings = tuple(
-        (int(item["bucket"]), float(item["fused_int8"]))
+        (variant, int(item["bucket"]), float(item[f"fused_{variant}"]))
         for item in entry.get("measured_us", ())
-        if isinstance(item, dict) and "fused_int8" in item
+        if isinstance(item, dict)
+        for variant in FUSED_ACTIVATIONS
+        if f"fused_{variant}" in item
     )
     return str(activations), timings
 
@@ -534,9 +545,11 @@ def check_plan_fits(plan: KernelPlan, shapes: Mapping[str, ProjectionShape], whe
                 native = native_kernels.unavailable_reason() if needs == NEEDS_NATIVE else None
                 reason = native or f"it needs {needs}"
                 raise _error(where, f"{name} uses form {form!r}, which cannot run here ({reason})")
-    if plan.fused_activations == "int8" and not int8_activations_available():
+    runs = {"int8": int8_activations_available, "int16": int16_activations_available}
+    if plan.fused_activations in runs and not runs[plan.fused_activations]():
+        allowed = ["float32"] + [name for name, available in runs.items() if available()]
         raise _error(
             where,
-            "fused_decode activations 'int8' cannot run here (it needs AVX-512 VNNI): allowed "
-            "on this CPU is 'float32' (record the plan again here)",
+            f"fused_decode activations {plan.fused_activations!r} cannot run here (it needs "
+            f"AVX-512 VNNI): allowed on this CPU are {allowed} (record the plan again here)",
         )

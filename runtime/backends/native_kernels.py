@@ -51,7 +51,13 @@ _SOURCES = tuple(
 # Headers the sources include: part of the build's identity, not compiled on their own.
 _HEADERS = tuple(
     Path(__file__).with_name("native") / name
-    for name in ("quant_blocks.h", "quant_blocks_i8.h", "gemm_panels.h")
+    for name in (
+        "quant_blocks.h",
+        "quant_blocks_i8.h",
+        "quant_blocks_i16.h",
+        "gemm_panels.h",
+        "scratch_alloc.h",
+    )
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64
@@ -290,12 +296,17 @@ def quant_descriptor(matrix: QuantizedMatrix) -> int:
     return view[1]  # type: ignore[return-value]
 
 
+_INT16_REASONS = {
+    1: "out of memory for the int16 activations",
+    2: "the int16-activation form takes q4 blocks only",
+    3: "this CPU has no AVX-512 VNNI (the int16-activation kernel needs it)",
+}
 _INT8_REASONS = {
     1: "out of memory for the int8 activations",
     2: "allowed are q4 blocks and q8 blocks of 16, 32 or 64 values",
     3: "this CPU has no AVX-512 VNNI (the library was built without it)",
 }
-_INT8_ERRORS: dict[int, type[Exception]] = {
+_ROUNDED_ERRORS: dict[int, type[Exception]] = {
     1: MemoryError,
     2: ValueError,
     3: NativeKernelsUnavailable,
@@ -321,6 +332,12 @@ class QuantMatmul:
         self._gemm.restype = ctypes.c_int
         self.int8_available = bool(library.quant_i8_available())
         """This CPU runs the int8-activation form (AVX-512 VNNI, `quant_blocks_i8.h`)."""
+        self._matmul_i16 = library.quant_matmul_i16
+        self._matmul_i16.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
+        self._matmul_i16.restype = ctypes.c_int
+        self.int16_available = bool(library.quant_q4_int16())
+        """This CPU runs q4 products with int16 activations (AVX-512 VNNI,
+        `quant_blocks_i16.h`)."""
 
     def __call__(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` after checking x: `[R, matrix.cols]` on the CPU. Returns float32
@@ -359,21 +376,37 @@ class QuantMatmul:
 
     def unchecked_int8(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` with the activations quantized to int8 per block (VNNI): within
-        `runtime.quant.int8_activations.error_bound` of the exact product, not bit-equal.
+        `runtime.quant.rounded_activations.error_bound` of the exact product, not bit-equal.
         Raises where `int8_available` is false or the blocks are not q4 / q8 of 16, 32 or 64."""
+        return self._rounded(self._matmul_i8, "quant_matmul_i8", _INT8_REASONS, matrix, x)
+
+    def unchecked_int16(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
+        """`unchecked` over q4 blocks with the activations rounded to int16 per block (VNNI):
+        within `runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)` of the exact
+        product, not bit-equal. Raises where `int16_available` is false or the blocks are not
+        q4."""
+        return self._rounded(self._matmul_i16, "quant_matmul_i16", _INT16_REASONS, matrix, x)
+
+    @staticmethod
+    def _rounded(
+        kernel: Callable[..., int],
+        name: str,
+        reasons: dict[int, str],
+        matrix: QuantizedMatrix,
+        x: torch.Tensor,
+    ) -> torch.Tensor:
+        """A rounded-activation kernel's product; its nonzero codes raised as `reasons`."""
         view = matrix.native_view
         descriptor = view[1] if view else quant_descriptor(matrix)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, matrix.rows)
-        code = self._matmul_i8(
-            descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()
-        )
+        code = kernel(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads())
         if code:
-            raise _INT8_ERRORS.get(code, RuntimeError)(
-                f"quant_matmul_i8 on {matrix.kind} blocks of {matrix.block}: "
-                f"{_INT8_REASONS.get(code, f'error {code}')}"
+            raise _ROUNDED_ERRORS.get(code, RuntimeError)(
+                f"{name} on {matrix.kind} blocks of {matrix.block}: "
+                f"{reasons.get(code, f'error {code}')}"
             )
         return out
 
@@ -430,14 +463,29 @@ StackPart = torch.Tensor | QuantizedMatrix
 """One part of a fused-stack projection: a float32 weight (in the projection's layout) or blocks."""
 
 
-def part_kind_code(part: StackPart, layout: int, int8: bool = False) -> int:
+ACTIVATIONS = ("float32", "int16", "int8")
+"""How block weights meet their activations in the fused stack: float32, rounded to int16 per
+block (q4 blocks, `quant_blocks_i16.h`) or quantized to int8 per block (`quant_blocks_i8.h`)."""
+
+
+def part_kind_code(part: StackPart, layout: int, activations: str = "float32") -> int:
     """The mixed stack's kind code: 0/1 float32 `[out, in]` / `[in, out]`; 2/3 q4 with f16/f32
-    scales; 4/5 q8 with f16/f32 scales; 6-9 those four with int8 activations (`int8`, for
-    blocks `int8_takes`)."""
+    scales; 4/5 q8 with f16/f32 scales; 6-9 those four with int8 activations ("int8", for
+    blocks `int8_takes`); 10/11 the q4 two with int16 activations ("int16")."""
     if isinstance(part, QuantizedMatrix):
         code = 2 + 2 * QUANT_KIND_CODES[part.kind] + int(part.scales.dtype == torch.float32)
-        return code + 4 if int8 and int8_takes(part) else code
+        if activations == "int8" and int8_takes(part):
+            return code + 4
+        if activations == "int16" and int16_takes(part):
+            return code + 8
+        return code
     return layout
+
+
+def int16_takes(matrix: QuantizedMatrix) -> bool:
+    """Whether the int16-activation form computes over these blocks (q4;
+    `quant_blocks_i16.h`)."""
+    return matrix.kind == "q4"
 
 
 def int8_takes(matrix: QuantizedMatrix) -> bool:
@@ -447,7 +495,7 @@ def int8_takes(matrix: QuantizedMatrix) -> bool:
 
 
 def _part_fields(
-    part: StackPart, layout: int, n_in: int, where: str, int8: bool
+    part: StackPart, layout: int, n_in: int, where: str, activations: str
 ) -> tuple[int, list[int]]:
     """(output rows, the 6 fields) of one part, checked against the projection's input width."""
     if isinstance(part, QuantizedMatrix):
@@ -458,7 +506,8 @@ def _part_fields(
             )
         mins = 0 if part.mins is None else part.mins.data_ptr()
         fields = [part.qs.data_ptr(), part.scales.data_ptr(), mins]
-        return part.rows, [part_kind_code(part, layout, int8), part.block, part.rows, *fields]
+        code = part_kind_code(part, layout, activations)
+        return part.rows, [code, part.block, part.rows, *fields]
     if layout not in (0, 1):
         raise ValueError(f"{where}: layout {layout}: allowed are 0 [out, in] and 1 [in, out]")
     rows = part.shape[0] if layout == 0 else part.shape[-1]
@@ -481,16 +530,21 @@ def stack_parts_table(
     layers: Sequence[Sequence[Sequence[StackPart]]],
     layouts: Sequence[int] = (0, 0, 0, 0),
     *,
-    int8: bool = False,
+    activations: str = "float32",
 ) -> torch.Tensor:
     """The mixed stack's parts table, int64 `[n_layers, STACK_PARTS_WIDTH]`, checked.
 
     `layers[l][p]` lists projection p's parts (p in `STACK_PROJECTIONS` order, at most 3,
     stacked by output rows); float32 parts are in `layouts[p]` (0 `[out, in]`, 1
-    `[in, out]`). `int8`: block parts the int8 form takes run with int8 activations (raises
-    where this CPU cannot). The table holds addresses: the parts must outlive its use."""
-    if int8 and not quant_matmul().int8_available:
+    `[in, out]`). `activations` (`ACTIVATIONS`): "int8" runs the block parts the int8 form
+    takes with int8 activations, "int16" the q4 parts with int16 ones (each raises where
+    this CPU cannot). The table holds addresses: the parts must outlive its use."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: allowed are {ACTIVATIONS}")
+    if activations == "int8" and not quant_matmul().int8_available:
         raise NativeKernelsUnavailable(_INT8_REASONS[3])
+    if activations == "int16" and not quant_matmul().int16_available:
+        raise NativeKernelsUnavailable(_INT16_REASONS[3])
     g = geometry
     q_out, kv_out = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
     shapes = (
@@ -514,7 +568,7 @@ def stack_parts_table(
                 raise ValueError(f"{where}: {len(parts)} parts: allowed are 1 to {STACK_MAX_PARTS}")
             total = 0
             for part in parts:
-                part_rows, fields = _part_fields(part, layout, n_in, where, int8)
+                part_rows, fields = _part_fields(part, layout, n_in, where, activations)
                 total += part_rows
                 row.extend(fields)
             if total != n_out:

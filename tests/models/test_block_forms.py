@@ -2,7 +2,8 @@
 package's dequantized weight times x, within `test_quant_kernels`' tolerance, on the row
 counts warmup offers it (odd output counts, and multiples of 16 for `torch_int4`; including
 `q_gemm`'s 16- and 32-row groups, their zero-padded tails and its 128-row chunks).
-`q_int8` has its own bound (`test_quant_int8_kernels`)."""
+`q_int8` and `q_int16` round the activations and have their own bounds
+(`test_quant_int8_kernels`, `test_quant_int16_kernels`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from runtime.quant.gguf_blocks import STORED_TYPES, repack
 from tests.runtime.quant_fixtures import gguf_reference, raw_blocks
 from tests.runtime.test_quant_kernels import _assert_close, torch_threads
 
-FLOAT_FORMS = sorted(name for name in BLOCK_FORMS if name != "q_int8")
+FLOAT_FORMS = sorted(name for name in BLOCK_FORMS if name not in ("q_int8", "q_int16"))
 
 
 @settings(max_examples=60, deadline=None)

@@ -3,6 +3,8 @@ decode of the same model whose weights are the parts' dequantized values."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -20,8 +22,8 @@ from runtime.backends.native_kernels import (
     StackPart,
 )
 from runtime.quant.gguf_blocks import repack
-from runtime.quant.int8_activations import activation_block
 from runtime.quant.matrix import QuantizedMatrix
+from runtime.quant.rounded_activations import INT8_LEVELS, INT16_LEVELS, activation_block
 from tests.runtime.quant_fixtures import raw_blocks
 
 REASON = native_kernels.unavailable_reason()
@@ -30,13 +32,23 @@ pytestmark = pytest.mark.skipif(
 )
 INT8 = REASON is None and native_kernels.quant_matmul().int8_available
 # The int8 variant against a per-op reference that rounds each part's input the same way
-# (`_round_like_int8`). Layer 0's K/V come from the same input rounded the same way: equal up
+# (`_round_like_kernel`). Layer 0's K/V come from the same input rounded the same way: equal up
 # to float32 order. Past the first projection, an activation that the two float orders put
 # on either side of a rounding boundary moves to the neighbouring step and shifts every
 # output it feeds by that step times its weight (measured: up to 0.2% of the largest value),
 # so later values are held to a share of their largest magnitude.
 INT8_FIRST_KV = {"atol": 1e-3, "rtol": 1e-3}
 INT8_LATER_SHARE = 0.01
+# The int16 variant rounds q4 parts' inputs (`quant_blocks_i16.h`), except from this many
+# rows, where the stack's block products run on exact panels (`fused_decode_layers.c`'s
+# BLOCK_PANEL_FROM_ROWS). Against a per-op reference that rounds them the same way, an input
+# the two float orders put on either side of a rounding boundary moves one step (1/32767 of
+# its block's largest value), shifting what it feeds by that times its weight (measured: up
+# to 2e-4).
+INT16 = REASON is None and native_kernels.quant_matmul().int16_available
+BLOCK_PANEL_FROM_ROWS = 9
+INT16_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}
+ACTIVATIONS = ["float32"] + (["int16"] if INT16 else []) + (["int8"] if INT8 else [])
 ROWS = tuple(range(1, 10))
 # Per projection (qkv, o, gate_up, down): the parts' (type, output rows) or ("F32", rows).
 # dim 256, q 256, k = v 128, ffn 512: every K type's 256-value super-blocks fit each input.
@@ -106,19 +118,25 @@ def _quantize_weights(
     return layers
 
 
-def _round_like_int8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x with each block of `block` values rounded to steps of max|x_b| / 127, as
-    `qb_prepare_i8` rounds it (float32, ties to even); the kernel multiplies it with the
-    weights' `q * scale` (a q4 block's min meets the exact sum)."""
+def _round_like_kernel(x: torch.Tensor, block: int, levels: int) -> torch.Tensor:
+    """x with each block of `block` values rounded to steps of max|x_b| / levels, as
+    `qb_prepare_i8` (127) and the int16 `qb_prepare_q4` (32767) round it (float32, ties to
+    even); the kernel multiplies it with the weights' `q * scale` (a q4 block's min meets the
+    exact sum)."""
     blocks = x.reshape(x.shape[0], -1, block)
-    step = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
-    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-    return (torch.round(blocks * inverse) * step).reshape(x.shape)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, levels / largest, torch.zeros_like(largest))
+    return (torch.round(blocks * inverse) * (largest / levels)).reshape(x.shape)
 
 
-def _int8_reference(model: DecoderModel, layers: list[list[list[StackPart]]]) -> None:
-    """Make the model's per-op projections compute each part from its input rounded as the
-    int8 stack rounds it (block parts), or unrounded (float32 parts)."""
+def _rounded_reference(
+    model: DecoderModel,
+    layers: list[list[list[StackPart]]],
+    levels: Callable[[QuantizedMatrix], int],
+) -> None:
+    """Make the model's per-op projections compute each block part from its input rounded
+    as the stack rounds it (`levels(part)` steps either side of zero; 0: not rounded), and
+    float32 parts from the exact input."""
     for layer, projections in zip(model.layers, layers, strict=True):
         for name, parts in zip(STACK_PROJECTIONS, projections, strict=True):
             projection = getattr(layer, name)
@@ -133,13 +151,13 @@ def _int8_reference(model: DecoderModel, layers: list[list[list[StackPart]]]) ->
                     if not isinstance(part, QuantizedMatrix):
                         count = part.shape[0] if part.shape[1] == weight.shape[1] else part.shape[1]
                     held = weight[start : start + count]
-                    if not isinstance(part, QuantizedMatrix):
+                    if not isinstance(part, QuantizedMatrix) or not levels(part):
                         outs.append(rows @ held.T)
                     else:  # q * scale meets the rounded input, a q4 min the exact one
                         mins = torch.zeros_like(held)
                         if part.mins is not None:
                             mins = part.mins.float().repeat_interleave(part.block, dim=1)
-                        rounded = _round_like_int8(rows, activation_block(part))
+                        rounded = _round_like_kernel(rows, activation_block(part), levels(part))
                         outs.append(rounded @ (held - mins).T + rows @ mins.T)
                     start += count
                 return torch.cat(outs, dim=1).reshape(*x.shape[:-1], -1)
@@ -161,22 +179,34 @@ def _geometry(args: LlamaArgs) -> DecodeStackGeometry:
 
 
 # 20 and 33 rows: the stack's block products run on panels from 9 rows (`gemm_panels.h`).
-@example(mix="straddling", layout=0, positions=list(range(0, 40, 2)), threads=2, seed=1, int8=False)
-@example(mix="straddling", layout=0, positions=list(range(33)), threads=3, seed=2, int8=False)
+@example(
+    mix="straddling",
+    layout=0,
+    positions=list(range(0, 40, 2)),
+    threads=2,
+    seed=1,
+    activations="float32",
+)
+@example(
+    mix="straddling", layout=0, positions=list(range(33)), threads=3, seed=2, activations="float32"
+)
 @given(
     mix=st.sampled_from(sorted(MIXES)),
     layout=st.sampled_from([0, 1]),
     positions=st.lists(st.integers(0, 40), min_size=1, max_size=36, unique=True),
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**10),
-    int8=st.sampled_from([False, True] if INT8 else [False]),
+    activations=st.sampled_from(ACTIVATIONS),
 )
 def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
-    mix: str, layout: int, positions: list[int], threads: int, seed: int, int8: bool
+    mix: str, layout: int, positions: list[int], threads: int, seed: int, activations: str
 ) -> None:
-    """Float32 activations: within float rounding (1e-4). Int8 activations: against the
-    per-op decode whose projections round their inputs as the int8 stack does (see
-    `INT8_FIRST_KV`)."""
+    """Float32 activations: within float rounding (1e-4). Int16 activations (below
+    `BLOCK_PANEL_FROM_ROWS` rows): against the per-op decode whose q4 projections round their
+    inputs the same way (`INT16_TOLERANCE`). Int8 activations: against the per-op decode
+    whose projections round their inputs as the int8 stack does (see `INT8_FIRST_KV`)."""
+    if activations not in ACTIVATIONS:
+        return  # an explicit example of a variant this CPU cannot run (no VNNI)
     args = LlamaArgs(
         dim=256,
         n_layers=2,
@@ -190,9 +220,19 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
     )
     model = DecoderModel.from_state_dict(args, random_state_dict(args, seed=seed))
     layers = _quantize_weights(model, mix, layout, seed)
+    int8 = activations == "int8"
+    int16 = activations == "int16" and len(positions) < BLOCK_PANEL_FROM_ROWS
     if int8:
-        _int8_reference(model, layers)
-    parts = native_kernels.stack_parts_table(_geometry(args), layers, (layout,) * 4, int8=int8)
+        _rounded_reference(model, layers, lambda part: INT8_LEVELS)
+    elif int16:
+        _rounded_reference(
+            model,
+            layers,
+            lambda part: INT16_LEVELS if native_kernels.int16_takes(part) else 0,
+        )
+    parts = native_kernels.stack_parts_table(
+        _geometry(args), layers, (layout,) * 4, activations=activations
+    )
     generator = torch.Generator().manual_seed(seed)
     block_size, rows = 4, len(positions)
     width = max(positions) // block_size + 1
@@ -229,7 +269,9 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
     (per_op, per_op_cache), (fused, fused_cache) = results
     pairs = list(zip([fused, *fused_cache], [per_op, *per_op_cache], strict=True))
     for index, (got, expected) in enumerate(pairs):
-        if not int8:
+        if int16:
+            torch.testing.assert_close(got, expected, **INT16_TOLERANCE)
+        elif not int8:
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         elif index in (1, 2):  # layer 0's K and V
             torch.testing.assert_close(got, expected, **INT8_FIRST_KV)

@@ -1,5 +1,5 @@
 """The int8-activation block product (`q_int8`, VNNI) stays within its stated error bound
-(`runtime.quant.int8_activations.error_bound`) of the `gguf` package's dequantized weights,
+(`runtime.quant.rounded_activations.error_bound`) of the `gguf` package's dequantized weights,
 and rounds for real (it is a different form from `q_rows`, not a copy of it)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from runtime.backends import native_kernels
 from runtime.quant.gguf_blocks import STORED_TYPES, repack
-from runtime.quant.int8_activations import error_bound
 from runtime.quant.matrix import QuantizedMatrix
+from runtime.quant.rounded_activations import error_bound
 from tests.runtime.quant_fixtures import gguf_reference, raw_blocks
 from tests.runtime.test_quant_kernels import torch_threads
 
@@ -56,9 +56,9 @@ def test_int8_product_is_within_its_bound_of_the_gguf_reference(
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_int8_product_rounds_the_activations(type_name: str) -> None:
-    """Activations that are not multiples of their block's step differ from the float form
-    by more than float rounding; multiples of it (integers up to 127 with a 127 in each
-    block) give the float form's result."""
+    """Activations that are not multiples of their block's step differ from the `q_rows`
+    form (float32, or int16 steps 258x finer) by more than float rounding; multiples of it
+    (integers up to 127 with a 127 in each block) give the exact product."""
     raw = raw_blocks(type_name, 48, 256, seed=5)
     matrix = repack(type_name, raw, 48, 256)
     kernels = native_kernels.quant_matmul()
@@ -67,9 +67,8 @@ def test_int8_product_rounds_the_activations(type_name: str) -> None:
     exact = torch.randint(-127, 128, (3, 256), generator=torch.Generator().manual_seed(6))
     exact[:, ::32] = 127
     exact_x = exact.float()
-    torch.testing.assert_close(
-        kernels.unchecked_int8(matrix, exact_x), kernels(matrix, exact_x), rtol=1e-5, atol=1e-3
-    )
+    want = (exact_x.double() @ gguf_reference(type_name, raw).T).float()
+    torch.testing.assert_close(kernels.unchecked_int8(matrix, exact_x), want, rtol=1e-5, atol=1e-3)
 
 
 def test_int8_refuses_blocks_it_does_not_take() -> None:

@@ -28,9 +28,10 @@
  * PARTS_WIDTH = 4 projections (QKV, O, gate/up, down) x 3 parts x 6 int64:
  *   {kind, block, rows, weight or qs address, scales address, mins address}
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
- * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, and 6-9 the same four block kinds with int8
- * activations (`quant_blocks_i8.h`; a library built without VNNI runs them with float32
- * activations, and `stack_parts_table` never writes them there); a part's
+ * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
+ * activations (`quant_blocks_i8.h`), 10-11 the two q4 kinds with int16 activations below
+ * BLOCK_PANEL_FROM_ROWS rows (`quant_blocks_i16.h`) (a library built without VNNI runs 6-11
+ * with float32 activations, and `stack_parts_table` never writes them there); a part's
  * rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
  * unused there.
  */
@@ -43,6 +44,7 @@
 #include "gemm_panels.h"
 #include "quant_blocks.h"
 #include "quant_blocks_i8.h"
+#include "scratch_alloc.h"
 
 /* Rows from which a stage's float32 (`[out, in]`) and float-activation block products run
  * on panels (`gemm_panels.h`) instead of the few-row dot kernels. Float32: from 3 rows the dot
@@ -84,8 +86,8 @@ static inline float hsum(vf v) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/* Per-thread activation forms of a stage's input, made on first need: the q4 float form
- * (`qb_prepare_q4`), the int8 form (`qb_prepare_i8`, keyed by the weight's kind and block) and
+/* Per-thread activation forms of a stage's input, made on first need: the q4 float or int16
+ * form (`qb_prepare_q4`, `qb_prepare_q4_i16`; `ready` says which is made), the int8 form (`qb_prepare_i8`, keyed by the weight's kind and block) and
  * the transposed row groups of the panel products (`qg_transpose`, with their scratch). */
 typedef struct {
     float *xt, *xsum;
@@ -241,7 +243,8 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                 project((int)kind, (const float *)(intptr_t)part[PART_W], n_in, n, x, ldx, rows,
                         y + base, ldy, lo, hi, accumulate, q4);
             } else {
-                const int int8 = kind >= 6, code = int8 ? kind - 4 : kind;
+                const int int8 = kind >= 6 && kind <= 9, int16 = kind >= 10 && QB_Q4_I16;
+                const int code = int8 ? kind - 4 : kind >= 10 ? kind - 8 : kind;
                 const int is_q4 = code <= 3;
                 const qb_matrix m = {is_q4 ? QB_Q4 : QB_Q8,
                                      (code & 1) == 0,
@@ -267,13 +270,23 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                 }
                 const float *xin = x;
                 int64_t ld = ldx;
-                if (is_q4) {
-                    if (!q4->ready) qb_prepare_q4(x, ldx, rows, n_in, q4->xt, q4->xsum);
-                    q4->ready = 1;
+                if (is_q4) { /* ready: 1 the float form, 2 the int16 form */
+#if QB_Q4_I16
+                    if (int16) {
+                        if (q4->ready != 2) qb_prepare_q4_i16(x, ldx, rows, n_in, q4->xt, q4->xsum);
+                        q4->ready = 2;
+                        ld = qb_q4_i16_row_floats(n_in);
+                    } else
+#endif
+                    {
+                        if (q4->ready != 1) qb_prepare_q4(x, ldx, rows, n_in, q4->xt, q4->xsum);
+                        q4->ready = 1;
+                        ld = n_in;
+                    }
                     xin = q4->xt;
-                    ld = n_in;
                 }
-                qb_project(&m, xin, ld, rows, q4->xsum, y + base, ldy, lo, hi, accumulate);
+                qb_project(&m, xin, ld, rows, q4->xsum, y + base, ldy, lo, hi, accumulate,
+                           int16);
             }
         }
         base += n;
@@ -333,13 +346,13 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
     const int64_t qkv_out = q_out + 2 * kv_out, group = n_heads / kv;
     int64_t max_keys = 1;
     for (int64_t b = 0; b < rows; ++b) max_keys = n_keys[b] > max_keys ? n_keys[b] : max_keys;
-    float *qkv = (float *)malloc(sizeof(float) * rows * qkv_out);
-    float *attended = (float *)malloc(sizeof(float) * rows * q_out);
-    float *gate_up = (float *)malloc(sizeof(float) * rows * 2 * ffn);
-    float *hidden = (float *)malloc(sizeof(float) * rows * ffn);
+    float *qkv = (float *)scratch_alloc(sizeof(float) * rows * qkv_out);
+    float *attended = (float *)scratch_alloc(sizeof(float) * rows * q_out);
+    float *gate_up = (float *)scratch_alloc(sizeof(float) * rows * 2 * ffn);
+    float *hidden = (float *)scratch_alloc(sizeof(float) * rows * ffn);
     /* attention: the rows' order and span states, shared by every layer of the step */
     const int64_t spans = paged_attention_spans(rows, max_keys, block_size, n_threads);
-    void *attention = malloc((size_t)paged_attention_team_bytes(rows, kv, group, head_dim, spans));
+    void *attention = scratch_alloc((size_t)paged_attention_team_bytes(rows, kv, group, head_dim, spans));
     if (attention != NULL)
         paged_attention_team_prepare(attention, n_keys, rows, kv, spans);
     int failed = qkv == NULL || attended == NULL || gate_up == NULL || hidden == NULL ||
@@ -350,22 +363,22 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 #pragma omp parallel num_threads(n_threads)
         {
             const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-            float *normed = (float *)malloc(sizeof(float) * rows * dim);
+            float *normed = (float *)scratch_alloc(sizeof(float) * rows * dim);
 
-            float *rot = (float *)malloc(sizeof(float) * head_dim);
+            float *rot = (float *)scratch_alloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
             q4_input q4 = {NULL, NULL, 0, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0};
             if (rows >= PANEL_FROM_ROWS) {
-                q4.groups = (float *)malloc(
+                q4.groups = (float *)scratch_alloc(
                     sizeof(float) * (qg_transposed_floats(rows, widest) + qg_scratch_floats(widest)));
                 q4.scratch = q4.groups == NULL ? NULL : q4.groups + qg_transposed_floats(rows, widest);
             }
             void *i8_memory = NULL;
             if (parts != NULL) {
-                q4.xt = (float *)malloc(sizeof(float) * (rows * widest + rows * (widest / 32) + 1));
-                q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * widest;
-                i8_memory = malloc((size_t)qb_i8_bytes(rows, widest));
+                q4.xt = (float *)scratch_alloc(sizeof(float) * qb_q4_prepared_floats(rows, widest));
+                q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * qb_q4_row_floats(widest);
+                i8_memory = scratch_alloc((size_t)qb_i8_bytes(rows, widest));
                 if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
             }
             int mine_failed = normed == NULL || rot == NULL ||

@@ -33,7 +33,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Floats of per-item scratch (scores, a key block, states) kept on the stack; more mallocs. */
+#include "scratch_alloc.h"
+
+/* Floats of per-item scratch (scores, a key block, states) kept on the stack; more is allocated. */
 #define STACK_FLOATS 8192
 /* Work items per thread below which rows are split into key spans. */
 #define ITEMS_PER_THREAD 4
@@ -542,7 +544,7 @@ static team_memory team_layout(void *memory, int64_t batch, int64_t kv, int64_t 
     return m;
 }
 
-/* Bytes of `team_layout`'s memory (malloc's alignment suffices for each part). */
+/* Bytes of `team_layout`'s memory (scratch_alloc's alignment suffices for each part). */
 int64_t paged_attention_team_bytes(int64_t batch, int64_t kv, int64_t group, int64_t head_dim,
                                    int64_t spans) {
     int64_t bytes = sizeof(int64_t) * (batch > 0 ? batch : 1) +
@@ -582,7 +584,7 @@ void paged_attention_team_prepare(void *memory, const int64_t *n_keys, int64_t b
         for (int64_t item = 0; item < batch * spans; ++item) {                                \
             float stack[STACK_FLOATS] __attribute__((aligned(64)));                           \
             float *scratch = per_item <= STACK_FLOATS ? stack                                 \
-                                                      : (float *)malloc(sizeof(float) * per_item); \
+                                                      : (float *)scratch_alloc(sizeof(float) * per_item); \
             if (scratch == NULL) {                                                            \
                 _Pragma("omp atomic write") *failed = 1;                                      \
                 continue;                                                                     \
@@ -628,7 +630,7 @@ DEFINE_TEAM(paged_attention_team_bf16, attend_span_bf16, uint16_t)
         int64_t longest = 0;                                                                  \
         for (int64_t b = 0; b < batch; ++b) longest = n_keys[b] > longest ? n_keys[b] : longest; \
         const int64_t spans = spans_per_row(batch, longest, block_size, n_threads);           \
-        void *memory = malloc((size_t)paged_attention_team_bytes(batch, kv, group, head_dim, spans)); \
+        void *memory = scratch_alloc((size_t)paged_attention_team_bytes(batch, kv, group, head_dim, spans)); \
         if (memory == NULL) return 1;                                                         \
         paged_attention_team_prepare(memory, n_keys, batch, kv, spans);      \
         int failed = 0;                                                                       \

@@ -12,10 +12,13 @@
  *
  * y[r, o] = sum_i W[o, i] x[r, i] is computed per block as scale * dot(q, x_block) +
  * min * sum(x_block): the activation block sums (and, for q4, a form of x that saves the
- * nibble unpacking, `qb_prepare_q4`) are computed once per call, so the inner loop only widens
- * the integers, multiplies them with float32 activations and scales the block's partial sum. Each weight block is loaded once and used for up to 4
- * activation rows; 4 weight rows are in flight at once (independent accumulator chains).
- * Activations and accumulators are float32. A float16 scale row is widened once per row.
+ * nibble unpacking, `qb_prepare_q4`) are computed once per call, so the inner loop only
+ * widens the integers, multiplies them with the activations and scales the block's partial
+ * sum. Each weight block is loaded once and used for up to 4 activation rows; 4 weight rows
+ * are in flight at once (independent accumulator chains). Accumulators are float32; so are
+ * the activations, except that q4 products round them to int16 per block where the CPU has
+ * AVX-512 VNNI (`quant_blocks_i16.h`: 1.4x faster, within a stated bound). Float16 scales
+ * are widened once per tile of rows (`qb_tile_floats`).
  */
 #ifndef LLM_RUNTIME_QUANT_BLOCKS_H
 #define LLM_RUNTIME_QUANT_BLOCKS_H
@@ -28,6 +31,13 @@
 #endif
 
 enum { QB_Q4 = 0, QB_Q8 = 1 };
+
+/* This CPU can run q4 products with int16 activations (`quant_blocks_i16.h`). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QB_Q4_I16 1
+#else
+#define QB_Q4_I16 0
+#endif
 
 /* One quantized matrix (or a row range of one): the kernels' view of a `QuantizedMatrix`. */
 typedef struct {
@@ -104,8 +114,39 @@ static inline const float *qb_row_floats(const void *base, int scale_f16, int64_
     return buffer;
 }
 
-/* For q4: xt (`[rows, cols]`, row-major) the tile's form of x (see `qb_q4_tile`) and
- * sums[r, b] the sum of x[r]'s block b (32 values), for the min term. */
+/* Floats of one tile's widened scales (and as many for its mins): tiles of wider rows
+ * shrink to QB_OUTS rows so the buffers stay a small part of a thread's stack. */
+#define QB_TILE_FLOATS 16384
+static inline int64_t qb_tile_rows(int64_t nb) {
+    return nb * QB_TILE <= QB_TILE_FLOATS ? QB_TILE : QB_OUTS;
+}
+
+/* Rows [t0, t1)'s scales (*scales) and mins (*mins, NULL for q8) as float32, row-major
+ * `[t1 - t0, nb]`: in place when stored so, else widened into sbuf / mbuf in one contiguous
+ * pass ahead of the loops that read them. Widening each group's rows just before use, as
+ * this did before, stalled those reads on store-to-load forwarding: measured on Zen 5, a
+ * 576-wide q4 product ran 1.5x slower with float16 scales than with float32 ones. */
+static inline void qb_tile_floats(const qb_matrix *m, int64_t nb, int64_t t0, int64_t t1,
+                                  float *sbuf, float *mbuf, const float **scales,
+                                  const float **mins) {
+    const int64_t n = (t1 - t0) * nb;
+    if (!m->scale_f16) {
+        *scales = (const float *)m->scales + t0 * nb;
+        *mins = m->kind == QB_Q4 ? (const float *)m->mins + t0 * nb : NULL;
+        return;
+    }
+    qb_halves_to_floats((const uint16_t *)m->scales + t0 * nb, sbuf, n);
+    *scales = sbuf;
+    *mins = NULL;
+    if (m->kind == QB_Q4) {
+        qb_halves_to_floats((const uint16_t *)m->mins + t0 * nb, mbuf, n);
+        *mins = mbuf;
+    }
+}
+
+/* For q4 with float32 activations: xt (`[rows, cols]`, row-major) the tile's form of x
+ * (see `qb_q4_tile`) and sums[r, b] the sum of x[r]'s block b (32 values), for the min
+ * term. */
 static inline void qb_prepare_q4(const float *x, int64_t ldx, int64_t rows, int64_t cols,
                                  float *xt, float *sums) {
     const int64_t nb = cols / 32;
@@ -175,16 +216,12 @@ static inline __attribute__((always_inline)) void qb_reduce(const int R, const i
     }
 }
 
-/* x prepared for q4 (`qb_prepare_q4`): per block, 16 values xh / 16 (dotted with each whole
- * byte b = 16 hi + lo) then 16 values xl - xh / 16 (dotted with the low nibble), since
- * lo xl + hi xh = b (xh / 16) + lo (xl - xh / 16): one conversion of the byte and one table
- * lookup of its low nibble replace two masks, a shift and two conversions. */
-static inline __attribute__((always_inline)) void qb_q4_tile(
-    const int R, const int NO, const uint8_t *qs, int64_t qs_stride, const float *const *sc,
-    const float *const *mn, const float *xsum, int64_t nb, const float *xt, int64_t ldx,
-    float dots[QB_OUTS][QB_ROWS]) {
-    __m512 acc[QB_OUTS][QB_ROWS];
-    /* the min term first: sum_b min[k][b] * xsum[r][b], in the accumulators' lanes */
+/* acc[k][r] = the q4 min term sum_b min[k][b] * xsum[r][b], spread over the lanes (the
+ * accumulators' starting value). */
+static inline __attribute__((always_inline)) void qb_min_term(const int R, const int NO,
+                                                              const float *const *mn,
+                                                              const float *xsum, int64_t nb,
+                                                              __m512 acc[QB_OUTS][QB_ROWS]) {
     for (int k = 0; k < NO; ++k)
         for (int r = 0; r < R; ++r) acc[k][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 16) {
@@ -196,6 +233,18 @@ static inline __attribute__((always_inline)) void qb_q4_tile(
                                             acc[k][r]);
         }
     }
+}
+
+/* x prepared for q4 (`qb_prepare_q4`): per block, 16 values xh / 16 (dotted with each whole
+ * byte b = 16 hi + lo) then 16 values xl - xh / 16 (dotted with the low nibble), since
+ * lo xl + hi xh = b (xh / 16) + lo (xl - xh / 16): one conversion of the byte and one table
+ * lookup of its low nibble replace two masks, a shift and two conversions. */
+static inline __attribute__((always_inline)) void qb_q4_tile(
+    const int R, const int NO, const uint8_t *qs, int64_t qs_stride, const float *const *sc,
+    const float *const *mn, const float *xsum, int64_t nb, const float *xt, int64_t ldx,
+    float dots[QB_OUTS][QB_ROWS]) {
+    __m512 acc[QB_OUTS][QB_ROWS];
+    qb_min_term(R, NO, mn, xsum, nb, acc);
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b < nb; ++b) {
         if ((b & 3) == 0)
@@ -264,6 +313,8 @@ static inline __attribute__((always_inline)) void qb_q8_tile(
 
 #define QB_Q8_VECTOR_BLOCK(block) ((block) % 16 == 0)
 
+#include "quant_blocks_i16.h"
+
 #else /* portable: plain loops the compiler vectorises as it can */
 
 static inline __attribute__((always_inline)) void qb_q4_tile(
@@ -308,6 +359,21 @@ static inline __attribute__((always_inline)) void qb_q8_tile(
 
 #endif
 
+/* Floats a q4 product's prepared activations take in either form: the rows, then their
+ * block sums (at `rows * qb_q4_row_floats(cols)`). */
+static inline int64_t qb_q4_row_floats(int64_t cols) {
+#if QB_Q4_I16
+    const int64_t words = qb_q4_i16_row_floats(cols);
+    return words > cols ? words : cols;
+#else
+    return cols;
+#endif
+}
+
+static inline int64_t qb_q4_prepared_floats(int64_t rows, int64_t cols) {
+    return rows * (qb_q4_row_floats(cols) + cols / 32) + 1;
+}
+
 /* Any q8 block the vector tile cannot take (not a multiple of 16): one scalar dot. */
 static inline float qb_q8_dot_scalar(const int8_t *q, const float *sc, int64_t nb, int64_t block,
                                      const float *xr) {
@@ -338,16 +404,21 @@ static inline float qb_q8_dot_scalar(const int8_t *q, const float *sc, int64_t n
 
 /* y[r * ldy + o] (= or +=, by `accumulate`) sum_i W[o, i] x[r, i] for o in [o0, o1) (o
  * counts m's rows from 0). For q8, x is the activations (`[rows, ldx]`); for q4 it is their
- * prepared form and block sums (`qb_prepare_q4`: xt `[rows, cols]`, pass ldx = cols, and
- * xsum `[rows, cols / 32]`); xsum is unused for q8. */
+ * prepared form and block sums: `qb_prepare_q4` (pass ldx = cols), or with `int16` (where
+ * QB_Q4_I16) `qb_prepare_q4_i16` (pass ldx = `qb_q4_i16_row_floats(cols)`); xsum
+ * `[rows, cols / 32]`, unused for q8. */
 static inline void qb_project(const qb_matrix *m, const float *x, int64_t ldx, int64_t rows,
                               const float *xsum, float *y, int64_t ldy, int64_t o0, int64_t o1,
-                              int accumulate) {
+                              int accumulate, int int16) {
+    (void)int16; /* only read where QB_Q4_I16 */
     const int64_t nb = m->cols / m->block;
     const int64_t qs_stride = m->kind == QB_Q4 ? m->cols / 2 : m->cols;
-    float sbuf[QB_OUTS][nb], mbuf[QB_OUTS][nb];
-    for (int64_t t0 = o0; t0 < o1; t0 += QB_TILE) {
-        const int64_t t1 = t0 + QB_TILE < o1 ? t0 + QB_TILE : o1;
+    const int64_t tile = qb_tile_rows(nb);
+    float sbuf[tile * nb], mbuf[tile * nb];
+    for (int64_t t0 = o0; t0 < o1; t0 += tile) {
+        const int64_t t1 = t0 + tile < o1 ? t0 + tile : o1;
+        const float *ts, *tm;
+        qb_tile_floats(m, nb, t0, t1, sbuf, mbuf, &ts, &tm);
         for (int64_t r0 = 0; r0 < rows; r0 += QB_ROWS) {
             const int R = rows - r0 < QB_ROWS ? (int)(rows - r0) : QB_ROWS;
             const float *xr = x + r0 * ldx;
@@ -355,17 +426,26 @@ static inline void qb_project(const qb_matrix *m, const float *x, int64_t ldx, i
                 const int NO = t1 - o >= QB_OUTS_FOR(R) ? QB_OUTS_FOR(R) : 1;
                 const float *sc[QB_OUTS], *mn[QB_OUTS];
                 for (int k = 0; k < NO; ++k) {
-                    sc[k] = qb_row_floats(m->scales, m->scale_f16, nb, o + k, sbuf[k]);
-                    mn[k] = m->kind == QB_Q4
-                                ? qb_row_floats(m->mins, m->scale_f16, nb, o + k, mbuf[k])
-                                : NULL;
+                    sc[k] = ts + (o + k - t0) * nb;
+                    mn[k] = tm != NULL ? tm + (o + k - t0) * nb : NULL;
                 }
                 float dots[QB_OUTS][QB_ROWS];
                 if (m->kind == QB_Q4) {
                     const uint8_t *q = (const uint8_t *)m->qs + o * qs_stride;
 #define QB_Q4_CALL(RR, NN) \
     qb_q4_tile(RR, NN, q, qs_stride, sc, mn, xsum + r0 * nb, nb, xr, ldx, dots)
+#if QB_Q4_I16
+#define QB_Q4_I16_CALL(RR, NN) \
+    qb_q4_i16_tile(RR, NN, q, qs_stride, sc, mn, xsum + r0 * nb, nb, xr, ldx, dots)
+                    if (int16) {
+                        QB_CASES(QB_Q4_I16_CALL)
+                    } else {
+                        QB_CASES(QB_Q4_CALL)
+                    }
+#undef QB_Q4_I16_CALL
+#else
                     QB_CASES(QB_Q4_CALL)
+#endif
 #undef QB_Q4_CALL
                 } else if (QB_Q8_VECTOR_BLOCK(m->block)) {
                     const int8_t *q = (const int8_t *)m->qs + o * qs_stride;

@@ -189,18 +189,20 @@ static inline void qb_project_i8(const qb_matrix *m, const qb_i8_input *in, int6
     const int64_t nb = m->cols / m->block;
     const int is_q4 = m->kind == QB_Q4;
     const int64_t qs_stride = is_q4 ? m->cols / 2 : m->cols;
-    float sbuf[QB_OUTS][nb], mbuf[QB_OUTS][nb];
-    for (int64_t t0 = o0; t0 < o1; t0 += QB_TILE) {
-        const int64_t t1 = t0 + QB_TILE < o1 ? t0 + QB_TILE : o1;
+    const int64_t tile = qb_tile_rows(nb);
+    float sbuf[tile * nb], mbuf[tile * nb];
+    for (int64_t t0 = o0; t0 < o1; t0 += tile) {
+        const int64_t t1 = t0 + tile < o1 ? t0 + tile : o1;
+        const float *ts, *tms;
+        qb_tile_floats(m, nb, t0, t1, sbuf, mbuf, &ts, &tms);
         for (int64_t r0 = 0; r0 < rows; r0 += QB_ROWS) {
             const int R = rows - r0 < QB_ROWS ? (int)(rows - r0) : QB_ROWS;
             for (int64_t o = t0; o < t1;) {
                 const int NO = t1 - o >= QB_OUTS_FOR(R) ? QB_OUTS_FOR(R) : 1;
                 const float *sc[QB_OUTS], *tm[QB_OUTS];
                 for (int k = 0; k < NO; ++k) {
-                    sc[k] = qb_row_floats(m->scales, m->scale_f16, nb, o + k, sbuf[k]);
-                    tm[k] = is_q4 ? qb_row_floats(m->mins, m->scale_f16, nb, o + k, mbuf[k])
-                                  : sc[k];
+                    sc[k] = ts + (o + k - t0) * nb;
+                    tm[k] = is_q4 ? tms + (o + k - t0) * nb : sc[k];
                 }
                 float dots[QB_OUTS][QB_ROWS];
                 const uint8_t *q = (const uint8_t *)m->qs + o * qs_stride;

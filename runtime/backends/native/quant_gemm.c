@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "gemm_panels.h"
+#include "scratch_alloc.h"
 
 /* Activation rows transposed and multiplied per pass over the panels. */
 #define QG_CHUNK 128
@@ -23,7 +24,7 @@ int quant_gemm(const qb_matrix *m, const float *x, float *out, int64_t rows, int
     const int64_t panels = (n_out + QG_NR - 1) / QG_NR;
     if (n_threads > panels) n_threads = (int)(panels > 0 ? panels : 1);
     const int64_t transposed = qg_transposed_floats(chunk, cols);
-    float *xt = (float *)malloc(sizeof(float) * (transposed + n_threads * qg_scratch_floats(cols)));
+    float *xt = (float *)scratch_alloc(sizeof(float) * (transposed + n_threads * qg_scratch_floats(cols)));
     if (xt == NULL) return 1;
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
         const int64_t n = rows - r0 < chunk ? rows - r0 : chunk;

@@ -9,12 +9,15 @@
  * prefill, which multiplies a dequantized tile at a time with torch.mm.
  * `quant_matmul_i8`: `quant_matmul` with the activations quantized to int8 per block
  * (`quant_blocks_i8.h`); returns 3 where this CPU has no AVX-512 VNNI (`quant_i8_available`).
+ * `quant_matmul_i16`: `quant_matmul` over q4 blocks with the activations rounded to int16 per
+ * block (`quant_blocks_i16.h`); returns 3 where this CPU cannot (`quant_q4_int16`).
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "quant_blocks.h"
 #include "quant_blocks_i8.h"
+#include "scratch_alloc.h"
 
 /* This thread's share [*o0, *o1) of n rows, in multiples of 16. */
 static void qm_stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *o1) {
@@ -24,15 +27,23 @@ static void qm_stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *
     *o1 = *o0 + step < n ? *o0 + step : n;
 }
 
-int quant_matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
-                 int n_threads) {
+/* The product with float32 (int16 = 0) or int16 (int16 = 1, QB_Q4_I16 only) q4 activations. */
+static int matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
+                  int n_threads, int int16) {
     float *xt = NULL, *xsum = NULL;
     const float *xin = x;
+    int64_t ldx = m->cols;
     if (m->kind == QB_Q4) {
-        xt = (float *)malloc(sizeof(float) * (rows * m->cols + rows * (m->cols / 32) + 1));
+        xt = (float *)scratch_alloc(sizeof(float) * qb_q4_prepared_floats(rows, m->cols));
         if (xt == NULL) return 1;
-        xsum = xt + rows * m->cols;
-        qb_prepare_q4(x, m->cols, rows, m->cols, xt, xsum);
+        xsum = xt + rows * qb_q4_row_floats(m->cols);
+#if QB_Q4_I16
+        if (int16) {
+            qb_prepare_q4_i16(x, m->cols, rows, m->cols, xt, xsum);
+            ldx = qb_q4_i16_row_floats(m->cols);
+        } else
+#endif
+            qb_prepare_q4(x, m->cols, rows, m->cols, xt, xsum);
         xin = xt;
     }
     int64_t per_thread = (n_out + 15) / 16;
@@ -41,10 +52,25 @@ int quant_matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, i
     {
         int64_t o0, o1;
         qm_stripe(n_out, omp_get_thread_num(), omp_get_num_threads(), &o0, &o1);
-        if (o0 < o1) qb_project(m, xin, m->cols, rows, xsum, out, n_out, o0, o1, 0);
+        if (o0 < o1) qb_project(m, xin, ldx, rows, xsum, out, n_out, o0, o1, 0, int16);
     }
     free(xt);
     return 0;
+}
+
+int quant_matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
+                 int n_threads) {
+    return matmul(m, x, out, rows, n_out, n_threads, 0);
+}
+
+int quant_q4_int16(void) { return QB_Q4_I16; }
+
+/* 0 done, 1 out of memory, 2 not q4 blocks, 3 this CPU has no AVX-512 VNNI. */
+int quant_matmul_i16(const qb_matrix *m, const float *x, float *out, int64_t rows,
+                     int64_t n_out, int n_threads) {
+    if (!QB_Q4_I16) return 3;
+    if (m->kind != QB_Q4) return 2;
+    return matmul(m, x, out, rows, n_out, n_threads, 1);
 }
 
 void quant_dequantize_rows(const qb_matrix *m, int64_t r0, int64_t r1, float *out,
@@ -64,7 +90,7 @@ int quant_matmul_i8(const qb_matrix *m, const float *x, float *out, int64_t rows
                     int n_threads) {
 #if QB_I8_AVAILABLE
     if (!QB_I8_BLOCK_OK(m->kind, m->block)) return 2;
-    void *memory = malloc((size_t)qb_i8_bytes(rows, m->cols));
+    void *memory = scratch_alloc((size_t)qb_i8_bytes(rows, m->cols));
     if (memory == NULL) return 1;
     qb_i8_input in;
     qb_i8_bind(&in, memory, rows, m->cols);

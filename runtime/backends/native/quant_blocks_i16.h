@@ -1,0 +1,129 @@
+/* The q4 block product's activations as int16 (included by `quant_blocks.h`).
+ *
+ * Why: with float32 activations a q4 block of 32 weights costs six vector instructions per
+ * weight row (widen, convert, look up, multiply, two FMAs), three of them on the two FMA
+ * pipes, so batch-1 decode ran at ~20 GB/s a thread, well under the read rate. Rounded to
+ * int16, two blocks of activations meet two blocks of nibbles in one `vpmaddwd` and one
+ * `vpdpwssd` (AVX-512 VNNI): about four instructions a block, measured 1.4x faster on Zen 5.
+ * Not bit-equal to the float32 form, so it is a form of its own (`q_int16`, the fused
+ * stack's "int16" activations) that warmup keeps only where it measures faster.
+ *
+ * The rounding: each 32-value block x_b of an activation row becomes integers in steps of
+ * d_b = max|x_b| / 32767, each off by at most d_b / 2, a relative error of 1.5e-5 of the
+ * block's largest value (int8 activations, `quant_blocks_i8.h`, are 258x coarser). Only the
+ * weights' `q * scale` part meets the rounded values; the q4 `min * sum(x_b)` term keeps the
+ * exact float sum. `runtime.quant.int8_activations.error_bound(..., levels=32767)` states
+ * the bound the tests hold it to.
+ *
+ * Prepared row (`qb_prepare_q4_i16`), `qb_q4_i16_row_floats(cols)` floats, 64-byte aligned when the
+ * buffer is: per pair of blocks (p = b / 2) 64 int16, [low halves of blocks 2p, 2p + 1]
+ * then [high halves of blocks 2p, 2p + 1] (a block's value j < 16 meets its bytes' low
+ * nibbles, value j + 16 their high nibbles); then d_b for every block, zero-padded to a
+ * multiple of 16. An odd last block's partner is zeros.
+ */
+#ifndef LLM_RUNTIME_QUANT_BLOCKS_I16_H
+#define LLM_RUNTIME_QUANT_BLOCKS_I16_H
+
+/* QB_Q4_I16 (this CPU has AVX-512 BW and VNNI) is set by `quant_blocks.h`. */
+#define QB_I16_LEVELS 32767.0f
+
+#if QB_Q4_I16
+
+static inline int64_t qb_i16_pairs(int64_t nb) { return (nb + 1) / 2; }
+static inline int64_t qb_i16_steps(int64_t nb) { return (nb + 15) / 16 * 16; }
+
+/* Floats one prepared activation row takes. */
+static inline int64_t qb_q4_i16_row_floats(int64_t cols) {
+    const int64_t nb = cols / 32;
+    return qb_i16_pairs(nb) * 32 + qb_i16_steps(nb);
+}
+
+/* Row r's blocks of x (`[rows, ldx]`) as int16 and their steps into xp (`[rows,
+ * qb_q4_i16_row_floats(cols)]`), and sums[r, b] = the exact sum of block b (the min term). */
+static inline void qb_prepare_q4_i16(const float *x, int64_t ldx, int64_t rows, int64_t cols,
+                                     float *xp, float *sums) {
+    const int64_t nb = cols / 32, stride = qb_q4_i16_row_floats(cols);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+        int16_t *words = (int16_t *)(xp + r * stride);
+        float *steps = xp + r * stride + qb_i16_pairs(nb) * 32;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *xb = x + r * ldx + b * 32;
+            const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+            const float largest = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+            const float inverse = largest > 0.0f ? QB_I16_LEVELS / largest : 0.0f;
+            const __m512 scale = _mm512_set1_ps(inverse);
+            int16_t *pair = words + (b / 2) * 64 + (b % 2) * 16;
+            /* round to nearest, then narrow with saturation (|x| * inverse <= 32767) */
+            _mm256_storeu_si256((__m256i *)pair,
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+            _mm256_storeu_si256((__m256i *)(pair + 32),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+            steps[b] = largest / QB_I16_LEVELS;
+            sums[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+        if (nb % 2) { /* the odd last block's partner */
+            int16_t *pair = words + (nb / 2) * 64 + 16;
+            memset(pair, 0, 16 * sizeof(int16_t));
+            memset(pair + 32, 0, 16 * sizeof(int16_t));
+        }
+        for (int64_t b = nb; b < qb_i16_steps(nb); ++b) steps[b] = 0.0f;
+    }
+}
+
+/* dots[k][r] for NO weight rows and R prepared rows (row stride ldp floats): per pair of
+ * blocks, 16 int32 sums (lanes 0-7 the first block, 8-15 the second), widened and scaled by
+ * the weight's scale times the activation step of each lane's block. */
+static inline __attribute__((always_inline)) void qb_q4_i16_tile(
+    const int R, const int NO, const uint8_t *qs, int64_t qs_stride, const float *const *sc,
+    const float *const *mn, const float *xsum, int64_t nb, const float *xp, int64_t ldp,
+    float dots[QB_OUTS][QB_ROWS]) {
+    __m512 acc[QB_OUTS][QB_ROWS];
+    qb_min_term(R, NO, mn, xsum, nb, acc);
+    const int64_t step_at = qb_i16_pairs(nb) * 32;
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t g = 0; g < nb; g += 16) {
+        const __mmask16 mask =
+            nb - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - g)) - 1);
+        __m512 steps[QB_OUTS][QB_ROWS]; /* scale of block g + i times its activation step */
+        for (int k = 0; k < NO; ++k) {
+            const __m512 s = _mm512_maskz_loadu_ps(mask, sc[k] + g);
+            for (int r = 0; r < R; ++r)
+                steps[k][r] = _mm512_mul_ps(s, _mm512_loadu_ps(xp + r * ldp + step_at + g));
+        }
+        const int64_t end = g + 16 < nb ? g + 16 : nb;
+        for (int64_t b = g; b < end; b += 2) {
+            if ((b & 3) == 0)
+                for (int k = 0; k < NO; ++k)
+                    _mm_prefetch((const char *)(qs + k * qs_stride + b * 16 + QB_PREFETCH),
+                                 _MM_HINT_T0);
+            __m512i xl[QB_ROWS], xh[QB_ROWS];
+            for (int r = 0; r < R; ++r) {
+                const int16_t *words = (const int16_t *)(xp + r * ldp) + (b / 2) * 64;
+                xl[r] = _mm512_loadu_si512((const void *)words);
+                xh[r] = _mm512_loadu_si512((const void *)(words + 32));
+            }
+            const __m512i lanes = _mm512_add_epi32(halves, _mm512_set1_epi32((int)(b - g)));
+            for (int k = 0; k < NO; ++k) {
+                const uint8_t *q = qs + k * qs_stride + b * 16;
+                const __m256i bytes = b + 1 < nb
+                                          ? _mm256_loadu_si256((const __m256i *)q)
+                                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)q));
+                const __m512i w = _mm512_cvtepu8_epi16(bytes);
+                const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_srli_epi16(w, 4);
+                for (int r = 0; r < R; ++r) {
+                    const __m512i sum = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, xl[r]), hi, xh[r]);
+                    acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                                _mm512_permutexvar_ps(lanes, steps[k][r]),
+                                                acc[k][r]);
+                }
+            }
+        }
+    }
+    qb_reduce(R, NO, acc, dots);
+}
+
+#endif /* QB_Q4_I16 */
+#endif

@@ -1,0 +1,79 @@
+"""The int16-activation q4 product (`q_int16`, VNNI) stays within its stated error bound
+(`runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)`) of the `gguf` package's
+dequantized weights, rounds for real (it is not `q_rows` under another name), and refuses
+blocks it does not take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from runtime.backends import native_kernels
+from runtime.quant.gguf_blocks import STORED_TYPES, repack
+from runtime.quant.rounded_activations import INT16_LEVELS, error_bound
+from tests.runtime.quant_fixtures import gguf_reference, raw_blocks
+from tests.runtime.test_quant_kernels import torch_threads
+
+REASON = native_kernels.unavailable_reason()
+INT16 = REASON is None and native_kernels.quant_matmul().int16_available
+pytestmark = pytest.mark.skipif(
+    not INT16,
+    reason="the int16-activation kernel needs gcc and a CPU with AVX-512 VNNI "
+    f"({REASON or 'this CPU has no AVX-512 VNNI'})",
+)
+Q4_TYPES = sorted(name for name in STORED_TYPES if name.startswith("Q4"))
+
+
+# An odd block count leaves the last pair half empty; 17 blocks cross a 16-block scale group.
+@example(type_name="Q4_0", blocks=17, half_rows=3, batch=5, threads=2, seed=1)
+@example(type_name="Q4_1", blocks=3, half_rows=0, batch=1, threads=1, seed=2)
+@given(
+    type_name=st.sampled_from(Q4_TYPES),
+    blocks=st.integers(1, 8),
+    half_rows=st.integers(0, 40),
+    batch=st.integers(1, 33),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_int16_product_is_within_its_bound_of_the_gguf_reference(
+    type_name: str, blocks: int, half_rows: int, batch: int, threads: int, seed: int
+) -> None:
+    rows = 2 * half_rows + 1
+    cols = blocks * STORED_TYPES[type_name][0]
+    raw = raw_blocks(type_name, rows, cols, seed)
+    matrix = repack(type_name, raw, rows, cols)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(seed))
+    x[:, :: max(1, cols // 7)] *= 50.0  # outliers: steps are set by each block's largest value
+    with torch_threads(threads):
+        got = native_kernels.quant_matmul().unchecked_int16(matrix, x)
+    assert got.shape == (batch, rows) and got.dtype == torch.float32
+    want = x.double() @ gguf_reference(type_name, raw).T
+    excess = (got.double() - want).abs() - error_bound(matrix, x, INT16_LEVELS)
+    assert float(excess.max()) <= 0.0, f"worst error exceeds its bound by {float(excess.max())}"
+
+
+def test_int16_product_rounds_the_activations() -> None:
+    """Activations off the int16 steps differ from the float32 form by more than float32
+    rounding does; on the steps (integers up to 32767 with a 32767 in each block) they give
+    the exact product."""
+    raw = raw_blocks("Q4_1", 48, 256, seed=5)
+    matrix = repack("Q4_1", raw, 48, 256)
+    kernels = native_kernels.quant_matmul()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    x[:, ::32] = 1000.0  # each block's step is 1000 / 32767: the others round coarsely
+    difference = (kernels.unchecked_int16(matrix, x) - kernels(matrix, x)).abs().max()
+    assert float(difference) > 1e-4
+    steps = torch.randint(-32767, 32768, (3, 256), generator=torch.Generator().manual_seed(6))
+    steps[:, ::32] = 32767
+    on_steps = steps.float()
+    want = (on_steps.double() @ gguf_reference("Q4_1", raw).T).float()
+    torch.testing.assert_close(kernels.unchecked_int16(matrix, on_steps), want, rtol=1e-5, atol=1.0)
+
+
+def test_int16_refuses_blocks_it_does_not_take() -> None:
+    matrix = repack("Q8_0", raw_blocks("Q8_0", 4, 64, seed=1), 4, 64)
+    assert not native_kernels.int16_takes(matrix)
+    with pytest.raises(ValueError, match="takes q4 blocks only"):
+        native_kernels.quant_matmul().unchecked_int16(matrix, torch.zeros(1, 64))
