@@ -142,9 +142,10 @@ def _torch_int4_weight(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Ten
     packed = matrix.qs.view(matrix.rows, -1, 16)
     values = torch.cat((packed & 0x0F, packed >> 4), dim=-1).reshape(matrix.rows, matrix.cols)
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
-    assert matrix.mins is not None
+    mins = matrix.block_mins()
+    assert mins is not None
     scale = matrix.scales.to(torch.float32).t()
-    zero = matrix.mins.to(torch.float32).t() + 8.0 * scale
+    zero = mins.t() + 8.0 * scale
     scales_zeros = torch.stack((scale, zero), dim=-1).contiguous()
     _TORCH_INT4[id(matrix)] = (matrix, weight, scales_zeros)
     return weight, scales_zeros
@@ -237,6 +238,14 @@ def default_block_form(rows: int) -> str:
     if not _native_available():
         return "q_tiles"
     return "q_rows" if rows <= _ROWS_FORM_UP_TO else "q_gemm"
+
+
+def take_block_rows(matrix: QuantizedMatrix, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of `matrix` as float32 (token embeddings of a tied head held in blocks):
+    the native gather where it can run, else `QuantizedMatrix.take_rows`; bit-equal."""
+    if _native_available() and matrix.device.type == "cpu":
+        return native_kernels.quant_matmul().take_rows(matrix, index)
+    return matrix.take_rows(index)
 
 
 def block_product(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.decoder.block_forms import block_product, default_block_form
+from models.decoder.block_forms import block_product, default_block_form, take_block_rows
 from models.decoder.config import DecoderArgs
 from models.decoder.kernels import FORMS, Layout, ProjectionChoice, default_form
 from runtime.quant.matrix import QuantizedMatrix, concat_rows
@@ -150,13 +150,13 @@ class Projection(nn.Module):
             return F.embedding(tokens, self.hf_weight())
         flat = tokens.reshape(-1)
         if len(self.blocks) == 1:
-            rows = self.blocks[0].take_rows(flat)
+            rows = take_block_rows(self.blocks[0], flat)
         else:
             rows = torch.empty(flat.shape[0], self.in_features)
             offset = 0
             for block in self.blocks:
                 inside = (flat >= offset) & (flat < offset + block.rows)
-                rows[inside] = block.take_rows(flat[inside] - offset)
+                rows[inside] = take_block_rows(block, flat[inside] - offset)
                 offset += block.rows
         return rows.to(dtype).view(*tokens.shape, self.in_features)
 

@@ -66,8 +66,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def _q4_0(blocks: np.ndarray, rows: int, cols: int) -> QuantizedMatrix:
-    d = _f16(blocks, 0)
-    mins = (d.astype(np.float32) * -8.0).astype(np.float16)
+    # Symmetric blocks: value = (q - 8) * d, so no mins are stored (min = -8 * d).
     return QuantizedMatrix(
         kind="q4",
         source="Q4_0",
@@ -75,8 +74,7 @@ def _q4_0(blocks: np.ndarray, rows: int, cols: int) -> QuantizedMatrix:
         cols=cols,
         block=32,
         qs=_tensor(blocks[..., 2:].reshape(rows, cols // 2)),
-        scales=_tensor(d),
-        mins=_tensor(mins),
+        scales=_tensor(_f16(blocks, 0)),
     )
 
 

@@ -6,7 +6,9 @@ form keeps every weight value exact (bit-equal to the `gguf` package's dequantiz
 
 * `q4`: `qs` is uint8 `[rows, cols / 2]`; in each block of 32 values, byte `j` holds value
   `j` in its low nibble and value `j + 16` in its high nibble (the Q4_0/Q4_1 order; Q4_K's
-  64-value chunks are re-ordered into it). Value = `q * scale + min`.
+  64-value chunks are re-ordered into it). Value = `q * scale + min`; Q4_0's symmetric blocks
+  store no `mins` (None), their min being `-8 * scale` (`block_mins`), so they hold the file's
+  18 bytes a block rather than 20.
 * `q8`: `qs` is int8 `[rows, cols]` in natural order. Value = `q * scale` (`mins` is None).
 
 `scales` (and `mins`) are `[rows, cols / block]`, float16 where the file's scales are float16
@@ -67,8 +69,8 @@ class QuantizedMatrix:
             return (
                 f"scales are {self.scales.dtype} {list(self.scales.shape)}, expected {list(blocks)}"
             )
-        if (self.mins is None) != (self.kind == "q8"):
-            return "q4 needs mins and q8 has none"
+        if self.kind == "q8" and self.mins is not None:
+            return "q8 blocks have no mins"
         if self.mins is not None and (
             tuple(self.mins.shape) != blocks or self.mins.dtype != self.scales.dtype
         ):
@@ -77,6 +79,16 @@ class QuantizedMatrix:
         if not all(t.is_contiguous() for t in tensors):
             return "qs, scales and mins must be contiguous"
         return None
+
+    def block_mins(self, start: int = 0, stop: int | None = None) -> torch.Tensor | None:
+        """Rows `[start, stop)`'s per-block mins as float32 (`-8 * scale` for symmetric q4
+        blocks, exact), or None for q8."""
+        if self.kind == "q8":
+            return None
+        stop = self.rows if stop is None else stop
+        if self.mins is None:
+            return self.scales[start:stop].to(torch.float32) * -8.0
+        return self.mins[start:stop].to(torch.float32)
 
     def float_parts(self) -> list[torch.Tensor]:
         """The scales (and mins): what must be finite for every value to be."""
@@ -131,9 +143,9 @@ class QuantizedMatrix:
         low = (packed & 0x0F).to(torch.float32)
         high = (packed >> 4).to(torch.float32)
         values = torch.cat((low, high), dim=-1)
-        assert self.mins is not None
-        mins = self.mins[start:stop].to(torch.float32).unsqueeze(-1)
-        return (values * scales.unsqueeze(-1) + mins).reshape(stop - start, self.cols)
+        mins = self.block_mins(start, stop)
+        assert mins is not None
+        return (values * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(stop - start, self.cols)
 
 
 _SCALE_DTYPES = (torch.float16, torch.float32)
@@ -143,8 +155,8 @@ def concat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix | None:
     """One matrix of `parts` stacked by rows, or None when their forms differ."""
     first = parts[0]
     same = all(
-        (p.kind, p.block, p.cols, p.scales.dtype)
-        == (first.kind, first.block, first.cols, first.scales.dtype)
+        (p.kind, p.block, p.cols, p.scales.dtype, p.mins is None)
+        == (first.kind, first.block, first.cols, first.scales.dtype, first.mins is None)
         for p in parts
     )
     if not same:

@@ -49,9 +49,9 @@ def error_bound(
     above), for activations rounded to `levels` steps either side of zero."""
     weight = matrix.dequantize().double()
     meets_rounded = weight
-    if matrix.mins is not None:
-        mins = matrix.mins.double().repeat_interleave(matrix.block, dim=1)
-        meets_rounded = weight - mins
+    block_mins = matrix.block_mins()
+    if block_mins is not None:
+        meets_rounded = weight - block_mins.double().repeat_interleave(matrix.block, dim=1)
     block = activation_block(matrix)
     steps = activation_steps(x, block, levels).repeat_interleave(block, dim=1)
     rounding = 0.5 * steps @ meets_rounded.abs().T

@@ -155,8 +155,9 @@ def _rounded_reference(
                         outs.append(rows @ held.T)
                     else:  # q * scale meets the rounded input, a q4 min the exact one
                         mins = torch.zeros_like(held)
-                        if part.mins is not None:
-                            mins = part.mins.float().repeat_interleave(part.block, dim=1)
+                        block_mins = part.block_mins()
+                        if block_mins is not None:
+                            mins = block_mins.repeat_interleave(part.block, dim=1)
                         rounded = _round_like_kernel(rows, activation_block(part), levels(part))
                         outs.append(rounded @ (held - mins).T + rows @ mins.T)
                     start += count

@@ -139,3 +139,22 @@ def test_checked_call_names_the_bad_argument() -> None:
         kernels.dequantize_rows(matrix, 1, 3, torch.zeros(100))
     with pytest.raises(ValueError, match=r"rows \[3, 5\)"):
         kernels.dequantize_rows(matrix, 3, 5, torch.zeros(1000))
+
+
+@given(
+    type_name=st.sampled_from(sorted(STORED_TYPES)),
+    rows=st.integers(1, 40),
+    data=st.data(),
+)
+def test_take_rows_is_bit_equal(type_name: str, rows: int, data: st.DataObject) -> None:
+    """The native gather of scattered rows (token embeddings) equals `take_rows`, and an
+    index outside the matrix is refused before any row is read."""
+    cols = STORED_TYPES[type_name][0]
+    matrix = repack(type_name, raw_blocks(type_name, rows, cols, seed=rows), rows, cols)
+    index = torch.tensor(
+        data.draw(st.lists(st.integers(0, rows - 1), max_size=9)), dtype=torch.long
+    )
+    got = native_kernels.quant_matmul().take_rows(matrix, index)
+    assert torch.equal(got, matrix.take_rows(index))
+    with pytest.raises(ValueError, match=r"outside \[0, "):
+        native_kernels.quant_matmul().take_rows(matrix, torch.tensor([0, rows]))

@@ -82,20 +82,28 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
         return;
     }
     const int64_t nb = m->cols / 32, cols = m->cols;
-    float sbuf[nb], mbuf[nb];
+    /* the panel's scales (and mins) widened in one pass ahead of the rows that read them */
+    float sbuf[(o1 - o0) * nb], mbuf[(o1 - o0) * nb];
+    const float *ts, *tm;
+    qb_tile_floats(m, nb, o0, o1, sbuf, mbuf, &ts, &tm);
     const __m512i low = _mm512_set1_epi32(0x0F);
     const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 centered = _mm512_sub_ps(levels, _mm512_set1_ps(8.0f));
     for (int64_t o = o0; o < o1; ++o) {
-        const float *sc = qb_row_floats(m->scales, m->scale_f16, nb, o, sbuf);
+        const float *sc = ts + (o - o0) * nb;
         float *row = panel + (o - o0) * cols;
         if (m->kind == QB_Q4) {
-            const float *mn = qb_row_floats(m->mins, m->scale_f16, nb, o, mbuf);
+            const float *mn = tm + (o - o0) * nb;
             const uint8_t *q = (const uint8_t *)m->qs + o * (cols / 2);
             for (int64_t b = 0; b < nb; ++b) {
-                /* the block's 16 possible values q * s + m, then two lookups by nibble */
+                /* the block's 16 possible values q * s + m, then two lookups by nibble; for
+                 * symmetric blocks (q - 8) * s, exact, as is q * s + (-8 s) */
                 const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-                const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(sc[b])),
-                                                   _mm512_set1_ps(mn[b]));
+                const __m512 s = _mm512_set1_ps(sc[b]);
+                const __m512 table = m->mins == NULL
+                                         ? _mm512_mul_ps(centered, s)
+                                         : _mm512_add_ps(_mm512_mul_ps(levels, s),
+                                                         _mm512_set1_ps(mn[b]));
                 _mm512_storeu_ps(row + b * 32, _mm512_permutexvar_ps(_mm512_and_si512(w, low), table));
                 _mm512_storeu_ps(row + b * 32 + 16,
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table));

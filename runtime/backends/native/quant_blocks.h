@@ -6,7 +6,8 @@
  *
  * Forms (one weight row of `cols` values, blocks of `block` values):
  *   q4: `qs` uint8 `[rows, cols / 2]`; per 32-value block (16 bytes) byte j holds value j in
- *       its low nibble and value j + 16 in its high nibble; value = q * scale + min.
+ *       its low nibble and value j + 16 in its high nibble; value = q * scale + min, or, with
+ *       no mins stored (Q4_0's symmetric blocks), min = -8 * scale (`qb_row_mins`).
  *   q8: `qs` int8 `[rows, cols]`, natural order; value = q * scale (no mins).
  *   scales / mins: `[rows, cols / block]`, float16 or float32.
  *
@@ -47,7 +48,7 @@ typedef struct {
     int64_t cols;      /* values per row (a multiple of block) */
     const void *qs;    /* q4: uint8 [rows, cols / 2]; q8: int8 [rows, cols] */
     const void *scales; /* [rows, cols / block] */
-    const void *mins;   /* [rows, cols / block] for q4, NULL for q8 */
+    const void *mins;   /* [rows, cols / block] for q4 (NULL: -8 * scale), NULL for q8 */
 } qb_matrix;
 
 /* Activation rows handled by one pass over a weight tile, and weight rows in flight. */
@@ -114,6 +115,20 @@ static inline const float *qb_row_floats(const void *base, int scale_f16, int64_
     return buffer;
 }
 
+/* -8 * scales[i] into mins (the mins of symmetric q4 blocks: exact in float32). */
+static inline void qb_symmetric_mins(const float *scales, float *mins, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) mins[i] = -8.0f * scales[i];
+}
+
+/* Row o's q4 mins as float32 (`qb_row_floats`), or -8 times its scales `sc` (already
+ * float32) where the blocks are symmetric (no mins stored). */
+static inline const float *qb_row_mins(const qb_matrix *m, int64_t nb, int64_t o, const float *sc,
+                                       float *buffer) {
+    if (m->mins != NULL) return qb_row_floats(m->mins, m->scale_f16, nb, o, buffer);
+    qb_symmetric_mins(sc, buffer, nb);
+    return buffer;
+}
+
 /* Floats of one tile's widened scales (and as many for its mins): tiles of wider rows
  * shrink to QB_OUTS rows so the buffers stay a small part of a thread's stack. */
 #define QB_TILE_FLOATS 16384
@@ -132,13 +147,18 @@ static inline void qb_tile_floats(const qb_matrix *m, int64_t nb, int64_t t0, in
     const int64_t n = (t1 - t0) * nb;
     if (!m->scale_f16) {
         *scales = (const float *)m->scales + t0 * nb;
-        *mins = m->kind == QB_Q4 ? (const float *)m->mins + t0 * nb : NULL;
-        return;
+    } else {
+        qb_halves_to_floats((const uint16_t *)m->scales + t0 * nb, sbuf, n);
+        *scales = sbuf;
     }
-    qb_halves_to_floats((const uint16_t *)m->scales + t0 * nb, sbuf, n);
-    *scales = sbuf;
     *mins = NULL;
-    if (m->kind == QB_Q4) {
+    if (m->kind != QB_Q4) return;
+    if (m->mins == NULL) { /* symmetric blocks */
+        qb_symmetric_mins(*scales, mbuf, n);
+        *mins = mbuf;
+    } else if (!m->scale_f16) {
+        *mins = (const float *)m->mins + t0 * nb;
+    } else {
         qb_halves_to_floats((const uint16_t *)m->mins + t0 * nb, mbuf, n);
         *mins = mbuf;
     }
@@ -493,7 +513,7 @@ static QB_NO_CONTRACT void qb_dequantize_rows(const qb_matrix *m, int64_t r0, in
         const float *sc = qb_row_floats(m->scales, m->scale_f16, nb, o, sbuf);
         float *row = out + (o - r0) * cols;
         if (m->kind == QB_Q4) {
-            const float *mn = qb_row_floats(m->mins, m->scale_f16, nb, o, mbuf);
+            const float *mn = qb_row_mins(m, nb, o, sc, mbuf);
             const uint8_t *q = (const uint8_t *)m->qs + o * qs_stride;
             for (int64_t b = 0; b < nb; ++b) {
                 const float s = sc[b], mb = mn[b];

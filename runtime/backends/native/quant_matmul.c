@@ -6,7 +6,8 @@
  * once, using every block for up to 4 rows at a time (a tile of 16 weight rows is reused from
  * cache for each further group of 4 rows).
  * `quant_dequantize_rows`: rows [r0, r1) of W as float32 into `out` `[r1 - r0, cols]`, for
- * prefill, which multiplies a dequantized tile at a time with torch.mm.
+ * prefill, which multiplies a dequantized tile at a time with torch.mm; `quant_take_rows`
+ * the same for scattered rows (token embeddings).
  * `quant_matmul_i8`: `quant_matmul` with the activations quantized to int8 per block
  * (`quant_blocks_i8.h`); returns 3 where this CPU has no AVX-512 VNNI (`quant_i8_available`).
  * `quant_matmul_i16`: `quant_matmul` over q4 blocks with the activations rounded to int16 per
@@ -81,6 +82,13 @@ void quant_dequantize_rows(const qb_matrix *m, int64_t r0, int64_t r1, float *ou
         const int64_t a = r0 + c * 16, b = a + 16 < r1 ? a + 16 : r1;
         qb_dequantize_rows(m, a, b, out + (a - r0) * m->cols);
     }
+}
+
+/* Rows index[0..n) of m as float32 into out (`[n, cols]`), as `quant_dequantize_rows` writes
+ * them: a tied head's token embeddings, a few scattered rows, so no thread team. */
+void quant_take_rows(const qb_matrix *m, const int64_t *index, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; ++i)
+        qb_dequantize_rows(m, index[i], index[i] + 1, out + i * m->cols);
 }
 
 int quant_i8_available(void) { return QB_I8_AVAILABLE; }
