@@ -74,7 +74,8 @@ static inline __attribute__((always_inline)) void qg_micro(const int V, const fl
 #if defined(__AVX512F__)
 /* Rows [o0, o1) of m into panel `[o1 - o0, cols]`: `qb_dequantize_rows` with the blocks of 32
  * unpacked in vector registers (that one leaves the unpacking to the compiler, and dequantizing
- * took a third of a 32-row product). Multiply then add, unfused: bit-equal to it. */
+ * took a third of a 32-row product). Bit-equal to it: where an FMA replaces its multiply and
+ * add, the product is exact. */
 static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, int64_t o1,
                                          float *panel) {
     if (m->block != 32) {
@@ -86,7 +87,6 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
     float sbuf[(o1 - o0) * nb], mbuf[(o1 - o0) * nb];
     const float *ts, *tm;
     qb_tile_floats(m, nb, o0, o1, sbuf, mbuf, &ts, &tm);
-    const __m512i low = _mm512_set1_epi32(0x0F);
     const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 centered = _mm512_sub_ps(levels, _mm512_set1_ps(8.0f));
     for (int64_t o = o0; o < o1; ++o) {
@@ -96,15 +96,17 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
             const float *mn = tm + (o - o0) * nb;
             const uint8_t *q = (const uint8_t *)m->qs + o * (cols / 2);
             for (int64_t b = 0; b < nb; ++b) {
-                /* the block's 16 possible values q * s + m, then two lookups by nibble; for
-                 * symmetric blocks (q - 8) * s, exact, as is q * s + (-8 s) */
+                /* The block's 16 possible values q * s + m, then two lookups by nibble
+                 * (vpermps reads only an index's low 4 bits: the low nibble needs no mask).
+                 * With float16 scales q * s is exact, so one FMA rounds as multiply-then-add
+                 * does; symmetric blocks' (q - 8) * s is exact too. */
                 const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
                 const __m512 s = _mm512_set1_ps(sc[b]);
-                const __m512 table = m->mins == NULL
-                                         ? _mm512_mul_ps(centered, s)
-                                         : _mm512_add_ps(_mm512_mul_ps(levels, s),
-                                                         _mm512_set1_ps(mn[b]));
-                _mm512_storeu_ps(row + b * 32, _mm512_permutexvar_ps(_mm512_and_si512(w, low), table));
+                const __m512 table =
+                    m->mins == NULL ? _mm512_mul_ps(centered, s)
+                    : m->scale_f16  ? _mm512_fmadd_ps(levels, s, _mm512_set1_ps(mn[b]))
+                                    : _mm512_add_ps(_mm512_mul_ps(levels, s), _mm512_set1_ps(mn[b]));
+                _mm512_storeu_ps(row + b * 32, _mm512_permutexvar_ps(w, table));
                 _mm512_storeu_ps(row + b * 32 + 16,
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table));
             }
