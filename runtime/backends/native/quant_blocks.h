@@ -17,9 +17,10 @@
  * widens the integers, multiplies them with the activations and scales the block's partial
  * sum. Each weight block is loaded once and used for up to 4 activation rows; 4 weight rows
  * are in flight at once (independent accumulator chains). Accumulators are float32; so are
- * the activations, except that q4 products round them to int16 per block where the CPU has
- * AVX-512 VNNI (`quant_blocks_i16.h`: 1.4x faster, within a stated bound). Float16 scales
- * are widened once per tile of rows (`qb_tile_floats`).
+ * the activations, except in the int16 form (`qb_project(..., int16)`, where the CPU has
+ * AVX-512 VNNI: q4 activations rounded to int16 per block, `quant_blocks_i16.h`, 1.4x faster
+ * from cache, within a stated bound). Float16 scales are widened once per tile of rows
+ * (`qb_tile_floats`).
  */
 #ifndef LLM_RUNTIME_QUANT_BLOCKS_H
 #define LLM_RUNTIME_QUANT_BLOCKS_H
