@@ -1,0 +1,60 @@
+"""Warmup's choice of the fused stack and its activation variant (`fused_choice`), on made-up
+timings: each decode bucket weighs alike, so noise at 32 rows (where the variants run the
+same exact panels) cannot outvote a gain at 1 row; buckets keep the stack only where it beat
+the per-op path; every variant's time is recorded."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import models.decoder.fused_choice as fused_choice
+from models.decoder.kernels import KernelPlan
+
+# bucket -> ({variant: fused us}, per-op us)
+TIMINGS = {
+    1: ({"float32": 3300.0, "int16": 3100.0}, 6600.0),
+    8: ({"float32": 10400.0, "int16": 9300.0}, 13300.0),
+    # the same exact panels both ways: 5% of noise against int16, 1.5 ms of it
+    32: ({"float32": 29700.0, "int16": 31200.0}, 29000.0),
+}
+
+
+def _plan() -> KernelPlan:
+    return KernelPlan(
+        projections=(),
+        decode_attention="paged_inplace",
+        buckets=(1, 8, 32, 256),  # the last bucket is the prefill chunk's
+        source="measured",
+        dtype="float32",
+        threads=2,
+        cpu="test",
+    )
+
+
+def test_the_variant_faster_per_bucket_is_kept_and_every_time_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def timed(model: Any, rows: int, block_size: int, variants: tuple[str, ...]) -> Any:
+        fused, per_op = TIMINGS[rows]
+        return {v: fused[v] / 1e6 for v in variants}, per_op / 1e6
+
+    monkeypatch.setattr(fused_choice, "fused_unsupported_reason", lambda model: None)
+    monkeypatch.setattr(fused_choice, "_variants", lambda model: ("float32", "int16"))
+    monkeypatch.setattr(fused_choice, "_time_bucket", timed)
+    model = SimpleNamespace(paged_attention_config=None)
+    chosen = fused_choice._choose(model, _plan())  # type: ignore[arg-type]
+    # summed plainly float32 would win (43400 against 43600 us); bucket by bucket int16 does
+    assert chosen.fused_activations == "int16"
+    assert chosen.fused_decode == (1, 8)  # at 32 rows the per-op path measured faster
+    measured = [value for timing in chosen.fused_timings for value in timing]
+    assert measured == pytest.approx([1, 3100, 6600, 8, 9300, 13300, 32, 31200, 29000])
+    assert {(v, b) for v, b, _ in chosen.fused_variant_timings} == {
+        (v, b) for b in TIMINGS for v in ("float32", "int16")
+    }
+    recorded = chosen.to_json()["fused_decode"]
+    assert isinstance(recorded, dict)
+    first = {"bucket": 1, "fused": 3100.0, "per_op": 6600.0}
+    assert recorded["measured_us"][0] == {**first, "fused_float32": 3300.0, "fused_int16": 3100.0}
