@@ -296,6 +296,8 @@ def quant_descriptor(matrix: QuantizedMatrix) -> int:
     return view[1]  # type: ignore[return-value]
 
 
+_PRODUCT_REASONS = {1: "out of memory for its prepared activations"}
+_GEMM_REASONS = {1: "out of memory for its panels"}
 _INT16_REASONS = {
     1: "out of memory for the int16 activations",
     2: "the int16-activation form takes q4 blocks only",
@@ -354,52 +356,39 @@ class QuantMatmul:
     def unchecked(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`__call__` without the checks (a decode step calls this ~150 times): x must be a
         2-D CPU tensor `[R, matrix.cols]` (cast to contiguous float32 when it is not)."""
-        return self._product(self._matmul, matrix, x, "quant_matmul could not allocate its sums")
+        return self._run(self._matmul, "quant_matmul", _PRODUCT_REASONS, matrix, x)
 
     def unchecked_gemm(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` for many rows (`native/quant_gemm.c`): panels of the weight dequantized
         into a per-thread buffer and multiplied by a register-tiled kernel, for prefill and
         large decode batches. Same tolerance as `unchecked`; only the summation order
         differs."""
-        return self._product(self._gemm, matrix, x, "quant_gemm could not allocate its panels")
-
-    @staticmethod
-    def _product(
-        kernel: Callable[..., int], matrix: QuantizedMatrix, x: torch.Tensor, out_of_memory: str
-    ) -> torch.Tensor:
-        view = matrix.native_view
-        descriptor = view[1] if view else quant_descriptor(matrix)
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, matrix.rows)
-        if kernel(descriptor, x.data_ptr(), out.data_ptr(), rows, matrix.rows, _threads()):
-            raise MemoryError(out_of_memory)
-        return out
+        return self._run(self._gemm, "quant_gemm", _GEMM_REASONS, matrix, x)
 
     def unchecked_int8(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` with the activations quantized to int8 per block (VNNI): within
         `runtime.quant.rounded_activations.error_bound` of the exact product, not bit-equal.
         Raises where `int8_available` is false or the blocks are not q4 / q8 of 16, 32 or 64."""
-        return self._rounded(self._matmul_i8, "quant_matmul_i8", _INT8_REASONS, matrix, x)
+        return self._run(self._matmul_i8, "quant_matmul_i8", _INT8_REASONS, matrix, x)
 
     def unchecked_int16(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
         """`unchecked` over q4 blocks with the activations rounded to int16 per block (VNNI):
         within `runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)` of the exact
         product, not bit-equal. Raises where `int16_available` is false or the blocks are not
         q4."""
-        return self._rounded(self._matmul_i16, "quant_matmul_i16", _INT16_REASONS, matrix, x)
+        return self._run(self._matmul_i16, "quant_matmul_i16", _INT16_REASONS, matrix, x)
 
     @staticmethod
-    def _rounded(
+    def _run(
         kernel: Callable[..., int],
         name: str,
         reasons: dict[int, str],
         matrix: QuantizedMatrix,
         x: torch.Tensor,
     ) -> torch.Tensor:
-        """A rounded-activation kernel's product; its nonzero codes raised as `reasons`."""
-        view = matrix.native_view
+        """One product kernel's `x @ W^T`; its nonzero codes raised as `reasons` say (1 out
+        of memory, 2 blocks it does not take, 3 a CPU without the instructions)."""
+        view = matrix.native_view  # the descriptor's cached fast path: ~150 calls a step
         descriptor = view[1] if view else quant_descriptor(matrix)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
@@ -425,9 +414,7 @@ class QuantMatmul:
                 raise ValueError(f"index holds rows outside [0, {matrix.rows})")
         index = index.to(torch.int64).contiguous()
         out = torch.empty(index.shape[0], matrix.cols)
-        view = matrix.native_view
-        descriptor = view[1] if view else quant_descriptor(matrix)
-        self._take(descriptor, index.data_ptr(), index.shape[0], out.data_ptr())
+        self._take(quant_descriptor(matrix), index.data_ptr(), index.shape[0], out.data_ptr())
         return out
 
     def dequantize_rows(
@@ -451,9 +438,7 @@ class QuantMatmul:
                 f"out is {out.dtype} {list(out.shape)} on {out.device}: allowed is a contiguous "
                 f"float32 CPU tensor of at least {needed} elements"
             )
-        view = matrix.native_view
-        descriptor = view[1] if view else quant_descriptor(matrix)
-        self._dequantize(descriptor, start, stop, out.data_ptr(), _threads())
+        self._dequantize(quant_descriptor(matrix), start, stop, out.data_ptr(), _threads())
 
 
 @attrs.frozen

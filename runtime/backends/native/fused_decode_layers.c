@@ -86,9 +86,13 @@ static inline float hsum(vf v) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+/* Which q4 form of the stage input `q4_input.xt` holds. */
+enum { Q4_NONE, Q4_FLOAT, Q4_INT16 };
+
 /* Per-thread activation forms of a stage's input, made on first need: the q4 float or int16
- * form (`qb_prepare_q4`, `qb_prepare_q4_i16`; `ready` says which is made), the int8 form (`qb_prepare_i8`, keyed by the weight's kind and block) and
- * the transposed row groups of the panel products (`qg_transpose`, with their scratch). */
+ * form (`qb_prepare_q4`, `qb_prepare_q4_i16`; `ready` says which), the int8 form
+ * (`qb_prepare_i8`, keyed by the weight's kind and block) and the transposed row groups of the
+ * panel products (`qg_transpose`, with their scratch). */
 typedef struct {
     float *xt, *xsum;
     int ready;
@@ -96,6 +100,11 @@ typedef struct {
     float *groups, *scratch;
     int groups_ready;
 } q4_input;
+
+/* A new stage input: every form made for the last one is stale. */
+static inline void new_stage(q4_input *q4) {
+    q4->ready = Q4_NONE, q4->i8.key = -1, q4->groups_ready = 0;
+}
 
 /* The stage input as `qg_stripe` takes it (transposed once per stage and thread). */
 static const float *panel_groups(const float *x, int64_t ldx, int64_t n_in, int64_t rows,
@@ -270,17 +279,18 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                 }
                 const float *xin = x;
                 int64_t ld = ldx;
-                if (is_q4) { /* ready: 1 the float form, 2 the int16 form */
+                if (is_q4) {
 #if QB_Q4_I16
                     if (int16) {
-                        if (q4->ready != 2) qb_prepare_q4_i16(x, ldx, rows, n_in, q4->xt, q4->xsum);
-                        q4->ready = 2;
+                        if (q4->ready != Q4_INT16)
+                            qb_prepare_q4_i16(x, ldx, rows, n_in, q4->xt, q4->xsum);
+                        q4->ready = Q4_INT16;
                         ld = qb_q4_i16_row_floats(n_in);
                     } else
 #endif
                     {
-                        if (q4->ready != 1) qb_prepare_q4(x, ldx, rows, n_in, q4->xt, q4->xsum);
-                        q4->ready = 1;
+                        if (q4->ready != Q4_FLOAT) qb_prepare_q4(x, ldx, rows, n_in, q4->xt, q4->xsum);
+                        q4->ready = Q4_FLOAT;
                         ld = n_in;
                     }
                     xin = q4->xt;
@@ -364,11 +374,10 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
         {
             const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
             float *normed = (float *)scratch_alloc(sizeof(float) * rows * dim);
-
             float *rot = (float *)scratch_alloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
-            q4_input q4 = {NULL, NULL, 0, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0};
+            q4_input q4 = {NULL, NULL, Q4_NONE, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0};
             if (rows >= PANEL_FROM_ROWS) {
                 q4.groups = (float *)scratch_alloc(
                     sizeof(float) * (qg_transposed_floats(rows, widest) + qg_scratch_floats(widest)));
@@ -400,7 +409,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 /* 1. QKV of the normed stream (each thread norms for itself: no barrier) */
                 const int64_t *lp = parts == NULL ? NULL : parts + layer * PARTS_WIDTH;
                 rms_norm(x, (const float *)(intptr_t)entry[ATTN_NORM], normed, rows, dim, eps);
-                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
+                new_stage(&q4);
                 if (lp != NULL)
                     project_parts(lp + L_QKV * PROJ_WIDTH, dim, normed, dim, rows, qkv, qkv_out, v0,
                                   v1, 0, &q4);
@@ -435,7 +444,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                                          attended, rows, kv, group, head_dim, block_size, width,
                                          scale, spans, &attention_failed);
                 /* (implicit barrier) 4. O projection into the residual stream */
-                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
+                new_stage(&q4);
                 if (lp != NULL)
                     project_parts(lp + L_O * PROJ_WIDTH, q_out, attended, q_out, rows, x, dim, d0,
                                   d1, 1, &q4);
@@ -447,7 +456,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 rms_norm(x, (const float *)(intptr_t)entry[MLP_NORM], normed, rows, dim, eps);
                 const float *w_gu = (const float *)(intptr_t)entry[W_GATE_UP];
                 const int gu_layout = layouts == NULL ? 0 : (int)layouts[L_GATE_UP];
-                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
+                new_stage(&q4);
                 if (lp != NULL) {
                     const int64_t *gu = lp + L_GATE_UP * PROJ_WIDTH;
                     project_parts(gu, dim, normed, dim, rows, gate_up, 2 * ffn, f0, f1, 0, &q4);
@@ -467,7 +476,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 }
 #pragma omp barrier
                 /* 6. down projection into the residual stream */
-                q4.ready = 0, q4.i8.key = -1, q4.groups_ready = 0;
+                new_stage(&q4);
                 if (lp != NULL)
                     project_parts(lp + L_DOWN * PROJ_WIDTH, ffn, hidden, ffn, rows, x, dim, d0, d1,
                                   1, &q4);

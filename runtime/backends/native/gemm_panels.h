@@ -88,7 +88,6 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
     const float *ts, *tm;
     qb_tile_floats(m, nb, o0, o1, sbuf, mbuf, &ts, &tm);
     const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 centered = _mm512_sub_ps(levels, _mm512_set1_ps(8.0f));
     for (int64_t o = o0; o < o1; ++o) {
         const float *sc = ts + (o - o0) * nb;
         float *row = panel + (o - o0) * cols;
@@ -98,14 +97,12 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
             for (int64_t b = 0; b < nb; ++b) {
                 /* The block's 16 possible values q * s + m, then two lookups by nibble
                  * (vpermps reads only an index's low 4 bits: the low nibble needs no mask).
-                 * With float16 scales q * s is exact, so one FMA rounds as multiply-then-add
-                 * does; symmetric blocks' (q - 8) * s is exact too. */
+                 * With float16 scales (symmetric blocks' too) q * s is exact, so one FMA
+                 * rounds as multiply-then-add does. */
                 const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-                const __m512 s = _mm512_set1_ps(sc[b]);
-                const __m512 table =
-                    m->mins == NULL ? _mm512_mul_ps(centered, s)
-                    : m->scale_f16  ? _mm512_fmadd_ps(levels, s, _mm512_set1_ps(mn[b]))
-                                    : _mm512_add_ps(_mm512_mul_ps(levels, s), _mm512_set1_ps(mn[b]));
+                const __m512 s = _mm512_set1_ps(sc[b]), min = _mm512_set1_ps(mn[b]);
+                const __m512 table = m->scale_f16 ? _mm512_fmadd_ps(levels, s, min)
+                                                  : _mm512_add_ps(_mm512_mul_ps(levels, s), min);
                 _mm512_storeu_ps(row + b * 32, _mm512_permutexvar_ps(w, table));
                 _mm512_storeu_ps(row + b * 32 + 16,
                                  _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table));
