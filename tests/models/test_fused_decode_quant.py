@@ -33,12 +33,18 @@ pytestmark = pytest.mark.skipif(
 INT8 = REASON is None and native_kernels.quant_matmul().int8_available
 # The int8 variant against a per-op reference that rounds each part's input the same way
 # (`_round_like_kernel`). Layer 0's K/V come from the same input rounded the same way: equal up
-# to float32 order. Past the first projection, an activation that the two float orders put
-# on either side of a rounding boundary moves to the neighbouring step and shifts every
-# output it feeds by that step times its weight (measured: up to 0.2% of the largest value),
-# so later values are held to a share of their largest magnitude.
+# to float32 order, except where an input lies within float32 order of a rounding boundary
+# (`BOUNDARY`, in steps; seen: -26.499996 steps, rounded one way after the kernel's RMSNorm
+# and the other after torch's). Such an input may move one step, so its step times its
+# weights is allowed on top (`_boundary_slack`).
+# Past the first projection, one moved input makes its row differ by about 1e-3, which puts
+# some of that row's later inputs on the other side of their boundaries too, and the moves
+# compound through the layers. So later values are held to a share of their largest
+# magnitude. Measured over 400 random int8 cases: at most 1.46% (the logits, one row whose
+# layer-0 input moved), median 0; a wrong scale or block shows as tens of percent.
 INT8_FIRST_KV = {"atol": 1e-3, "rtol": 1e-3}
-INT8_LATER_SHARE = 0.01
+BOUNDARY = 1e-4
+INT8_LATER_SHARE = 0.05
 # The int16 variant rounds q4 parts' inputs (`quant_blocks_i16.h`), except from this many
 # rows, where the stack's block products run on exact panels (`fused_decode_layers.c`'s
 # BLOCK_PANEL_FROM_ROWS). Against a per-op reference that rounds them the same way, an input
@@ -118,34 +124,47 @@ def _quantize_weights(
     return layers
 
 
-def _round_like_kernel(x: torch.Tensor, block: int, levels: int) -> torch.Tensor:
+def _round_like_kernel(
+    x: torch.Tensor, block: int, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x with each block of `block` values rounded to steps of max|x_b| / levels, as
     `qb_prepare_i8` (127) and the int16 `qb_prepare_q4` (32767) round it (float32, ties to
     even); the kernel multiplies it with the weights' `q * scale` (a q4 block's min meets the
-    exact sum)."""
+    exact sum). Also each value's step where it lies within `BOUNDARY` steps of a rounding
+    boundary (elsewhere 0): there the kernel's input may round to the neighbouring step."""
     blocks = x.reshape(x.shape[0], -1, block)
     largest = blocks.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(largest > 0, levels / largest, torch.zeros_like(largest))
-    return (torch.round(blocks * inverse) * (largest / levels)).reshape(x.shape)
+    scaled = blocks * inverse
+    step = (largest / levels).expand_as(blocks)
+    near = ((scaled - scaled.floor()) - 0.5).abs() < BOUNDARY
+    rounded = torch.round(scaled) * (largest / levels)
+    return rounded.reshape(x.shape), torch.where(near, step, 0.0).reshape(x.shape)
 
 
 def _rounded_reference(
     model: DecoderModel,
     layers: list[list[list[StackPart]]],
     levels: Callable[[QuantizedMatrix], int],
+    slack: dict[int, torch.Tensor] | None = None,
 ) -> None:
     """Make the model's per-op projections compute each block part from its input rounded
     as the stack rounds it (`levels(part)` steps either side of zero; 0: not rounded), and
-    float32 parts from the exact input."""
-    for layer, projections in zip(model.layers, layers, strict=True):
+    float32 parts from the exact input. `slack[0]` gets layer 0's qkv outputs' room for
+    inputs on a rounding boundary ([rows, outputs]: the sum of step times |weight|)."""
+    for index, (layer, projections) in enumerate(zip(model.layers, layers, strict=True)):
         for name, parts in zip(STACK_PROJECTIONS, projections, strict=True):
             projection = getattr(layer, name)
             weight = projection.weight.detach().clone()  # [out, in]: the parts' values
 
             def forward(
-                x: torch.Tensor, parts: list[StackPart] = parts, weight: torch.Tensor = weight
+                x: torch.Tensor,
+                parts: list[StackPart] = parts,
+                weight: torch.Tensor = weight,
+                record: bool = slack is not None and index == 0 and name == "wqkv",
             ) -> torch.Tensor:
                 rows, outs, start = x.reshape(-1, weight.shape[1]), [], 0
+                room = []
                 for part in parts:
                     count = part.rows if isinstance(part, QuantizedMatrix) else weight.shape[0]
                     if not isinstance(part, QuantizedMatrix):
@@ -153,17 +172,47 @@ def _rounded_reference(
                     held = weight[start : start + count]
                     if not isinstance(part, QuantizedMatrix) or not levels(part):
                         outs.append(rows @ held.T)
+                        room.append(torch.zeros(rows.shape[0], count))
                     else:  # q * scale meets the rounded input, a q4 min the exact one
                         mins = torch.zeros_like(held)
                         block_mins = part.block_mins()
                         if block_mins is not None:
                             mins = block_mins.repeat_interleave(part.block, dim=1)
-                        rounded = _round_like_kernel(rows, activation_block(part), levels(part))
+                        rounded, steps = _round_like_kernel(
+                            rows, activation_block(part), levels(part)
+                        )
                         outs.append(rounded @ (held - mins).T + rows @ mins.T)
+                        room.append(steps @ (held - mins).abs().T)
                     start += count
+                if record:
+                    assert slack is not None
+                    slack[0] = torch.cat(room, dim=1)
                 return torch.cat(outs, dim=1).reshape(*x.shape[:-1], -1)
 
             projection.forward = forward
+
+
+def _boundary_slack(
+    room: torch.Tensor,
+    args: LlamaArgs,
+    positions: list[int],
+    pages: torch.Tensor,
+    shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's qkv `room` ([rows, outputs]) placed where each row's K and V land in the
+    paged cache ([blocks, kv heads, block size, head dim]). A K head's room is its largest
+    times 2: rotary mixes each value with another of the same head (|cos| + |sin| <= 2)."""
+    q_width, kv_width = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    k_room = room[:, q_width : q_width + kv_width].reshape(-1, args.n_kv_heads, args.head_dim)
+    v_room = room[:, q_width + kv_width :].reshape(-1, args.n_kv_heads, args.head_dim)
+    k_room = 2 * k_room.amax(dim=-1, keepdim=True).expand_as(k_room)
+    k_slack, v_slack = torch.zeros(shape), torch.zeros(shape)
+    block_size = shape[2]
+    for row, position in enumerate(positions):
+        page = int(pages[row, position // block_size])
+        k_slack[page, :, position % block_size] = k_room[row]
+        v_slack[page, :, position % block_size] = v_room[row]
+    return k_slack, v_slack
 
 
 def _geometry(args: LlamaArgs) -> DecodeStackGeometry:
@@ -222,9 +271,10 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
     model = DecoderModel.from_state_dict(args, random_state_dict(args, seed=seed))
     layers = _quantize_weights(model, mix, layout, seed)
     int8 = activations == "int8"
+    room: dict[int, torch.Tensor] = {}
     int16 = activations == "int16" and len(positions) < BLOCK_PANEL_FROM_ROWS
     if int8:
-        _rounded_reference(model, layers, lambda part: INT8_LEVELS)
+        _rounded_reference(model, layers, lambda part: INT8_LEVELS, room)
     elif int16:
         _rounded_reference(
             model,
@@ -275,7 +325,10 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
         elif not int8:
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         elif index in (1, 2):  # layer 0's K and V
-            torch.testing.assert_close(got, expected, **INT8_FIRST_KV)
+            slack = _boundary_slack(room[0], args, positions, pages, tuple(shape))[index - 1]
+            allowed = INT8_FIRST_KV["atol"] + INT8_FIRST_KV["rtol"] * expected.abs() + slack
+            worst = float(((got - expected).abs() - allowed).max())
+            assert worst <= 0, f"layer 0's {'KV'[index - 1]} off by {worst:.2e} past the bound"
         else:
             share = float((got - expected).abs().max() / expected.abs().max())
             assert share <= INT8_LATER_SHARE, f"value {index} off by {share:.4f} of its largest"
