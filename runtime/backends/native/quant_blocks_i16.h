@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void qb_q4_i16_tile(
         for (int64_t b = g; b < end; b += 2) {
             if ((b & 3) == 0)
                 for (int k = 0; k < NO; ++k)
-                    _mm_prefetch((const char *)(qs + k * qs_stride + b * 16 + QB_PREFETCH),
+                    _mm_prefetch((const char *)(qs + k * qs_stride + b * 16 + QB_PREFETCH(R)),
                                  _MM_HINT_T0);
             __m512i xl[QB_ROWS], xh[QB_ROWS];
             for (int r = 0; r < R; ++r) {

@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void qb_i8_tile(
         const int64_t nblk = nb - b0 < per ? nb - b0 : per;
         const __mmask8 smask = (__mmask8)((1u << nblk) - 1);
         for (int k = 0; k < NO; ++k)
-            _mm_prefetch((const char *)(qs + k * qs_stride + at + QB_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(qs + k * qs_stride + at + QB_PREFETCH(R)), _MM_HINT_T0);
         for (int k = 0; k < NO; ++k) {
             const uint8_t *wq = qs + k * qs_stride + at;
             const __m512i v = left >= 64 ? _mm512_loadu_si512((const void *)wq)
