@@ -47,15 +47,15 @@ BOUNDARY = 1e-4
 INT8_LATER_SHARE = 0.05
 # The int16 variant rounds q4 parts' inputs (`quant_blocks_i16.h`), except from this many
 # rows, where the stack's block products run on exact panels (`fused_decode_layers.c`'s
-# BLOCK_PANEL_FROM_ROWS). Against a per-op reference that rounds them the same way, an input
+# I16_PANEL_FROM_ROWS). Against a per-op reference that rounds them the same way, an input
 # the two float orders put on either side of a rounding boundary moves one step (1/32767 of
 # its block's largest value), shifting what it feeds by that times its weight (measured: up
 # to 2e-4).
 INT16 = REASON is None and native_kernels.quant_matmul().int16_available
-BLOCK_PANEL_FROM_ROWS = 9
+I16_PANEL_FROM_ROWS = 25
 INT16_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}
 ACTIVATIONS = ["float32"] + (["int16"] if INT16 else []) + (["int8"] if INT8 else [])
-ROWS = tuple(range(1, 10))
+ROWS = tuple(range(1, 37))  # every row count the positions below can make
 # Per projection (qkv, o, gate_up, down): the parts' (type, output rows) or ("F32", rows).
 # dim 256, q 256, k = v 128, ffn 512: every K type's 256-value super-blocks fit each input.
 MIXES = {
@@ -228,7 +228,14 @@ def _geometry(args: LlamaArgs) -> DecodeStackGeometry:
     )
 
 
-# 20 and 33 rows: the stack's block products run on panels from 9 rows (`gemm_panels.h`).
+# 20 and 33 rows: the stack's float block products run on panels from 9 rows
+# (`gemm_panels.h`); int16 ones stream up to 24 rows and run on panels from 25.
+@example(
+    mix="q4_k_m-like", layout=0, positions=list(range(24)), threads=2, seed=3, activations="int16"
+)
+@example(
+    mix="q4_k_m-like", layout=1, positions=list(range(25)), threads=2, seed=4, activations="int16"
+)
 @example(
     mix="straddling",
     layout=0,
@@ -252,7 +259,7 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
     mix: str, layout: int, positions: list[int], threads: int, seed: int, activations: str
 ) -> None:
     """Float32 activations: within float rounding (1e-4). Int16 activations (below
-    `BLOCK_PANEL_FROM_ROWS` rows): against the per-op decode whose q4 projections round their
+    `I16_PANEL_FROM_ROWS` rows): against the per-op decode whose q4 projections round their
     inputs the same way (`INT16_TOLERANCE`). Int8 activations: against the per-op decode
     whose projections round their inputs as the int8 stack does (see `INT8_FIRST_KV`)."""
     if activations not in ACTIVATIONS:
@@ -272,7 +279,7 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
     layers = _quantize_weights(model, mix, layout, seed)
     int8 = activations == "int8"
     room: dict[int, torch.Tensor] = {}
-    int16 = activations == "int16" and len(positions) < BLOCK_PANEL_FROM_ROWS
+    int16 = activations == "int16" and len(positions) < I16_PANEL_FROM_ROWS
     if int8:
         _rounded_reference(model, layers, lambda part: INT8_LEVELS, room)
     elif int16:

@@ -30,7 +30,7 @@
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
  * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
  * activations (`quant_blocks_i8.h`), 10-11 the two q4 kinds with int16 activations below
- * BLOCK_PANEL_FROM_ROWS rows (`quant_blocks_i16.h`) (a library built without VNNI runs 6-11
+ * I16_PANEL_FROM_ROWS rows (`quant_blocks_i16.h`) (a library built without VNNI runs 6-11
  * with float32 activations, and `stack_parts_table` never writes them there); a part's
  * rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
  * unused there.
@@ -52,9 +52,14 @@
  * (a 4-row SmolLM2 step 19.8 -> 16.8 ms on Zen 5; at 2 rows the two tie). Blocks: the
  * streaming kernel stays ahead up to 8 rows, where a panel's dequantization is shared by too
  * few rows (Q4_1 SmolLM2 on Zen 5: 8 rows 14.9 ms streaming against 18.5 on panels, 16 rows
- * 30.8 against 22.6). */
+ * 30.8 against 22.6). Q4 blocks with int16 activations (`quant_blocks_i16.h`, about 4
+ * instructions a block where the float kernel takes 6) stay ahead up to 24 rows: the same
+ * SmolLM2 Q4_1 decode steps in one process, alternating, on Zen 5: 9 rows 19.5 ms on panels
+ * against 12.8 streaming, 16 rows 25.2 against 22.5, 24 rows 32.0 against 30.6, 32 rows 34.7
+ * against 38.0. */
 #define PANEL_FROM_ROWS 3
 #define BLOCK_PANEL_FROM_ROWS 9
+#define I16_PANEL_FROM_ROWS 25
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
@@ -271,7 +276,7 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                     continue;
                 }
 #endif
-                if (rows >= BLOCK_PANEL_FROM_ROWS) {
+                if (rows >= (int16 ? I16_PANEL_FROM_ROWS : BLOCK_PANEL_FROM_ROWS)) {
                     qg_stripe(&m, NULL, n_in, panel_groups(x, ldx, n_in, rows, q4), rows,
                               y + base, ldy, lo, hi, accumulate, q4->scratch);
                     base += n;
