@@ -95,10 +95,7 @@ static inline __attribute__((always_inline)) void qb_q4_i16_tile(
         }
         const int64_t end = g + 16 < nb ? g + 16 : nb;
         for (int64_t b = g; b < end; b += 2) {
-            if ((b & 3) == 0)
-                for (int k = 0; k < NO; ++k)
-                    _mm_prefetch((const char *)(qs + k * qs_stride + b * 16 + QB_PREFETCH(R)),
-                                 _MM_HINT_T0);
+            if ((b & 3) == 0) qb_prefetch_rows(qs, qs_stride, b * 16, NO, R);
             __m512i xl[QB_ROWS], xh[QB_ROWS];
             for (int r = 0; r < R; ++r) {
                 const int16_t *words = (const int16_t *)(xp + r * ldp) + (b / 2) * 64;

@@ -148,8 +148,7 @@ static inline __attribute__((always_inline)) void qb_i8_tile(
         const __mmask64 wmask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
         const int64_t nblk = nb - b0 < per ? nb - b0 : per;
         const __mmask8 smask = (__mmask8)((1u << nblk) - 1);
-        for (int k = 0; k < NO; ++k)
-            _mm_prefetch((const char *)(qs + k * qs_stride + at + QB_PREFETCH(R)), _MM_HINT_T0);
+        qb_prefetch_rows(qs, qs_stride, at, NO, R);
         for (int k = 0; k < NO; ++k) {
             const uint8_t *wq = qs + k * qs_stride + at;
             const __m512i v = left >= 64 ? _mm512_loadu_si512((const void *)wq)
