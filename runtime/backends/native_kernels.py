@@ -56,6 +56,7 @@ _HEADERS = tuple(
         "quant_blocks_i8.h",
         "quant_blocks_i16.h",
         "gemm_panels.h",
+        "gemm_panels_i16.h",
         "scratch_alloc.h",
     )
 )

@@ -29,8 +29,9 @@
  *   {kind, block, rows, weight or qs address, scales address, mins address}
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
  * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
- * activations (`quant_blocks_i8.h`), 10-11 the two q4 kinds with int16 activations below
- * I16_PANEL_FROM_ROWS rows (`quant_blocks_i16.h`) (a library built without VNNI runs 6-11
+ * activations (`quant_blocks_i8.h`), 10-11 the two q4 kinds with int16 activations
+ * (`quant_blocks_i16.h` below I16_PANEL_FROM_ROWS rows, `gemm_panels_i16.h` from there on)
+ * (a library built without VNNI runs 6-11
  * with float32 activations, and `stack_parts_table` never writes them there); a part's
  * rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
  * unused there.
@@ -42,6 +43,7 @@
 #include <string.h>
 
 #include "gemm_panels.h"
+#include "gemm_panels_i16.h"
 #include "quant_blocks.h"
 #include "quant_blocks_i8.h"
 #include "scratch_alloc.h"
@@ -52,14 +54,15 @@
  * (a 4-row SmolLM2 step 19.8 -> 16.8 ms on Zen 5; at 2 rows the two tie). Blocks: the
  * streaming kernel stays ahead up to 8 rows, where a panel's dequantization is shared by too
  * few rows (Q4_1 SmolLM2 on Zen 5: 8 rows 14.9 ms streaming against 18.5 on panels, 16 rows
- * 30.8 against 22.6). Q4 blocks with int16 activations (`quant_blocks_i16.h`, about 4
- * instructions a block where the float kernel takes 6) stay ahead up to 24 rows: the same
- * SmolLM2 Q4_1 decode steps in one process, alternating, on Zen 5: 9 rows 19.5 ms on panels
- * against 12.8 streaming, 16 rows 25.2 against 22.5, 24 rows 32.0 against 30.6, 32 rows 34.7
- * against 38.0. */
+ * 30.8 against 22.6). Q4 blocks with int16 activations stream (`quant_blocks_i16.h`, about 4
+ * instructions a block where the float kernel takes 6) up to 10 rows and run on int16 panels
+ * (`gemm_panels_i16.h`, 32 products a `vpdpwssd`) from 11: the same SmolLM2 Q4_1 decode
+ * steps in one process, alternating, on Zen 5, streaming against int16 panels: 8 rows 11.8
+ * against 13.3 ms, 10 rows 14.9 against 15.2, 11 rows 16.7 against 16.3, 13 rows 19.1
+ * against 17.6, 16 rows 21.5 against 18.3, 32 rows 38.6 against 30.5 (float panels: 35.9). */
 #define PANEL_FROM_ROWS 3
 #define BLOCK_PANEL_FROM_ROWS 9
-#define I16_PANEL_FROM_ROWS 25
+#define I16_PANEL_FROM_ROWS 11
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
@@ -104,11 +107,13 @@ typedef struct {
     qb_i8_input i8;
     float *groups, *scratch;
     int groups_ready;
+    float *i16_groups, *i16_scratch; /* int16 panel products' groups (`qi_prepare`), scratch */
+    int i16_groups_ready;
 } q4_input;
 
 /* A new stage input: every form made for the last one is stale. */
 static inline void new_stage(q4_input *q4) {
-    q4->ready = Q4_NONE, q4->i8.key = -1, q4->groups_ready = 0;
+    q4->ready = Q4_NONE, q4->i8.key = -1, q4->groups_ready = 0, q4->i16_groups_ready = 0;
 }
 
 /* The stage input as `qg_stripe` takes it (transposed once per stage and thread). */
@@ -276,7 +281,17 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                     continue;
                 }
 #endif
-                if (rows >= (int16 ? I16_PANEL_FROM_ROWS : BLOCK_PANEL_FROM_ROWS)) {
+#if QB_Q4_I16
+                if (int16 && rows >= I16_PANEL_FROM_ROWS) {
+                    if (!q4->i16_groups_ready) qi_prepare(x, ldx, rows, n_in, q4->i16_groups);
+                    q4->i16_groups_ready = 1;
+                    qi_stripe(&m, q4->i16_groups, rows, y + base, ldy, lo, hi, accumulate,
+                              q4->i16_scratch);
+                    base += n;
+                    continue;
+                }
+#endif
+                if (!int16 && rows >= BLOCK_PANEL_FROM_ROWS) {
                     qg_stripe(&m, NULL, n_in, panel_groups(x, ldx, n_in, rows, q4), rows,
                               y + base, ldy, lo, hi, accumulate, q4->scratch);
                     base += n;
@@ -382,7 +397,8 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             float *rot = (float *)scratch_alloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
-            q4_input q4 = {NULL, NULL, Q4_NONE, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0};
+            q4_input q4 = {NULL, NULL, Q4_NONE, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0,
+                           NULL, NULL, 0};
             if (rows >= PANEL_FROM_ROWS) {
                 q4.groups = (float *)scratch_alloc(
                     sizeof(float) * (qg_transposed_floats(rows, widest) + qg_scratch_floats(widest)));
@@ -394,10 +410,20 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * qb_q4_row_floats(widest);
                 i8_memory = scratch_alloc((size_t)qb_i8_bytes(rows, widest));
                 if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
+#if QB_Q4_I16
+                if (rows >= I16_PANEL_FROM_ROWS) {
+                    q4.i16_groups = (float *)scratch_alloc(
+                        sizeof(float) * (qi_prepared_floats(rows, widest) + qi_scratch_floats(widest)));
+                    q4.i16_scratch = q4.i16_groups == NULL ? NULL
+                                                           : q4.i16_groups + qi_prepared_floats(rows, widest);
+                }
+#endif
             }
             int mine_failed = normed == NULL || rot == NULL ||
                               (rows >= PANEL_FROM_ROWS && q4.groups == NULL) ||
-                              (parts != NULL && (q4.xt == NULL || i8_memory == NULL));
+                              (parts != NULL && (q4.xt == NULL || i8_memory == NULL)) ||
+                              (parts != NULL && QB_Q4_I16 && rows >= I16_PANEL_FROM_ROWS &&
+                               q4.i16_groups == NULL);
 #pragma omp atomic
             failed += mine_failed;
 #pragma omp barrier
@@ -494,6 +520,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             free(rot);
             free(q4.xt);
             free(q4.groups);
+            free(q4.i16_groups);
             free(i8_memory);
         }
     }
