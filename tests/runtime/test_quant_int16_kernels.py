@@ -27,13 +27,18 @@ Q4_TYPES = sorted(name for name in STORED_TYPES if name.startswith("Q4"))
 
 
 # An odd block count leaves the last pair half empty; 17 blocks cross a 16-block scale group.
+# From 11 rows the product runs on int16 panels (`gemm_panels_i16.h`): 16-row groups up to 16
+# rows, 32-row groups past them, 128 rows a pass (131: a second pass of 3).
 @example(type_name="Q4_0", blocks=17, half_rows=3, batch=5, threads=2, seed=1)
 @example(type_name="Q4_1", blocks=3, half_rows=0, batch=1, threads=1, seed=2)
+@example(type_name="Q4_1", blocks=5, half_rows=8, batch=11, threads=2, seed=3)
+@example(type_name="Q4_K", blocks=1, half_rows=2, batch=17, threads=3, seed=4)
+@example(type_name="Q4_0", blocks=3, half_rows=20, batch=131, threads=2, seed=5)
 @given(
     type_name=st.sampled_from(Q4_TYPES),
     blocks=st.integers(1, 8),
     half_rows=st.integers(0, 40),
-    batch=st.integers(1, 33),
+    batch=st.integers(1, 70),
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )

@@ -62,7 +62,7 @@
  * against 17.6, 16 rows 21.5 against 18.3, 32 rows 38.6 against 30.5 (float panels: 35.9). */
 #define PANEL_FROM_ROWS 3
 #define BLOCK_PANEL_FROM_ROWS 9
-#define I16_PANEL_FROM_ROWS 11
+#define I16_PANEL_FROM_ROWS QI_PANEL_FROM_ROWS
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };

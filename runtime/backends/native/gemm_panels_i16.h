@@ -29,6 +29,11 @@
 #include "gemm_panels.h"
 #include "quant_blocks.h"
 
+/* Rows from which int16 products run on these panels rather than streamed
+ * (`quant_blocks_i16.h`): measured on Zen 5 in SmolLM2 Q4_1 decode steps (see
+ * `fused_decode_layers.c`), the two tie at 10-11 rows. */
+#define QI_PANEL_FROM_ROWS 11
+
 #if QB_Q4_I16
 
 /* Weight rows per panel: QI_NR x V integer and as many float accumulators stay in registers. */
@@ -46,10 +51,17 @@ static inline int64_t qi_prepared_floats(int64_t rows, int64_t cols) {
     return (rows + width - 1) / width * qi_group_floats(cols, width);
 }
 
-/* Floats of one thread's panel scratch (words, scales, mins, output tile) for `cols` values. */
-static inline int64_t qi_scratch_floats(int64_t cols) {
+/* Floats of a panel (words, scales, mins) for `cols` values, rounded up to a cache line so
+ * that the output tile after it, and the next thread's scratch, start on their own lines
+ * (two threads writing one line ran the 2-thread product at 1.2x one thread's rate). */
+static inline int64_t qi_panel_floats(int64_t cols) {
     const int64_t nb = cols / 32;
-    return QI_NR * (nb * 16 + 2 * nb) + QI_NR * 2 * QG_LANES;
+    return (QI_NR * (nb * 16 + 2 * nb) + 15) / 16 * 16;
+}
+
+/* Floats of one thread's scratch (a panel and its output tile) for `cols` values. */
+static inline int64_t qi_scratch_floats(int64_t cols) {
+    return qi_panel_floats(cols) + QI_NR * 2 * QG_LANES;
 }
 
 /* Rows [0, rows) of x (`ldx` apart) as the groups above; cols a multiple of 32. */
@@ -194,7 +206,7 @@ static inline void qi_stripe(const qb_matrix *m, const float *prepared, int64_t 
     const int64_t cols = m->cols, nb = cols / 32;
     const int V = qg_vectors(rows);
     const int64_t width = (int64_t)V * QG_LANES, groups = (rows + width - 1) / width;
-    float *panel = scratch, *tmp = scratch + QI_NR * (nb * 16 + 2 * nb);
+    float *panel = scratch, *tmp = scratch + qi_panel_floats(cols);
     const int64_t row_bytes = cols / 2;
     for (int64_t o = o0; o < o1; o += QI_NR) {
         const int64_t e = o + QI_NR < o1 ? o + QI_NR : o1, count = e - o;

@@ -7,11 +7,14 @@
  * weight never exists as a float32 matrix either: `gemm_panels.h` dequantizes a panel of rows
  * at a time and multiplies it in registers. Each thread takes a contiguous stripe of whole
  * panels; rows are taken QG_CHUNK at a time so the transposed activations stay in L2.
+ * `quant_gemm_i16` is the same over q4 blocks with int16 activations (`gemm_panels_i16.h`):
+ * the many-row half of the `q_int16` form (`quant_matmul.c`).
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "gemm_panels.h"
+#include "gemm_panels_i16.h"
 #include "scratch_alloc.h"
 
 /* Activation rows transposed and multiplied per pass over the panels. */
@@ -43,3 +46,33 @@ int quant_gemm(const qb_matrix *m, const float *x, float *out, int64_t rows, int
     free(xt);
     return 0;
 }
+
+#if QB_Q4_I16
+/* `quant_gemm` over q4 blocks (32-value blocks) with the activations rounded to int16 per
+ * block: 0 done, 1 out of memory. */
+int quant_gemm_i16(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
+                   int n_threads) {
+    const int64_t cols = m->cols, chunk = rows < QG_CHUNK ? rows : QG_CHUNK;
+    const int64_t panels = (n_out + QI_NR - 1) / QI_NR;
+    if (n_threads > panels) n_threads = (int)(panels > 0 ? panels : 1);
+    const int64_t prepared = qi_prepared_floats(chunk, cols);
+    float *groups = (float *)scratch_alloc(sizeof(float) * (prepared + n_threads * qi_scratch_floats(cols)));
+    if (groups == NULL) return 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t n = rows - r0 < chunk ? rows - r0 : chunk;
+        qi_prepare(x + r0 * cols, cols, n, cols, groups);
+#pragma omp parallel num_threads(n_threads)
+        {
+            const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+            const int64_t per = (panels + threads - 1) / threads * QI_NR;
+            const int64_t o0 = thread * per < n_out ? thread * per : n_out;
+            const int64_t o1 = o0 + per < n_out ? o0 + per : n_out;
+            if (o0 < o1)
+                qi_stripe(m, groups, n, out + r0 * n_out, n_out, o0, o1, 0,
+                          groups + prepared + thread * qi_scratch_floats(cols));
+        }
+    }
+    free(groups);
+    return 0;
+}
+#endif
