@@ -13,14 +13,15 @@
   candidate, and the form without the native library (the tile is then dequantized by torch,
   `QuantizedMatrix.dequantize`).
 
-* `q_int16`: q4 blocks with the activations rounded to int16 per 32 values and multiplied
-  with AVX-512 VNNI: below 11 rows streamed like `q_rows` (`native/quant_blocks_i16.h`, about
-  four instructions a block instead of six, 1.4-1.8x `q_rows` where that is bound by
-  arithmetic, as batch-1 decode on Zen 5), from 11 rows on panels like `q_gemm`
-  (`native/gemm_panels_i16.h`, 32 products a `vpdpwssd` where `q_gemm` does 16 an FMA). Not
-  bit-equal: within `runtime.quant.rounded_activations.error_bound(...,
-  INT16_LEVELS)` of the exact product (1.5e-5 of a block's largest activation), so it is a
-  candidate like the others and kept only where warmup measures it faster.
+* `q_int16`: q4 blocks (or q8 blocks of 32) with the activations rounded to int16 per 32
+  values and multiplied with AVX-512 VNNI: q4 below 11 rows streamed like `q_rows`
+  (`native/quant_blocks_i16.h`, about four instructions a block instead of six, 1.4-1.8x
+  `q_rows` where that is bound by arithmetic, as batch-1 decode on Zen 5), from 11 rows (q8 at
+  every row count) on panels like `q_gemm` (`native/gemm_panels_i16.h`, 32 products a
+  `vpdpwssd` where `q_gemm` does 16 an FMA). Not bit-equal: within
+  `runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)` of the exact product
+  (1.5e-5 of a block's largest activation), so it is a candidate like the others and kept
+  only where warmup measures it faster.
 
 * `q_int8`: the native block kernel with the activations quantized to int8 per block and
   multiplied with AVX-512 VNNI (`native/quant_blocks_i8.h`): fewer instructions per weight
@@ -208,7 +209,7 @@ BLOCK_FORMS: dict[str, BlockForm] = {
             "q_int16",
             _q_int16,
             available=_int16_available,
-            kinds=("q4",),
+            takes=native_kernels.int16_product_takes,
             needs="AVX-512 VNNI (the int16-activation kernel)",
         ),
         BlockForm(

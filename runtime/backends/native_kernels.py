@@ -301,7 +301,7 @@ _PRODUCT_REASONS = {1: "out of memory for its prepared activations"}
 _GEMM_REASONS = {1: "out of memory for its panels"}
 _INT16_REASONS = {
     1: "out of memory for the int16 activations",
-    2: "the int16-activation form takes q4 blocks only",
+    2: "the int16-activation form takes q4 blocks and q8 blocks of 32 values only",
     3: "this CPU has no AVX-512 VNNI (the int16-activation kernel needs it)",
 }
 _INT8_REASONS = {
@@ -373,10 +373,10 @@ class QuantMatmul:
         return self._run(self._matmul_i8, "quant_matmul_i8", _INT8_REASONS, matrix, x)
 
     def unchecked_int16(self, matrix: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
-        """`unchecked` over q4 blocks with the activations rounded to int16 per block (VNNI):
-        within `runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)` of the exact
-        product, not bit-equal. Raises where `int16_available` is false or the blocks are not
-        q4."""
+        """`unchecked` over q4 blocks or q8 blocks of 32 with the activations rounded to int16
+        per block (VNNI): within `runtime.quant.rounded_activations.error_bound(...,
+        INT16_LEVELS)` of the exact product, not bit-equal. Raises where `int16_available` is
+        false or the blocks are not ones `int16_product_takes`."""
         return self._run(self._matmul_i16, "quant_matmul_i16", _INT16_REASONS, matrix, x)
 
     @staticmethod
@@ -489,9 +489,15 @@ def part_kind_code(part: StackPart, layout: int, activations: str = "float32") -
 
 
 def int16_takes(matrix: QuantizedMatrix) -> bool:
-    """Whether the int16-activation form computes over these blocks (q4;
-    `quant_blocks_i16.h`)."""
+    """Whether the fused stack's int16 variant computes over these blocks (q4;
+    `quant_blocks_i16.h`, `gemm_panels_i16.h`)."""
     return matrix.kind == "q4"
+
+
+def int16_product_takes(matrix: QuantizedMatrix) -> bool:
+    """Whether `unchecked_int16` (the `q_int16` form) computes over these blocks: q4, or q8
+    in blocks of 32 (Q8_0; those run on int16 panels at every row count)."""
+    return matrix.kind == "q4" or matrix.block == 32
 
 
 def int8_takes(matrix: QuantizedMatrix) -> bool:

@@ -1,7 +1,7 @@
-"""The int16-activation q4 product (`q_int16`, VNNI) stays within its stated error bound
-(`runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)`) of the `gguf` package's
-dequantized weights, rounds for real (it is not `q_rows` under another name), and refuses
-blocks it does not take."""
+"""The int16-activation product over q4 and Q8_0 blocks (`q_int16`, VNNI) stays within its
+stated error bound (`runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)`) of the
+`gguf` package's dequantized weights, rounds for real (it is not `q_rows` under another
+name), and refuses blocks it does not take."""
 
 from __future__ import annotations
 
@@ -23,19 +23,23 @@ pytestmark = pytest.mark.skipif(
     reason="the int16-activation kernel needs gcc and a CPU with AVX-512 VNNI "
     f"({REASON or 'this CPU has no AVX-512 VNNI'})",
 )
-Q4_TYPES = sorted(name for name in STORED_TYPES if name.startswith("Q4"))
+# q4 blocks, and q8 ones of 32 values (Q8_0; Q6_K repacks into q8 blocks of 16: refused)
+TAKEN_TYPES = [*sorted(name for name in STORED_TYPES if name.startswith("Q4")), "Q8_0"]
 
 
 # An odd block count leaves the last pair half empty; 17 blocks cross a 16-block scale group.
-# From 11 rows the product runs on int16 panels (`gemm_panels_i16.h`): 16-row groups up to 16
-# rows, 32-row groups past them, 128 rows a pass (131: a second pass of 3).
+# From 11 rows (Q8_0 at every row count) the product runs on int16 panels
+# (`gemm_panels_i16.h`): 16-row groups up to 16 rows, 32-row groups past them, 128 rows a pass
+# (131: a second pass of 3).
 @example(type_name="Q4_0", blocks=17, half_rows=3, batch=5, threads=2, seed=1)
 @example(type_name="Q4_1", blocks=3, half_rows=0, batch=1, threads=1, seed=2)
 @example(type_name="Q4_1", blocks=5, half_rows=8, batch=11, threads=2, seed=3)
 @example(type_name="Q4_K", blocks=1, half_rows=2, batch=17, threads=3, seed=4)
 @example(type_name="Q4_0", blocks=3, half_rows=20, batch=131, threads=2, seed=5)
+@example(type_name="Q8_0", blocks=3, half_rows=4, batch=1, threads=2, seed=6)
+@example(type_name="Q8_0", blocks=1, half_rows=3, batch=40, threads=3, seed=7)
 @given(
-    type_name=st.sampled_from(Q4_TYPES),
+    type_name=st.sampled_from(TAKEN_TYPES),
     blocks=st.integers(1, 8),
     half_rows=st.integers(0, 40),
     batch=st.integers(1, 70),
@@ -78,7 +82,10 @@ def test_int16_product_rounds_the_activations() -> None:
 
 
 def test_int16_refuses_blocks_it_does_not_take() -> None:
-    matrix = repack("Q8_0", raw_blocks("Q8_0", 4, 64, seed=1), 4, 64)
-    assert not native_kernels.int16_takes(matrix)
-    with pytest.raises(ValueError, match="takes q4 blocks only"):
-        native_kernels.quant_matmul().unchecked_int16(matrix, torch.zeros(1, 64))
+    matrix = repack("Q6_K", raw_blocks("Q6_K", 4, 256, seed=1), 4, 256)
+    assert matrix.kind == "q8" and matrix.block == 16
+    assert not native_kernels.int16_product_takes(matrix)
+    with pytest.raises(ValueError, match="q4 blocks and q8 blocks of 32 values only"):
+        native_kernels.quant_matmul().unchecked_int16(matrix, torch.zeros(1, 256))
+    q8_0 = repack("Q8_0", raw_blocks("Q8_0", 4, 64, seed=1), 4, 64)
+    assert native_kernels.int16_product_takes(q8_0) and not native_kernels.int16_takes(q8_0)

@@ -11,8 +11,9 @@
  *
  * Numbers: the activations are rounded exactly as `qb_prepare_q4_i16` rounds them (steps of
  * max|x_b| / 32767 per row and 32-value block b), and a block's 32 integer products are
- * summed exactly (|sum| <= 32 * 15 * 32767 < 2^24, so even its float32 conversion is exact);
- * only the float32 order of the blocks' scaled sums differs from the streaming kernel.
+ * summed exactly (q4: |sum| <= 32 * 15 * 32767 < 2^24, so even its float32 conversion is
+ * exact; q8, in blocks of 32 here only: < 2^31, converted with float32 rounding); only the
+ * float32 order of the blocks' scaled sums differs from the streaming kernel.
  *
  * Layouts. A q4 block's byte j holds value j (low nibble) and value j + 16 (high nibble), so
  * the pair a `vpdpwssd` lane multiplies is (j, j + 16): a panel row's word j of block b is
@@ -101,8 +102,9 @@ static inline void qi_prepare(const float *x, int64_t ldx, int64_t rows, int64_t
     }
 }
 
-/* Rows [o0, o1) (at most QI_NR) of q4 blocks m into the panel: words, then scales and mins
- * (rows past o1 zero, so they add nothing). */
+/* Rows [o0, o1) (at most QI_NR) of m (q4, or q8 in blocks of 32) into the panel: words,
+ * then scales and mins (q8: zeros; rows past o1 zero, so they add nothing). A q8 block's word
+ * j pairs its values j and j + 16, as a q4 block's does. */
 static inline void qi_unpack(const qb_matrix *m, int64_t o0, int64_t o1, float *panel) {
     const int64_t nb = m->cols / 32, kps = nb * 16;
     int32_t *words = (int32_t *)panel;
@@ -111,16 +113,29 @@ static inline void qi_unpack(const qb_matrix *m, int64_t o0, int64_t o1, float *
     const float *ts, *tm;
     qb_tile_floats(m, nb, o0, o1, sbuf, mbuf, &ts, &tm);
     memcpy(scales, ts, sizeof(float) * (o1 - o0) * nb);
-    memcpy(mins, tm, sizeof(float) * (o1 - o0) * nb);
-    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    if (tm != NULL)
+        memcpy(mins, tm, sizeof(float) * (o1 - o0) * nb);
+    else
+        memset(mins, 0, sizeof(float) * (o1 - o0) * nb);
+    const __m512i low4 = _mm512_set1_epi32(0x0F), low16 = _mm512_set1_epi32(0xFFFF);
     for (int64_t o = o0; o < o1; ++o) {
-        const uint8_t *q = (const uint8_t *)m->qs + o * (m->cols / 2);
         int32_t *row = words + (o - o0) * kps;
-        for (int64_t b = 0; b < nb; ++b) {
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-            _mm512_storeu_si512((void *)(row + b * 16),
-                                _mm512_or_si512(_mm512_and_si512(v, low4),
-                                                _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16)));
+        if (m->kind == QB_Q4) {
+            const uint8_t *q = (const uint8_t *)m->qs + o * (m->cols / 2);
+            for (int64_t b = 0; b < nb; ++b) {
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 16)));
+                _mm512_storeu_si512((void *)(row + b * 16),
+                                    _mm512_or_si512(_mm512_and_si512(v, low4),
+                                                    _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16)));
+            }
+        } else {
+            const int8_t *q = (const int8_t *)m->qs + o * m->cols;
+            for (int64_t b = 0; b < nb; ++b) {
+                const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32)));
+                const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)));
+                _mm512_storeu_si512((void *)(row + b * 16),
+                                    _mm512_or_si512(_mm512_and_si512(lo, low16), _mm512_slli_epi32(hi, 16)));
+            }
         }
     }
     const int64_t count = o1 - o0;
@@ -198,7 +213,7 @@ static inline __attribute__((always_inline)) void qi_micro(const int V, const fl
 }
 
 /* y[r, o] (= or += where `accumulate`) sum_i W[o, i] x[r, i] for o in [o0, o1), r < rows,
- * W the q4 blocks m (32-value blocks), x as `qi_prepare` wrote it; `scratch`: this thread's
+ * W the blocks m (q4, or q8 in blocks of 32), x as `qi_prepare` wrote it; `scratch`: this thread's
  * `qi_scratch_floats(m->cols)`. */
 static inline void qi_stripe(const qb_matrix *m, const float *prepared, int64_t rows, float *y,
                              int64_t ldy, int64_t o0, int64_t o1, int accumulate,
@@ -207,7 +222,7 @@ static inline void qi_stripe(const qb_matrix *m, const float *prepared, int64_t 
     const int V = qg_vectors(rows);
     const int64_t width = (int64_t)V * QG_LANES, groups = (rows + width - 1) / width;
     float *panel = scratch, *tmp = scratch + qi_panel_floats(cols);
-    const int64_t row_bytes = cols / 2;
+    const int64_t row_bytes = m->kind == QB_Q4 ? cols / 2 : cols;
     for (int64_t o = o0; o < o1; o += QI_NR) {
         const int64_t e = o + QI_NR < o1 ? o + QI_NR : o1, count = e - o;
         const int64_t next_rows = e + QI_NR < o1 ? QI_NR : o1 - e;

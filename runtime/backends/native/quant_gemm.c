@@ -7,8 +7,8 @@
  * weight never exists as a float32 matrix either: `gemm_panels.h` dequantizes a panel of rows
  * at a time and multiplies it in registers. Each thread takes a contiguous stripe of whole
  * panels; rows are taken QG_CHUNK at a time so the transposed activations stay in L2.
- * `quant_gemm_i16` is the same over q4 blocks with int16 activations (`gemm_panels_i16.h`):
- * the many-row half of the `q_int16` form (`quant_matmul.c`).
+ * `quant_gemm_i16` is the same over q4 blocks or q8 blocks of 32 with int16 activations
+ * (`gemm_panels_i16.h`): the many-row half of the `q_int16` form (`quant_matmul.c`).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -48,7 +48,7 @@ int quant_gemm(const qb_matrix *m, const float *x, float *out, int64_t rows, int
 }
 
 #if QB_Q4_I16
-/* `quant_gemm` over q4 blocks (32-value blocks) with the activations rounded to int16 per
+/* `quant_gemm` over q4 blocks or q8 blocks of 32 with the activations rounded to int16 per
  * block: 0 done, 1 out of memory. */
 int quant_gemm_i16(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
                    int n_threads) {

@@ -10,9 +10,10 @@
  * the same for scattered rows (token embeddings).
  * `quant_matmul_i8`: `quant_matmul` with the activations quantized to int8 per block
  * (`quant_blocks_i8.h`); returns 3 where this CPU has no AVX-512 VNNI (`quant_i8_available`).
- * `quant_matmul_i16`: `quant_matmul` over q4 blocks with the activations rounded to int16 per
- * block, streamed (`quant_blocks_i16.h`) below QI_PANEL_FROM_ROWS rows and on int16 panels
- * (`quant_gemm_i16`) from there on; returns 3 where this CPU cannot (`quant_q4_int16`).
+ * `quant_matmul_i16`: `quant_matmul` over q4 blocks (or q8 blocks of 32) with the activations
+ * rounded to int16 per block, q4 streamed (`quant_blocks_i16.h`) below QI_PANEL_FROM_ROWS rows
+ * and on int16 panels (`quant_gemm_i16`) from there on, q8 on panels at every row count;
+ * returns 3 where this CPU cannot (`quant_q4_int16`).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -71,13 +72,15 @@ int quant_q4_int16(void) { return QB_Q4_I16; }
 int quant_gemm_i16(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
                    int n_threads);
 
-/* 0 done, 1 out of memory, 2 not q4 blocks, 3 this CPU has no AVX-512 VNNI. */
+/* 0 done, 1 out of memory, 2 neither q4 nor q8 blocks of 32, 3 this CPU has no AVX-512 VNNI. */
 int quant_matmul_i16(const qb_matrix *m, const float *x, float *out, int64_t rows,
                      int64_t n_out, int n_threads) {
     if (!QB_Q4_I16) return 3;
-    if (m->kind != QB_Q4) return 2;
+    if (m->kind != QB_Q4 && m->block != 32) return 2;
 #if QB_Q4_I16
-    if (rows >= QI_PANEL_FROM_ROWS) return quant_gemm_i16(m, x, out, rows, n_out, n_threads);
+    /* q8 blocks have no streaming int16 kernel: panels at every row count */
+    if (rows >= QI_PANEL_FROM_ROWS || m->kind != QB_Q4)
+        return quant_gemm_i16(m, x, out, rows, n_out, n_threads);
 #endif
     return matmul(m, x, out, rows, n_out, n_threads, 1);
 }
