@@ -209,7 +209,7 @@ BLOCK_FORMS: dict[str, BlockForm] = {
             "q_int16",
             _q_int16,
             available=_int16_available,
-            takes=native_kernels.int16_product_takes,
+            takes=native_kernels.int16_takes,
             needs="AVX-512 VNNI (the int16-activation kernel)",
         ),
         BlockForm(

@@ -376,7 +376,7 @@ class QuantMatmul:
         """`unchecked` over q4 blocks or q8 blocks of 32 with the activations rounded to int16
         per block (VNNI): within `runtime.quant.rounded_activations.error_bound(...,
         INT16_LEVELS)` of the exact product, not bit-equal. Raises where `int16_available` is
-        false or the blocks are not ones `int16_product_takes`."""
+        false or the blocks are not ones `int16_takes`."""
         return self._run(self._matmul_i16, "quant_matmul_i16", _INT16_REASONS, matrix, x)
 
     @staticmethod
@@ -471,13 +471,15 @@ StackPart = torch.Tensor | QuantizedMatrix
 
 ACTIVATIONS = ("float32", "int16", "int8")
 """How block weights meet their activations in the fused stack: float32, rounded to int16 per
-block (q4 blocks, `quant_blocks_i16.h`) or quantized to int8 per block (`quant_blocks_i8.h`)."""
+block (the blocks `int16_takes`: `quant_blocks_i16.h`, `gemm_panels_i16.h`) or quantized to
+int8 per block (`quant_blocks_i8.h`)."""
 
 
 def part_kind_code(part: StackPart, layout: int, activations: str = "float32") -> int:
     """The mixed stack's kind code: 0/1 float32 `[out, in]` / `[in, out]`; 2/3 q4 with f16/f32
     scales; 4/5 q8 with f16/f32 scales; 6-9 those four with int8 activations ("int8", for
-    blocks `int8_takes`); 10/11 the q4 two with int16 activations ("int16")."""
+    blocks `int8_takes`); 10-13 the four with int16 activations ("int16", for blocks
+    `int16_takes`)."""
     if isinstance(part, QuantizedMatrix):
         code = 2 + 2 * QUANT_KIND_CODES[part.kind] + int(part.scales.dtype == torch.float32)
         if activations == "int8" and int8_takes(part):
@@ -489,15 +491,17 @@ def part_kind_code(part: StackPart, layout: int, activations: str = "float32") -
 
 
 def int16_takes(matrix: QuantizedMatrix) -> bool:
-    """Whether the fused stack's int16 variant computes over these blocks (q4;
-    `quant_blocks_i16.h`, `gemm_panels_i16.h`)."""
-    return matrix.kind == "q4"
-
-
-def int16_product_takes(matrix: QuantizedMatrix) -> bool:
-    """Whether `unchecked_int16` (the `q_int16` form) computes over these blocks: q4, or q8
-    in blocks of 32 (Q8_0; those run on int16 panels at every row count)."""
+    """Whether the int16-activation products compute over these blocks: q4, or q8 in blocks
+    of 32 (Q8_0), which have no streaming int16 kernel: `unchecked_int16` runs them on int16
+    panels at every row count, the fused stack's int16 variant from `INT16_PANEL_FROM_ROWS`
+    rows (with float32 activations below)."""
     return matrix.kind == "q4" or matrix.block == 32
+
+
+INT16_PANEL_FROM_ROWS = 11
+"""Rows from which int16 products run on int16 panels (`gemm_panels_i16.h`'s
+QI_PANEL_FROM_ROWS): below, q4 blocks stream and the stack's q8 blocks keep float32
+activations."""
 
 
 def int8_takes(matrix: QuantizedMatrix) -> bool:
@@ -549,7 +553,7 @@ def stack_parts_table(
     `layers[l][p]` lists projection p's parts (p in `STACK_PROJECTIONS` order, at most 3,
     stacked by output rows); float32 parts are in `layouts[p]` (0 `[out, in]`, 1
     `[in, out]`). `activations` (`ACTIVATIONS`): "int8" runs the block parts the int8 form
-    takes with int8 activations, "int16" the q4 parts with int16 ones (each raises where
+    takes with int8 activations, "int16" the parts `int16_takes` with int16 ones (each raises where
     this CPU cannot). The table holds addresses: the parts must outlive its use."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations {activations!r}: allowed are {ACTIVATIONS}")

@@ -52,7 +52,7 @@ INT8_LATER_SHARE = 0.05
 # its block's largest value), shifting what it feeds by that times its weight (measured: up
 # to 2e-4).
 INT16 = REASON is None and native_kernels.quant_matmul().int16_available
-I16_PANEL_FROM_ROWS = 11
+I16_PANEL_FROM_ROWS = native_kernels.INT16_PANEL_FROM_ROWS
 INT16_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}
 ACTIVATIONS = ["float32"] + (["int16"] if INT16 else []) + (["int8"] if INT8 else [])
 ROWS = tuple(range(1, 37))  # every row count the positions below can make
@@ -304,7 +304,7 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
         _rounded_reference(
             model,
             layers,
-            lambda part: INT16_LEVELS if native_kernels.int16_takes(part) else 0,
+            lambda part: INT16_LEVELS if _int16_rounds(part, len(positions)) else 0,
         )
     parts = native_kernels.stack_parts_table(
         _geometry(args), layers, (layout,) * 4, activations=activations
@@ -360,6 +360,14 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
         else:
             share = float((got - expected).abs().max() / expected.abs().max())
             assert share <= INT8_LATER_SHARE, f"value {index} off by {share:.4f} of its largest"
+
+
+def _int16_rounds(part: QuantizedMatrix, rows: int) -> bool:
+    """Whether the int16 stack rounds this part's inputs: q4 blocks always, Q8_0 blocks on
+    int16 panels only (from `I16_PANEL_FROM_ROWS` rows; float32 activations below)."""
+    if not native_kernels.int16_takes(part):
+        return False
+    return part.kind == "q4" or rows >= I16_PANEL_FROM_ROWS
 
 
 def test_parts_table_names_the_bad_projection() -> None:

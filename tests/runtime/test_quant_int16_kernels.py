@@ -84,8 +84,7 @@ def test_int16_product_rounds_the_activations() -> None:
 def test_int16_refuses_blocks_it_does_not_take() -> None:
     matrix = repack("Q6_K", raw_blocks("Q6_K", 4, 256, seed=1), 4, 256)
     assert matrix.kind == "q8" and matrix.block == 16
-    assert not native_kernels.int16_product_takes(matrix)
+    assert not native_kernels.int16_takes(matrix)
     with pytest.raises(ValueError, match="q4 blocks and q8 blocks of 32 values only"):
         native_kernels.quant_matmul().unchecked_int16(matrix, torch.zeros(1, 256))
-    q8_0 = repack("Q8_0", raw_blocks("Q8_0", 4, 64, seed=1), 4, 64)
-    assert native_kernels.int16_product_takes(q8_0) and not native_kernels.int16_takes(q8_0)
+    assert native_kernels.int16_takes(repack("Q8_0", raw_blocks("Q8_0", 4, 64, seed=1), 4, 64))

@@ -29,11 +29,11 @@
  *   {kind, block, rows, weight or qs address, scales address, mins address}
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
  * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
- * activations (`quant_blocks_i8.h`), 10-11 the two q4 kinds with int16 activations
- * (`quant_blocks_i16.h` below I16_PANEL_FROM_ROWS rows, `gemm_panels_i16.h` from there on)
- * (a library built without VNNI runs 6-11
- * with float32 activations, and `stack_parts_table` never writes them there); a part's
- * rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
+ * activations (`quant_blocks_i8.h`), 10-13 the same four with int16 activations (q4:
+ * `quant_blocks_i16.h` below I16_PANEL_FROM_ROWS rows, q8 in blocks of 32: float32
+ * activations there; both on `gemm_panels_i16.h` from there on) (a library built without
+ * VNNI runs 6-13 with float32 activations, and `stack_parts_table` never writes them
+ * there); a part's rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
  * unused there.
  */
 #include <math.h>
@@ -291,7 +291,7 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                     continue;
                 }
 #endif
-                if (!int16 && rows >= BLOCK_PANEL_FROM_ROWS) {
+                if ((!int16 || !is_q4) && rows >= BLOCK_PANEL_FROM_ROWS) {
                     qg_stripe(&m, NULL, n_in, panel_groups(x, ldx, n_in, rows, q4), rows,
                               y + base, ldy, lo, hi, accumulate, q4->scratch);
                     base += n;
