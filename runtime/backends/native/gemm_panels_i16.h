@@ -22,7 +22,8 @@
  *   group of W = V * 16 rows (V = qg_vectors(rows)): int32 words [nb * 16][W], then float
  *   steps [nb][W], then the exact block sums [nb][W] (for the q4 `min * sum(x_b)` term);
  *   rows past the last are zeros.
- *   panel: int32 words [QI_NR][nb * 16], scales and mins float [QI_NR][nb].
+ *   panel of NR = qi_panel_rows(V) weight rows: int32 words [NR][nb * 16], then scales and
+ *   mins float [NR][nb].
  */
 #ifndef LLM_RUNTIME_GEMM_PANELS_I16_H
 #define LLM_RUNTIME_GEMM_PANELS_I16_H
@@ -37,8 +38,13 @@
 
 #if QB_Q4_I16
 
-/* Weight rows per panel: QI_NR x V integer and as many float accumulators stay in registers. */
+/* Weight rows per panel: NR x V integer and as many float accumulators stay in registers,
+ * 12 x 1 for groups of 16 rows, 6 x 2 for groups of 32. With one activation vector, each
+ * broadcast weight word feeds one `vpdpwssd`, so the loop is bound by loads: from L1 on Zen 5,
+ * 12-row panels ran 243 G multiply-adds/s where 6-row ones ran 193 (6 x 2: 264). */
 #define QI_NR 6
+#define QI_NR_MAX 12
+static inline int qi_panel_rows(int V) { return V == 1 ? QI_NR_MAX : QI_NR; }
 
 /* Floats (4-byte words) of one prepared group of W rows of `cols` values. */
 static inline int64_t qi_group_floats(int64_t cols, int64_t width) {
@@ -57,12 +63,12 @@ static inline int64_t qi_prepared_floats(int64_t rows, int64_t cols) {
  * (two threads writing one line ran the 2-thread product at 1.2x one thread's rate). */
 static inline int64_t qi_panel_floats(int64_t cols) {
     const int64_t nb = cols / 32;
-    return (QI_NR * (nb * 16 + 2 * nb) + 15) / 16 * 16;
+    return (QI_NR_MAX * (nb * 16 + 2 * nb) + 15) / 16 * 16;
 }
 
 /* Floats of one thread's scratch (a panel and its output tile) for `cols` values. */
 static inline int64_t qi_scratch_floats(int64_t cols) {
-    return qi_panel_floats(cols) + QI_NR * 2 * QG_LANES;
+    return qi_panel_floats(cols) + QI_NR_MAX * 2 * QG_LANES;
 }
 
 /* Rows [0, rows) of x (`ldx` apart) as the groups above; cols a multiple of 32. */
@@ -102,14 +108,14 @@ static inline void qi_prepare(const float *x, int64_t ldx, int64_t rows, int64_t
     }
 }
 
-/* Rows [o0, o1) (at most QI_NR) of m (q4, or q8 in blocks of 32) into the panel: words,
+/* Rows [o0, o1) (at most NR) of m (q4, or q8 in blocks of 32) into an NR-row panel: words,
  * then scales and mins (q8: zeros; rows past o1 zero, so they add nothing). A q8 block's word
  * j pairs its values j and j + 16, as a q4 block's does. */
-static inline void qi_unpack(const qb_matrix *m, int64_t o0, int64_t o1, float *panel) {
+static inline void qi_unpack(const qb_matrix *m, int64_t o0, int64_t o1, int NR, float *panel) {
     const int64_t nb = m->cols / 32, kps = nb * 16;
     int32_t *words = (int32_t *)panel;
-    float *scales = panel + QI_NR * kps, *mins = scales + QI_NR * nb;
-    float sbuf[QI_NR * nb], mbuf[QI_NR * nb];
+    float *scales = panel + NR * kps, *mins = scales + NR * nb;
+    float sbuf[NR * nb], mbuf[NR * nb];
     const float *ts, *tm;
     qb_tile_floats(m, nb, o0, o1, sbuf, mbuf, &ts, &tm);
     memcpy(scales, ts, sizeof(float) * (o1 - o0) * nb);
@@ -139,10 +145,10 @@ static inline void qi_unpack(const qb_matrix *m, int64_t o0, int64_t o1, float *
         }
     }
     const int64_t count = o1 - o0;
-    if (count < QI_NR) {
-        memset(words + count * kps, 0, sizeof(int32_t) * (QI_NR - count) * kps);
-        memset(scales + count * nb, 0, sizeof(float) * (QI_NR - count) * nb);
-        memset(mins + count * nb, 0, sizeof(float) * (QI_NR - count) * nb);
+    if (count < NR) {
+        memset(words + count * kps, 0, sizeof(int32_t) * (NR - count) * kps);
+        memset(scales + count * nb, 0, sizeof(float) * (NR - count) * nb);
+        memset(mins + count * nb, 0, sizeof(float) * (NR - count) * nb);
     }
 }
 
@@ -154,26 +160,27 @@ static inline __attribute__((always_inline)) void qi_dot(__m512i *acc, __m512i x
 }
 
 /* tmp[o, l] = sum over blocks b of scale[o, b] * step[b, l] * (int sum of block b) +
- * min[o, b] * sums[b, l], for o < QI_NR and l < V * 16 lanes; meanwhile the `ahead` bytes
+ * min[o, b] * sums[b, l], for o < NR and l < V * 16 lanes; meanwhile the `ahead` bytes
  * at `next` (the next panel's blocks) are fetched, a line per word column. */
-static inline __attribute__((always_inline)) void qi_micro(const int V, const float *panel,
+static inline __attribute__((always_inline)) void qi_micro(const int V, const int NR,
+                                                           const float *panel,
                                                            int64_t nb, const float *group,
                                                            float *tmp, const char *next,
                                                            int64_t ahead) {
     const int64_t kps = nb * 16, width = (int64_t)V * QG_LANES;
     const int32_t *words = (const int32_t *)panel;
-    const float *scales = panel + QI_NR * kps, *mins = scales + QI_NR * nb;
+    const float *scales = panel + NR * kps, *mins = scales + NR * nb;
     const int32_t *xw = (const int32_t *)group;
     const float *steps = group + kps * width, *sums = steps + nb * width;
-    __m512 acc[QI_NR][2];
-#pragma GCC unroll 8
-    for (int o = 0; o < QI_NR; ++o)
+    __m512 acc[QI_NR_MAX][2];
+#pragma GCC unroll 12
+    for (int o = 0; o < NR; ++o)
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) acc[o][v] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i dots[QI_NR][2];
-#pragma GCC unroll 8
-        for (int o = 0; o < QI_NR; ++o)
+        __m512i dots[QI_NR_MAX][2];
+#pragma GCC unroll 12
+        for (int o = 0; o < NR; ++o)
 #pragma GCC unroll 2
             for (int v = 0; v < V; ++v) dots[o][v] = _mm512_setzero_si512();
         for (int64_t kp = b * 16; kp < b * 16 + 16; ++kp) {
@@ -182,8 +189,8 @@ static inline __attribute__((always_inline)) void qi_micro(const int V, const fl
 #pragma GCC unroll 2
             for (int v = 0; v < V; ++v)
                 x[v] = _mm512_loadu_si512((const void *)(xw + kp * width + v * QG_LANES));
-#pragma GCC unroll 8
-            for (int o = 0; o < QI_NR; ++o) {
+#pragma GCC unroll 12
+            for (int o = 0; o < NR; ++o) {
                 const __m512i w = _mm512_set1_epi32(words[o * kps + kp]);
 #pragma GCC unroll 2
                 for (int v = 0; v < V; ++v) qi_dot(&dots[o][v], x[v], w);
@@ -195,8 +202,8 @@ static inline __attribute__((always_inline)) void qi_micro(const int V, const fl
             step[v] = _mm512_loadu_ps(steps + b * width + v * QG_LANES);
             sum[v] = _mm512_loadu_ps(sums + b * width + v * QG_LANES);
         }
-#pragma GCC unroll 8
-        for (int o = 0; o < QI_NR; ++o) {
+#pragma GCC unroll 12
+        for (int o = 0; o < NR; ++o) {
             const __m512 s = _mm512_set1_ps(scales[o * nb + b]), m = _mm512_set1_ps(mins[o * nb + b]);
 #pragma GCC unroll 2
             for (int v = 0; v < V; ++v) {
@@ -206,8 +213,8 @@ static inline __attribute__((always_inline)) void qi_micro(const int V, const fl
             }
         }
     }
-#pragma GCC unroll 8
-    for (int o = 0; o < QI_NR; ++o)
+#pragma GCC unroll 12
+    for (int o = 0; o < NR; ++o)
 #pragma GCC unroll 2
         for (int v = 0; v < V; ++v) _mm512_storeu_ps(tmp + o * width + v * QG_LANES, acc[o][v]);
 }
@@ -223,18 +230,19 @@ static inline void qi_stripe(const qb_matrix *m, const float *prepared, int64_t 
     const int64_t width = (int64_t)V * QG_LANES, groups = (rows + width - 1) / width;
     float *panel = scratch, *tmp = scratch + qi_panel_floats(cols);
     const int64_t row_bytes = m->kind == QB_Q4 ? cols / 2 : cols;
-    for (int64_t o = o0; o < o1; o += QI_NR) {
-        const int64_t e = o + QI_NR < o1 ? o + QI_NR : o1, count = e - o;
-        const int64_t next_rows = e + QI_NR < o1 ? QI_NR : o1 - e;
-        qi_unpack(m, o, e, panel);
+    const int NR = qi_panel_rows(V);
+    for (int64_t o = o0; o < o1; o += NR) {
+        const int64_t e = o + NR < o1 ? o + NR : o1, count = e - o;
+        const int64_t next_rows = e + NR < o1 ? NR : o1 - e;
+        qi_unpack(m, o, e, NR, panel);
         const char *next = (const char *)m->qs + e * row_bytes;
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t ahead = g ? 0 : next_rows * row_bytes;
             const float *group = prepared + g * qi_group_floats(cols, width);
             if (V == 2)
-                qi_micro(2, panel, nb, group, tmp, next, ahead);
+                qi_micro(2, QI_NR, panel, nb, group, tmp, next, ahead);
             else
-                qi_micro(1, panel, nb, group, tmp, next, ahead);
+                qi_micro(1, QI_NR_MAX, panel, nb, group, tmp, next, ahead);
             const int64_t rg = g * width, nr = rows - rg < width ? rows - rg : width;
             for (int64_t r = 0; r < nr; ++r) {
                 float *dst = y + (rg + r) * ldy + o;
