@@ -155,6 +155,20 @@ static inline int64_t qg_scratch_floats(int64_t cols) {
     return QG_NR * cols + QG_NR * 2 * QG_LANES;
 }
 
+/* A micro-kernel's output tile `tmp` (`[count weight rows, width lanes]`) into `nr` rows of
+ * y from `y` (`ldy` apart, `count` columns each): = or += where `accumulate`. */
+static inline void qg_store_tile(const float *tmp, int64_t width, int64_t nr, int64_t count,
+                                 float *y, int64_t ldy, int accumulate) {
+    for (int64_t r = 0; r < nr; ++r) {
+        float *dst = y + r * ldy;
+        const float *col = tmp + r;
+        if (accumulate)
+            for (int64_t k = 0; k < count; ++k) dst[k] += col[k * width];
+        else
+            for (int64_t k = 0; k < count; ++k) dst[k] = col[k * width];
+    }
+}
+
 /* y[r, o] (= or += where `accumulate`) sum_i W[o, i] x[r, i] for o in [o0, o1), r < rows;
  * `xt` is x as `qg_transpose` wrote it with V = qg_vectors(rows). W is `m`'s blocks, or
  * where m is NULL the float32 rows `w` `[*, cols]` (read in place). `scratch`: this thread's
@@ -193,14 +207,7 @@ static inline void qg_stripe(const qb_matrix *m, const float *w, int64_t cols, c
             else
                 qg_micro(1, use, cols, xt + g * width * cols, tmp, next, ahead);
             const int64_t rg = g * width, nr = rows - rg < width ? rows - rg : width;
-            for (int64_t r = 0; r < nr; ++r) {
-                float *dst = y + (rg + r) * ldy + o;
-                const float *col = tmp + r;
-                if (accumulate)
-                    for (int64_t k = 0; k < count; ++k) dst[k] += col[k * width];
-                else
-                    for (int64_t k = 0; k < count; ++k) dst[k] = col[k * width];
-            }
+            qg_store_tile(tmp, width, nr, count, y + rg * ldy + o, ldy, accumulate);
         }
     }
 }

@@ -36,14 +36,15 @@
  * `fused_decode_layers.c`), the two tie at 10-11 rows. */
 #define QI_PANEL_FROM_ROWS 11
 
-#if QB_Q4_I16
-
 /* Weight rows per panel: NR x V integer and as many float accumulators stay in registers,
  * 12 x 1 for groups of 16 rows, 6 x 2 for groups of 32. With one activation vector, each
  * broadcast weight word feeds one `vpdpwssd`, so the loop is bound by loads: from L1 on Zen 5,
  * 12-row panels ran 243 G multiply-adds/s where 6-row ones ran 193 (6 x 2: 264). */
 #define QI_NR 6
 #define QI_NR_MAX 12
+
+#if QB_Q4_I16
+
 static inline int qi_panel_rows(int V) { return V == 1 ? QI_NR_MAX : QI_NR; }
 
 /* Floats (4-byte words) of one prepared group of W rows of `cols` values. */
@@ -244,14 +245,7 @@ static inline void qi_stripe(const qb_matrix *m, const float *prepared, int64_t 
             else
                 qi_micro(1, QI_NR_MAX, panel, nb, group, tmp, next, ahead);
             const int64_t rg = g * width, nr = rows - rg < width ? rows - rg : width;
-            for (int64_t r = 0; r < nr; ++r) {
-                float *dst = y + (rg + r) * ldy + o;
-                const float *col = tmp + r;
-                if (accumulate)
-                    for (int64_t k = 0; k < count; ++k) dst[k] += col[k * width];
-                else
-                    for (int64_t k = 0; k < count; ++k) dst[k] = col[k * width];
-            }
+            qg_store_tile(tmp, width, nr, count, y + rg * ldy + o, ldy, accumulate);
         }
     }
 }
