@@ -46,6 +46,7 @@ _SOURCES = tuple(
         "fused_decode_layers.c",
         "quant_matmul.c",
         "quant_gemm.c",
+        "argmax_rows.c",
     )
 )
 # Headers the sources include: part of the build's identity, not compiled on their own.
@@ -255,6 +256,37 @@ class SmallRowsMatmul:
         self._kernels[weight.dtype](
             weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n_out, n_in, _threads()
         )
+        return out
+
+
+class ArgmaxRows:
+    """Each row's first largest index (`native/argmax_rows.c`), as `torch.argmax(x, dim=-1)`
+    gives it: NaN counts as largest, ties go to the first index."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._kernel = library.argmax_rows
+        self._kernel.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int]
+        self._kernel.restype = None
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `__call__` computes over x: a non-empty 2-D contiguous float32 CPU tensor."""
+        return (
+            x.dim() == 2
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.shape[1] > 0
+            and x.is_contiguous()
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 `[rows]`; raises where `takes(x)` is false."""
+        if not self.takes(x):
+            raise ValueError(
+                f"x is {x.dtype} {list(x.shape)} on {x.device}: allowed is a contiguous 2-D "
+                "float32 CPU tensor with at least one column"
+            )
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._kernel(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
         return out
 
 
@@ -702,6 +734,7 @@ class NativeKernels:
     small_rows_matmul: SmallRowsMatmul
     fused_decode_layers: FusedDecodeLayers
     quant_matmul: QuantMatmul
+    argmax_rows: ArgmaxRows
 
 
 @functools.cache
@@ -713,6 +746,7 @@ def _load() -> NativeKernels | str:
             SmallRowsMatmul(library),
             FusedDecodeLayers(library),
             QuantMatmul(library),
+            ArgmaxRows(library),
         )
     except (NativeKernelsUnavailable, OSError) as error:
         logger.warning("native CPU kernels unavailable: %s", error)
@@ -745,6 +779,11 @@ def fused_decode_layers() -> FusedDecodeLayers:
 def quant_matmul() -> QuantMatmul:
     """The product over quantized weight blocks (and their tile dequantization)."""
     return native_kernels().quant_matmul
+
+
+def argmax_rows() -> ArgmaxRows:
+    """Each row's first largest index (the greedy choice over a vocabulary)."""
+    return native_kernels().argmax_rows
 
 
 def unavailable_reason() -> str | None:

@@ -51,6 +51,7 @@ import torch
 
 from lifecycle.errors import attach_cleanup_failures, raise_cleanup_failures
 from runtime.backends import Device, allocates_torch_tensors
+from runtime.sampling.greedy import greedy_tokens
 from runtime.sampling.noise import gumbel_noise, seeded_row_keys
 from runtime.sampling.params import SamplingParams
 from runtime.sampling.penalties import apply_penalties
@@ -437,15 +438,15 @@ class DeviceSampler:
                 frequency_penalty=buf["frequency_penalty"],
                 repetition_penalty=buf["repetition_penalty"],
             )
-        greedy_tokens = torch.argmax(x, dim=-1)
+        greedy = greedy_tokens(x)
         if plan.sampling_path == "argmax":
-            return SampleOutput(tokens=greedy_tokens)
+            return SampleOutput(tokens=greedy)
         scaled = x * buf["inverse_temperature"][:, None]
         values, ids, keep, top_k = _candidates(scaled, buf, self.config.max_top_k)
         noise = gumbel_noise(_row_keys(buf, positions), ids)
         scores = torch.where(keep, values + noise, float("-inf"))
         sampled = ids.gather(1, torch.argmax(scores, dim=-1, keepdim=True)).squeeze(1)
-        tokens = torch.where(top_k == 1, greedy_tokens, sampled)
+        tokens = torch.where(top_k == 1, greedy, sampled)
         if not plan.log_probs_enabled:
             return SampleOutput(tokens=tokens)
         return _with_log_probs(scaled, tokens, buf["log_prob_rows"], plan.top_n)
