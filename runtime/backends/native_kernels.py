@@ -373,6 +373,9 @@ class QuantMatmul:
         self._matmul_i16 = library.quant_matmul_i16
         self._matmul_i16.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
         self._matmul_i16.restype = ctypes.c_int
+        self.int16_panel_from_rows = int(library.quant_i16_panel_from_rows())
+        """Rows from which int16 products run on int16 panels (`gemm_panels_i16.h`): below,
+        q4 blocks stream and the fused stack's q8 blocks keep float32 activations."""
         self.int16_available = bool(library.quant_q4_int16())
         """This CPU runs q4 products with int16 activations (AVX-512 VNNI,
         `quant_blocks_i16.h`)."""
@@ -525,15 +528,9 @@ def part_kind_code(part: StackPart, layout: int, activations: str = "float32") -
 def int16_takes(matrix: QuantizedMatrix) -> bool:
     """Whether the int16-activation products compute over these blocks: q4, or q8 in blocks
     of 32 (Q8_0), which have no streaming int16 kernel: `unchecked_int16` runs them on int16
-    panels at every row count, the fused stack's int16 variant from `INT16_PANEL_FROM_ROWS`
-    rows (with float32 activations below)."""
+    panels at every row count, the fused stack's int16 variant from
+    `QuantMatmul.int16_panel_from_rows` rows (with float32 activations below)."""
     return matrix.kind == "q4" or matrix.block == 32
-
-
-INT16_PANEL_FROM_ROWS = 11
-"""Rows from which int16 products run on int16 panels (`gemm_panels_i16.h`'s
-QI_PANEL_FROM_ROWS): below, q4 blocks stream and the stack's q8 blocks keep float32
-activations."""
 
 
 def int8_takes(matrix: QuantizedMatrix) -> bool:

@@ -52,7 +52,8 @@ INT8_LATER_SHARE = 0.05
 # its block's largest value), shifting what it feeds by that times its weight (measured: up
 # to 2e-4).
 INT16 = REASON is None and native_kernels.quant_matmul().int16_available
-I16_PANEL_FROM_ROWS = native_kernels.INT16_PANEL_FROM_ROWS
+# (the examples below need a value even where the library is missing and the tests skip)
+I16_PANEL_FROM_ROWS = native_kernels.quant_matmul().int16_panel_from_rows if REASON is None else 11
 INT16_TOLERANCE = {"atol": 1e-3, "rtol": 1e-3}
 ACTIVATIONS = ["float32"] + (["int16"] if INT16 else []) + (["int8"] if INT8 else [])
 ROWS = tuple(range(1, 37))  # every row count the positions below can make

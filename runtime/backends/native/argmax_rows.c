@@ -7,7 +7,6 @@
  * row takes a few microseconds. Here each lane keeps its largest value and the first index
  * holding it (a strict `>` keeps the first), and the lanes are merged by value, then index.
  */
-#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)

@@ -30,7 +30,7 @@
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
  * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
  * activations (`quant_blocks_i8.h`), 10-13 the same four with int16 activations (q4:
- * `quant_blocks_i16.h` below I16_PANEL_FROM_ROWS rows, q8 in blocks of 32: float32
+ * `quant_blocks_i16.h` below QI_PANEL_FROM_ROWS rows, q8 in blocks of 32: float32
  * activations there; both on `gemm_panels_i16.h` from there on) (a library built without
  * VNNI runs 6-13 with float32 activations, and `stack_parts_table` never writes them
  * there); a part's rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
@@ -62,7 +62,6 @@
  * against 17.6, 16 rows 21.5 against 18.3, 32 rows 38.6 against 30.5 (float panels: 35.9). */
 #define PANEL_FROM_ROWS 3
 #define BLOCK_PANEL_FROM_ROWS 9
-#define I16_PANEL_FROM_ROWS QI_PANEL_FROM_ROWS
 
 enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE_WIDTH };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
@@ -282,7 +281,7 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                 }
 #endif
 #if QB_Q4_I16
-                if (int16 && rows >= I16_PANEL_FROM_ROWS) {
+                if (int16 && rows >= QI_PANEL_FROM_ROWS) {
                     if (!q4->i16_groups_ready) qi_prepare(x, ldx, rows, n_in, q4->i16_groups);
                     q4->i16_groups_ready = 1;
                     qi_stripe(&m, q4->i16_groups, rows, y + base, ldy, lo, hi, accumulate,
@@ -405,13 +404,15 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 q4.scratch = q4.groups == NULL ? NULL : q4.groups + qg_transposed_floats(rows, widest);
             }
             void *i8_memory = NULL;
+            /* int16 panel products need their groups and scratch (`gemm_panels_i16.h`) */
+            const int i16_panels = parts != NULL && QB_Q4_I16 && rows >= QI_PANEL_FROM_ROWS;
             if (parts != NULL) {
                 q4.xt = (float *)scratch_alloc(sizeof(float) * qb_q4_prepared_floats(rows, widest));
                 q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * qb_q4_row_floats(widest);
                 i8_memory = scratch_alloc((size_t)qb_i8_bytes(rows, widest));
                 if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
 #if QB_Q4_I16
-                if (rows >= I16_PANEL_FROM_ROWS) {
+                if (i16_panels) {
                     q4.i16_groups = (float *)scratch_alloc(
                         sizeof(float) * (qi_prepared_floats(rows, widest) + qi_scratch_floats(widest)));
                     q4.i16_scratch = q4.i16_groups == NULL ? NULL
@@ -422,8 +423,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             int mine_failed = normed == NULL || rot == NULL ||
                               (rows >= PANEL_FROM_ROWS && q4.groups == NULL) ||
                               (parts != NULL && (q4.xt == NULL || i8_memory == NULL)) ||
-                              (parts != NULL && QB_Q4_I16 && rows >= I16_PANEL_FROM_ROWS &&
-                               q4.i16_groups == NULL);
+                              (i16_panels && q4.i16_groups == NULL);
 #pragma omp atomic
             failed += mine_failed;
 #pragma omp barrier

@@ -9,8 +9,8 @@
  * about 5 instructions per 64 products on widening and scaling each pair of blocks for
  * every row, so past a few rows the panels win.
  *
- * Numbers: the activations are rounded exactly as `qb_prepare_q4_i16` rounds them (steps of
- * max|x_b| / 32767 per row and 32-value block b), and a block's 32 integer products are
+ * Numbers: the activations are rounded by the streaming form's own `qb_i16_round_block` (steps
+ * of max|x_b| / 32767 per row and 32-value block b), and a block's 32 integer products are
  * summed exactly (q4: |sum| <= 32 * 15 * 32767 < 2^24, so even its float32 conversion is
  * exact; q8, in blocks of 32 here only: < 2^31, converted with float32 rounding); only the
  * float32 order of the blocks' scaled sums differs from the streaming kernel.
@@ -33,7 +33,8 @@
 
 /* Rows from which int16 products run on these panels rather than streamed
  * (`quant_blocks_i16.h`): measured on Zen 5 in SmolLM2 Q4_1 decode steps (see
- * `fused_decode_layers.c`), the two tie at 10-11 rows. */
+ * `fused_decode_layers.c`), the two tie at 10-11 rows. Python reads it from the library
+ * (`quant_i16_panel_from_rows`). */
 #define QI_PANEL_FROM_ROWS 11
 
 /* Weight rows per panel: NR x V integer and as many float accumulators stay in registers,
@@ -76,7 +77,6 @@ static inline int64_t qi_scratch_floats(int64_t cols) {
 static inline void qi_prepare(const float *x, int64_t ldx, int64_t rows, int64_t cols,
                               float *out) {
     const int64_t nb = cols / 32, width = (int64_t)qg_vectors(rows) * QG_LANES;
-    const __m512 sign = _mm512_set1_ps(-0.0f);
     const __m512i low16 = _mm512_set1_epi32(0xFFFF);
     for (int64_t g = 0; g * width < rows; ++g) {
         float *group = out + g * qi_group_floats(cols, width);
@@ -87,23 +87,13 @@ static inline void qi_prepare(const float *x, int64_t ldx, int64_t rows, int64_t
         for (int64_t r = 0; r < n; ++r) {
             const float *row = x + (g * width + r) * ldx;
             for (int64_t b = 0; b < nb; ++b) {
-                const __m512 lo = _mm512_loadu_ps(row + b * 32), hi = _mm512_loadu_ps(row + b * 32 + 16);
-                const float largest = _mm512_reduce_max_ps(
-                    _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
-                const float inverse = largest > 0.0f ? QB_I16_LEVELS / largest : 0.0f;
-                const __m512 scale = _mm512_set1_ps(inverse);
-                /* as `qb_prepare_q4_i16`: round to nearest, saturate to int16 */
-                const __m512i ql = _mm512_cvtepi16_epi32(
-                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
-                const __m512i qh = _mm512_cvtepi16_epi32(
-                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+                __m256i lo, hi;
+                steps[b * width + r] = qb_i16_round_block(row + b * 32, &lo, &hi, &sums[b * width + r]);
                 int32_t pairs[16];
                 _mm512_storeu_si512((void *)pairs,
-                                    _mm512_or_si512(_mm512_and_si512(ql, low16),
-                                                    _mm512_slli_epi32(qh, 16)));
+                                    _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi16_epi32(lo), low16),
+                                                    _mm512_slli_epi32(_mm512_cvtepi16_epi32(hi), 16)));
                 for (int j = 0; j < 16; ++j) words[(b * 16 + j) * width + r] = pairs[j];
-                steps[b * width + r] = largest / QB_I16_LEVELS;
-                sums[b * width + r] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
             }
         }
     }

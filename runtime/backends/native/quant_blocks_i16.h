@@ -38,30 +38,37 @@ static inline int64_t qb_q4_i16_row_floats(int64_t cols) {
     return qb_i16_pairs(nb) * 32 + qb_i16_steps(nb);
 }
 
+/* One 32-value block `xb` rounded to int16 in steps of its largest |value| / 32767: values
+ * 0-15 into *lo and 16-31 into *hi; returns the step and sets *sum to the block's exact
+ * float sum (the q4 min term). The one rounding every int16 form shares (the streamed rows
+ * below and the panels' groups, `gemm_panels_i16.h`). */
+static inline float qb_i16_round_block(const float *xb, __m256i *lo, __m256i *hi, float *sum) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float largest = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const __m512 scale = _mm512_set1_ps(largest > 0.0f ? QB_I16_LEVELS / largest : 0.0f);
+    /* round to nearest, then narrow with saturation (|x| * inverse <= 32767) */
+    *lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, scale)));
+    *hi = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, scale)));
+    *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    return largest / QB_I16_LEVELS;
+}
+
 /* Row r's blocks of x (`[rows, ldx]`) as int16 and their steps into xp (`[rows,
  * qb_q4_i16_row_floats(cols)]`), and sums[r, b] = the exact sum of block b (the min term). */
 static inline void qb_prepare_q4_i16(const float *x, int64_t ldx, int64_t rows, int64_t cols,
                                      float *xp, float *sums) {
     const int64_t nb = cols / 32, stride = qb_q4_i16_row_floats(cols);
-    const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t r = 0; r < rows; ++r) {
         int16_t *words = (int16_t *)(xp + r * stride);
         float *steps = xp + r * stride + qb_i16_pairs(nb) * 32;
         for (int64_t b = 0; b < nb; ++b) {
-            const float *xb = x + r * ldx + b * 32;
-            const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-            const float largest = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
-            const float inverse = largest > 0.0f ? QB_I16_LEVELS / largest : 0.0f;
-            const __m512 scale = _mm512_set1_ps(inverse);
             int16_t *pair = words + (b / 2) * 64 + (b % 2) * 16;
-            /* round to nearest, then narrow with saturation (|x| * inverse <= 32767) */
-            _mm256_storeu_si256((__m256i *)pair,
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
-            _mm256_storeu_si256((__m256i *)(pair + 32),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
-            steps[b] = largest / QB_I16_LEVELS;
-            sums[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            __m256i lo, hi;
+            steps[b] = qb_i16_round_block(x + r * ldx + b * 32, &lo, &hi, &sums[r * nb + b]);
+            _mm256_storeu_si256((__m256i *)pair, lo);
+            _mm256_storeu_si256((__m256i *)(pair + 32), hi);
         }
         if (nb % 2) { /* the odd last block's partner */
             int16_t *pair = words + (nb / 2) * 64 + 16;

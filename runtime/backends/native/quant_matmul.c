@@ -69,6 +69,9 @@ int quant_matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, i
 
 int quant_q4_int16(void) { return QB_Q4_I16; }
 
+/* Rows from which int16 products run on panels (`gemm_panels_i16.h`). */
+int quant_i16_panel_from_rows(void) { return QI_PANEL_FROM_ROWS; }
+
 int quant_gemm_i16(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
                    int n_threads);
 
