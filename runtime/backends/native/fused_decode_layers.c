@@ -344,12 +344,17 @@ static void rms_norm(const float *x, const float *weight, float *out, int64_t ro
     }
 }
 
-static void rotate(float *head, const float *cos, const float *sin, int64_t head_dim,
-                   float *scratch) {
+/* Rotate-half in place: value d pairs with d + half (the signed `sin` carries the minus).
+ * Two halves side by side, so the loop vectorises: with a `(d + half) % head_dim` partner
+ * and a scratch copy the scalar loop cost 0.85 ms of a 30 ms batch-32 step on Zen 5. */
+static void rotate(float *head, const float *cos, const float *sin, int64_t head_dim) {
     const int64_t half = head_dim / 2;
-    memcpy(scratch, head, sizeof(float) * head_dim);
-    for (int64_t d = 0; d < head_dim; ++d)
-        head[d] = scratch[d] * cos[d] + scratch[(d + half) % head_dim] * sin[d];
+#pragma omp simd
+    for (int64_t d = 0; d < half; ++d) {
+        const float a = head[d], b = head[d + half];
+        head[d] = a * cos[d] + b * sin[d];
+        head[d + half] = b * cos[d + half] + a * sin[d + half];
+    }
 }
 
 /* Row b, KV head h: softmax(q K^T * scale) V over the row's pages, for its `group` queries. */
@@ -393,7 +398,6 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
         {
             const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
             float *normed = (float *)scratch_alloc(sizeof(float) * rows * dim);
-            float *rot = (float *)scratch_alloc(sizeof(float) * head_dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
             q4_input q4 = {NULL, NULL, Q4_NONE, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0,
@@ -420,7 +424,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 }
 #endif
             }
-            int mine_failed = normed == NULL || rot == NULL ||
+            int mine_failed = normed == NULL ||
                               (rows >= PANEL_FROM_ROWS && q4.groups == NULL) ||
                               (parts != NULL && (q4.xt == NULL || i8_memory == NULL)) ||
                               (i16_panels && q4.i16_groups == NULL);
@@ -456,9 +460,9 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     float *row = qkv + b * qkv_out;
                     const float *cos_b = cos + b * head_dim, *sin_b = sin + b * head_dim;
                     for (int64_t g = 0; g < group; ++g)
-                        rotate(row + (h * group + g) * head_dim, cos_b, sin_b, head_dim, rot);
+                        rotate(row + (h * group + g) * head_dim, cos_b, sin_b, head_dim);
                     float *k = row + q_out + h * head_dim;
-                    rotate(k, cos_b, sin_b, head_dim, rot);
+                    rotate(k, cos_b, sin_b, head_dim);
                     const int64_t page = pages[b * width + pos / block_size];
                     if (page >= 0) {
                         const int64_t slot =
@@ -517,7 +521,6 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 #pragma omp barrier
             }
             free(normed);
-            free(rot);
             free(q4.xt);
             free(q4.groups);
             free(q4.i16_groups);

@@ -160,8 +160,11 @@ typedef struct {
     float *acc;
 } span_state;
 
+/* Rounded up to whole cache lines: when a row is split into key spans, the threads write
+ * neighbouring states on every page, and states sharing a line made two threads slower than
+ * one (measured on Zen 5, batch 1, 164 keys: 6.8 against 3.4 us a layer once apart). */
 static inline int64_t state_floats(int64_t group, int64_t head_dim) {
-    return group * (head_dim + 2);
+    return (group * (head_dim + 2) + 15) / 16 * 16;
 }
 
 /* A cleared state laid out in `buffer`. */
@@ -540,6 +543,7 @@ static team_memory team_layout(void *memory, int64_t batch, int64_t kv, int64_t 
     at += sizeof(int64_t) * (batch > 0 ? batch : 1);
     m.states = (span_state *)at;
     at += sizeof(span_state) * (batch * kv * spans + 1);
+    at += (64 - (uintptr_t)at % 64) % 64; /* the kept states start on a line */
     m.kept = spans > 1 ? (float *)at : NULL;
     return m;
 }
@@ -549,7 +553,7 @@ int64_t paged_attention_team_bytes(int64_t batch, int64_t kv, int64_t group, int
                                    int64_t spans) {
     int64_t bytes = sizeof(int64_t) * (batch > 0 ? batch : 1) +
                     sizeof(span_state) * (batch * kv * spans + 1);
-    if (spans > 1) bytes += sizeof(float) * state_floats(group, head_dim) * batch * kv * spans;
+    if (spans > 1) bytes += 64 + sizeof(float) * state_floats(group, head_dim) * batch * kv * spans;
     return bytes;
 }
 
