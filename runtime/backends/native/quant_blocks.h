@@ -35,7 +35,7 @@
 enum { QB_Q4 = 0, QB_Q8 = 1 };
 
 /* This CPU can run q4 products with int16 activations (`quant_blocks_i16.h`). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QB_Q4_I16 1
 #else
 #define QB_Q4_I16 0
@@ -464,7 +464,12 @@ static inline void qb_project(const qb_matrix *m, const float *x, int64_t ldx, i
 #if QB_Q4_I16
 #define QB_Q4_I16_CALL(RR, NN) \
     qb_q4_i16_tile(RR, NN, q, qs_stride, sc, mn, xsum + r0 * nb, nb, xr, ldx, dots)
-                    if (int16) {
+                    if (int16 && rows == 1) { /* the one-row layout */
+                        if (NO == 4)
+                            qb_q4_i16_row_tile(4, q, qs_stride, sc, mn, xsum, nb, xr, dots);
+                        else
+                            qb_q4_i16_row_tile(1, q, qs_stride, sc, mn, xsum, nb, xr, dots);
+                    } else if (int16) {
                         QB_CASES(QB_Q4_I16_CALL)
                     } else {
                         QB_CASES(QB_Q4_CALL)
