@@ -16,8 +16,9 @@
 * `q_int16`: q4 blocks (or q8 blocks of 32) with the activations rounded to int16 per 32
   values and multiplied with AVX-512 VNNI: q4 below 11 rows streamed like `q_rows`
   (`native/quant_blocks_i16.h`, about four instructions a block instead of six, 1.4-1.8x
-  `q_rows` where that is bound by arithmetic, as batch-1 decode on Zen 5), from 11 rows (q8 at
-  every row count) on panels like `q_gemm` (`native/gemm_panels_i16.h`, 32 products a
+  `q_rows` where that is bound by arithmetic, as batch-1 decode on Zen 5; one row, q4 or q8,
+  in a layout of its own that splits each value into high and low bytes for `vpdpbusd`), from
+  11 rows (q8 from 2) on panels like `q_gemm` (`native/gemm_panels_i16.h`, 32 products a
   `vpdpwssd` where `q_gemm` does 16 an FMA). Not bit-equal: within
   `runtime.quant.rounded_activations.error_bound(..., INT16_LEVELS)` of the exact product
   (1.5e-5 of a block's largest activation), so it is a candidate like the others and kept

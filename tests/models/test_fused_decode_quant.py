@@ -251,6 +251,8 @@ def _geometry(args: LlamaArgs) -> DecodeStackGeometry:
 @example(
     mix="straddling", layout=0, positions=list(range(17)), threads=3, seed=5, activations="int16"
 )
+@example(mix="straddling", layout=0, positions=[9], threads=2, seed=7, activations="int16")
+@example(mix="q4_k_m-like", layout=1, positions=[30], threads=3, seed=8, activations="int16")
 @example(
     mix="straddling", layout=1, positions=list(range(33)), threads=1, seed=6, activations="int16"
 )
@@ -364,11 +366,12 @@ def test_mixed_stack_equals_the_per_op_decode_of_dequantized_weights(
 
 
 def _int16_rounds(part: QuantizedMatrix, rows: int) -> bool:
-    """Whether the int16 stack rounds this part's inputs: q4 blocks always, Q8_0 blocks on
-    int16 panels only (from `I16_PANEL_FROM_ROWS` rows; float32 activations below)."""
+    """Whether the int16 stack rounds this part's inputs: q4 blocks always, Q8_0 blocks at
+    one row (streamed) and on int16 panels (from `I16_PANEL_FROM_ROWS` rows; float32
+    activations at 2-10 rows)."""
     if not native_kernels.int16_takes(part):
         return False
-    return part.kind == "q4" or rows >= I16_PANEL_FROM_ROWS
+    return part.kind == "q4" or rows == 1 or rows >= I16_PANEL_FROM_ROWS
 
 
 def test_parts_table_names_the_bad_projection() -> None:

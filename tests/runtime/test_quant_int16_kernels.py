@@ -29,10 +29,12 @@ TAKEN_TYPES = [*sorted(name for name in STORED_TYPES if name.startswith("Q4")), 
 
 # An odd block count leaves the last pair half empty; 17 blocks cross a 16-block scale group.
 # One activation row takes its own layout in groups of 4 blocks (`qb_q4_i16_row_tile`): 5 and
-# 7 blocks end in a part group, read masked (Q4_K's float32 scales in place, to the last byte).
+# 7 blocks end in a part group, read masked (Q4_K's float32 scales in place, to the last byte);
+# Q8_0 in pairs of blocks (an odd count ends in half a pair).
 @example(type_name="Q4_K", blocks=7, half_rows=5, batch=1, threads=2, seed=8)
 @example(type_name="Q4_0", blocks=5, half_rows=1, batch=1, threads=3, seed=9)
 @example(type_name="Q4_1", blocks=8, half_rows=6, batch=1, threads=1, seed=10)
+@example(type_name="Q8_0", blocks=6, half_rows=9, batch=1, threads=3, seed=11)
 # From 11 rows (Q8_0 at every row count) the product runs on int16 panels
 # (`gemm_panels_i16.h`): 16-row groups up to 16 rows, 32-row groups past them, 128 rows a pass
 # (131: a second pass of 3).
@@ -69,12 +71,13 @@ def test_int16_product_is_within_its_bound_of_the_gguf_reference(
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_int16_product_rounds_the_activations(batch: int) -> None:
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_int16_product_rounds_the_activations(type_name: str, batch: int) -> None:
     """Activations off the int16 steps differ from the float32 form by more than float32
     rounding does; on the steps (integers up to 32767 with a 32767 in each block) they give
     the exact product (one row: split into high and low bytes, summed exactly)."""
-    raw = raw_blocks("Q4_1", 48, 256, seed=5)
-    matrix = repack("Q4_1", raw, 48, 256)
+    raw = raw_blocks(type_name, 48, 256, seed=5)
+    matrix = repack(type_name, raw, 48, 256)
     kernels = native_kernels.quant_matmul()
     x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(5))
     x[:, ::32] = 1000.0  # each block's step is 1000 / 32767: the others round coarsely
@@ -83,7 +86,7 @@ def test_int16_product_rounds_the_activations(batch: int) -> None:
     steps = torch.randint(-32767, 32768, (batch, 256), generator=torch.Generator().manual_seed(6))
     steps[:, ::32] = 32767
     on_steps = steps.float()
-    want = (on_steps.double() @ gguf_reference("Q4_1", raw).T).float()
+    want = (on_steps.double() @ gguf_reference(type_name, raw).T).float()
     torch.testing.assert_close(kernels.unchecked_int16(matrix, on_steps), want, rtol=1e-5, atol=1.0)
 
 

@@ -30,8 +30,9 @@
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
  * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
  * activations (`quant_blocks_i8.h`), 10-13 the same four with int16 activations (q4:
- * `quant_blocks_i16.h` below QI_PANEL_FROM_ROWS rows, q8 in blocks of 32: float32
- * activations there; both on `gemm_panels_i16.h` from there on) (a library built without
+ * `quant_blocks_i16.h` below QI_PANEL_FROM_ROWS rows, q8 in blocks of 32: there one row
+ * streamed the same way, 2-10 rows float32 activations; both on `gemm_panels_i16.h` from
+ * there on) (a library built without
  * VNNI runs 6-13 with float32 activations, and `stack_parts_table` never writes them
  * there); a part's rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
  * unused there.
@@ -93,8 +94,9 @@ static inline float hsum(vf v) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/* Which q4 form of the stage input `q4_input.xt` holds. */
-enum { Q4_NONE, Q4_FLOAT, Q4_INT16 };
+/* Which form of the stage input `q4_input.xt` holds (q4 float or int16, or one row for q8
+ * blocks of 32 with int16 activations). */
+enum { Q4_NONE, Q4_FLOAT, Q4_INT16, Q8_INT16_ROW };
 
 /* Per-thread activation forms of a stage's input, made on first need: the q4 float or int16
  * form (`qb_prepare_q4`, `qb_prepare_q4_i16`; `ready` says which), the int8 form
@@ -314,6 +316,14 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                     }
                     xin = q4->xt;
                 }
+#if QB_Q4_I16
+                else if (int16 && rows == 1 && m.block == 32) { /* q8: the one-row layout */
+                    if (q4->ready != Q8_INT16_ROW) qb_prepare_q8_i16_row(x, n_in, q4->xt);
+                    q4->ready = Q8_INT16_ROW;
+                    xin = q4->xt;
+                    ld = qb_q8_i16_row_floats(n_in);
+                }
+#endif
                 qb_project(&m, xin, ld, rows, q4->xsum, y + base, ldy, lo, hi, accumulate,
                            int16);
             }

@@ -390,7 +390,8 @@ static inline __attribute__((always_inline)) void qb_q8_tile(
  * block sums (at `rows * qb_q4_row_floats(cols)`). */
 static inline int64_t qb_q4_row_floats(int64_t cols) {
 #if QB_Q4_I16
-    const int64_t words = qb_q4_i16_row_floats(cols);
+    int64_t words = qb_q4_i16_row_floats(cols);
+    if (qb_q8_i16_row_floats(cols) > words) words = qb_q8_i16_row_floats(cols); /* q8, one row */
     return words > cols ? words : cols;
 #else
     return cols;
@@ -479,7 +480,17 @@ static inline void qb_project(const qb_matrix *m, const float *x, int64_t ldx, i
                     QB_CASES(QB_Q4_CALL)
 #endif
 #undef QB_Q4_CALL
-                } else if (QB_Q8_VECTOR_BLOCK(m->block)) {
+                }
+#if QB_Q4_I16
+                else if (int16 && rows == 1 && m->block == 32) { /* q8, the one-row layout */
+                    const int8_t *q = (const int8_t *)m->qs + o * qs_stride;
+                    if (NO == 4)
+                        qb_q8_i16_row_tile(4, q, qs_stride, sc, nb, xr, dots);
+                    else
+                        qb_q8_i16_row_tile(1, q, qs_stride, sc, nb, xr, dots);
+                }
+#endif
+                else if (QB_Q8_VECTOR_BLOCK(m->block)) {
                     const int8_t *q = (const int8_t *)m->qs + o * qs_stride;
                     const int64_t block = m->block;
 #define QB_Q8_CALL(RR, NN) qb_q8_tile(RR, NN, q, qs_stride, sc, nb, block, xr, ldx, dots)

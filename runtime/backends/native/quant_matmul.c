@@ -12,7 +12,8 @@
  * (`quant_blocks_i8.h`); returns 3 where this CPU has no AVX-512 VNNI (`quant_i8_available`).
  * `quant_matmul_i16`: `quant_matmul` over q4 blocks (or q8 blocks of 32) with the activations
  * rounded to int16 per block, q4 streamed (`quant_blocks_i16.h`) below QI_PANEL_FROM_ROWS rows
- * and on int16 panels (`quant_gemm_i16`) from there on, q8 on panels at every row count;
+ * and on int16 panels (`quant_gemm_i16`) from there on, q8 streamed at one row and on panels
+ * from two;
  * returns 3 where this CPU cannot (`quant_q4_int16`).
  */
 #include <omp.h>
@@ -31,7 +32,8 @@ static void qm_stripe(int64_t n, int thread, int threads, int64_t *o0, int64_t *
     *o1 = *o0 + step < n ? *o0 + step : n;
 }
 
-/* The product with float32 (int16 = 0) or int16 (int16 = 1, QB_Q4_I16 only) q4 activations. */
+/* The product with float32 (int16 = 0) or int16 (int16 = 1, QB_Q4_I16 only) activations:
+ * q4 at any row count, q8 blocks of 32 at one row. */
 static int matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, int64_t n_out,
                   int n_threads, int int16) {
     float *xt = NULL, *xsum = NULL;
@@ -50,6 +52,15 @@ static int matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, 
             qb_prepare_q4(x, m->cols, rows, m->cols, xt, xsum);
         xin = xt;
     }
+#if QB_Q4_I16
+    else if (int16) { /* q8 blocks of 32, one row (`quant_matmul_i16`) */
+        xt = (float *)scratch_alloc(sizeof(float) * qb_q8_i16_row_floats(m->cols));
+        if (xt == NULL) return 1;
+        qb_prepare_q8_i16_row(x, m->cols, xt);
+        xin = xt;
+        ldx = qb_q8_i16_row_floats(m->cols);
+    }
+#endif
     int64_t per_thread = (n_out + 15) / 16;
     if (n_threads > per_thread) n_threads = (int)(per_thread > 0 ? per_thread : 1);
 #pragma omp parallel num_threads(n_threads)
@@ -81,8 +92,8 @@ int quant_matmul_i16(const qb_matrix *m, const float *x, float *out, int64_t row
     if (!QB_Q4_I16) return 3;
     if (m->kind != QB_Q4 && m->block != 32) return 2;
 #if QB_Q4_I16
-    /* q8 blocks have no streaming int16 kernel: panels at every row count */
-    if (rows >= QI_PANEL_FROM_ROWS || m->kind != QB_Q4)
+    /* q8 blocks stream one row (`qb_q8_i16_row_tile`), else run on panels */
+    if (rows >= QI_PANEL_FROM_ROWS || (m->kind != QB_Q4 && rows != 1))
         return quant_gemm_i16(m, x, out, rows, n_out, n_threads);
 #endif
     return matmul(m, x, out, rows, n_out, n_threads, 1);
