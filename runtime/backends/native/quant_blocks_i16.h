@@ -167,6 +167,19 @@ static inline __attribute__((always_inline)) void qb_q4_i16_tile(
     qb_reduce(R, NO, acc, dots);
 }
 
+/* acc + (256 h + l) scaled lane by lane: each int32 lane by its block's weight scale (the
+ * blocks' scales at `scales`, `blocks` of them read, spread over their lanes by `expand`)
+ * times the activation step of its block (`step`, already spread). The one-row kernels'
+ * epilogue. */
+static inline __attribute__((always_inline)) __m512 qb_i16_row_scaled(
+    __m512i h, __m512i l, __m512i expand, __mmask8 blocks, const float *scales, __m512 step,
+    __m512 acc) {
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+    const __m512 scale =
+        _mm512_permutexvar_ps(expand, _mm512_castps128_ps512(_mm_maskz_loadu_ps(blocks, scales)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, step), acc);
+}
+
 /* dots[k][0] for NO weight rows and the one row prepared by `qb_prepare_q4_i16_row`.
  *
  * Why a layout of its own: at one row there is no second row to share a widened weight
@@ -209,11 +222,7 @@ static inline __attribute__((always_inline)) void qb_q4_i16_row_tile(
             h = _mm512_dpbusd_epi32(h, hi, high_hi);
             __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low_lo, lo);
             l = _mm512_dpbusd_epi32(l, low_hi, hi);
-            const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-            const __m512 scale = _mm512_permutexvar_ps(
-                expand, _mm512_castps128_ps512(_mm_maskz_loadu_ps(blocks, sc[k] + g * 4)));
-            acc[k][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, step),
-                                        acc[k][0]);
+            acc[k][0] = qb_i16_row_scaled(h, l, expand, blocks, sc[k] + g * 4, step, acc[k][0]);
         }
     }
     qb_reduce(1, NO, acc, dots);
@@ -283,11 +292,7 @@ static inline __attribute__((always_inline)) void qb_q8_i16_row_tile(
             const __m512i q = _mm512_maskz_loadu_epi8(bytes, qs + k * qs_stride + g * 64);
             const __m512i h = _mm512_dpbusd_epi32(corr, _mm512_xor_si512(q, offset), high);
             const __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, q);
-            const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-            const __m512 scale = _mm512_permutexvar_ps(
-                expand, _mm512_castps128_ps512(_mm_maskz_loadu_ps(blocks, sc[k] + g * 2)));
-            acc[k][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, step),
-                                        acc[k][0]);
+            acc[k][0] = qb_i16_row_scaled(h, l, expand, blocks, sc[k] + g * 2, step, acc[k][0]);
         }
     }
     qb_reduce(1, NO, acc, dots);
