@@ -375,7 +375,8 @@ class QuantMatmul:
         self._matmul_i16.restype = ctypes.c_int
         self.int16_panel_from_rows = int(library.quant_i16_panel_from_rows())
         """Rows from which int16 products run on int16 panels (`gemm_panels_i16.h`): below,
-        q4 blocks stream and the fused stack's q8 blocks keep float32 activations."""
+        q4 blocks stream, and q8 blocks stream at one row (the fused stack's keep float32
+        activations at 2 rows up to this)."""
         self.int16_available = bool(library.quant_q4_int16())
         """This CPU runs q4 products with int16 activations (AVX-512 VNNI,
         `quant_blocks_i16.h`)."""
@@ -527,9 +528,9 @@ def part_kind_code(part: StackPart, layout: int, activations: str = "float32") -
 
 def int16_takes(matrix: QuantizedMatrix) -> bool:
     """Whether the int16-activation products compute over these blocks: q4, or q8 in blocks
-    of 32 (Q8_0), which have no streaming int16 kernel: `unchecked_int16` runs them on int16
-    panels at every row count, the fused stack's int16 variant from
-    `QuantMatmul.int16_panel_from_rows` rows (with float32 activations below)."""
+    of 32 (Q8_0). q8 blocks stream at one row and run on int16 panels from two rows in
+    `unchecked_int16`; the fused stack's int16 variant gives them float32 activations from
+    two rows up to `QuantMatmul.int16_panel_from_rows`."""
     return matrix.kind == "q4" or matrix.block == 32
 
 

@@ -83,13 +83,13 @@ def test_warmup_times_int16_and_a_plan_with_it_replays_the_same_tokens(
     assert all("fused_int16" in item for item in measured["measured_us"])
 
 
-@needs_vnni
 def _float_form(rows: int) -> str:
     """The float32 form for a bucket `q_int16` held: `q_rows` where it fits, else `q_gemm`."""
     fits = block_forms.BLOCK_FORMS["q_rows"].fits(rows)
     return "q_rows" if fits else "q_gemm"
 
 
+@needs_vnni
 def test_a_plan_with_int16_is_refused_where_the_cpu_cannot_run_it(
     files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,12 +45,12 @@ INT8 = REASON is None and native_kernels.quant_matmul().int8_available
 INT8_FIRST_KV = {"atol": 1e-3, "rtol": 1e-3}
 BOUNDARY = 1e-4
 INT8_LATER_SHARE = 0.05
-# The int16 variant rounds q4 parts' inputs: streamed (`quant_blocks_i16.h`) below this many
-# rows, on int16 panels (`gemm_panels_i16.h`) from there on (`fused_decode_layers.c`'s
-# I16_PANEL_FROM_ROWS). Against a per-op reference that rounds them the same way, an input
-# the two float orders put on either side of a rounding boundary moves one step (1/32767 of
-# its block's largest value), shifting what it feeds by that times its weight (measured: up
-# to 2e-4).
+# The int16 variant rounds q4 parts' inputs (and Q8_0 parts' at one row and on panels, see
+# `_int16_rounds`): streamed (`quant_blocks_i16.h`) below this many rows, on int16 panels
+# (`gemm_panels_i16.h`'s QI_PANEL_FROM_ROWS) from there on. Against a per-op reference that
+# rounds them the same way, an input the two float orders put on either side of a rounding
+# boundary moves one step (1/32767 of its block's largest value), shifting what it feeds by
+# that times its weight (measured: up to 2e-4).
 INT16 = REASON is None and native_kernels.quant_matmul().int16_available
 # (the examples below need a value even where the library is missing and the tests skip)
 I16_PANEL_FROM_ROWS = native_kernels.quant_matmul().int16_panel_from_rows if REASON is None else 11

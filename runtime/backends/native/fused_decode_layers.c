@@ -30,12 +30,12 @@
  * kind: -1 unused (skipped), 0 float32 `[rows, in]`, 1 float32 `[in, rows]`, 2 q4 / f16
  * scales, 3 q4 / f32, 4 q8 / f16, 5 q8 / f32, 6-9 the same four block kinds with int8
  * activations (`quant_blocks_i8.h`), 10-13 the same four with int16 activations (q4:
- * `quant_blocks_i16.h` below QI_PANEL_FROM_ROWS rows, q8 in blocks of 32: there one row
- * streamed the same way, 2-10 rows float32 activations; both on `gemm_panels_i16.h` from
- * there on) (a library built without
- * VNNI runs 6-13 with float32 activations, and `stack_parts_table` never writes them
- * there); a part's rows are the projection's next `rows` outputs. The layer table's 4 projection columns are
- * unused there.
+ * `quant_blocks_i16.h` below QI_PANEL_FROM_ROWS rows; q8 in blocks of 32: one row streamed
+ * the same way, 2 to QI_PANEL_FROM_ROWS - 1 rows float32 activations; both on
+ * `gemm_panels_i16.h` from there on). A library built without VNNI runs 6-13 with float32
+ * activations, and `stack_parts_table` never writes them there. A part's rows are the
+ * projection's next `rows` outputs. The layer table's 4 projection columns are unused
+ * there.
  */
 #include <math.h>
 #include <omp.h>
@@ -94,17 +94,15 @@ static inline float hsum(vf v) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/* Which form of the stage input `q4_input.xt` holds (q4 float or int16, or one row for q8
- * blocks of 32 with int16 activations). */
-enum { Q4_NONE, Q4_FLOAT, Q4_INT16, Q8_INT16_ROW };
-
-/* Per-thread activation forms of a stage's input, made on first need: the q4 float or int16
- * form (`qb_prepare_q4`, `qb_prepare_q4_i16`; `ready` says which), the int8 form
+/* Per-thread activation forms of a stage's input, made on first need: the form a block
+ * product reads (`qb_prepare_input`; `ready` says which `QB_INPUT_*`, -1 none yet, `ld` its
+ * row stride), the int8 form
  * (`qb_prepare_i8`, keyed by the weight's kind and block) and the transposed row groups of the
  * panel products (`qg_transpose`, with their scratch). */
 typedef struct {
     float *xt, *xsum;
     int ready;
+    int64_t ld;
     qb_i8_input i8;
     float *groups, *scratch;
     int groups_ready;
@@ -114,7 +112,7 @@ typedef struct {
 
 /* A new stage input: every form made for the last one is stale. */
 static inline void new_stage(q4_input *q4) {
-    q4->ready = Q4_NONE, q4->i8.key = -1, q4->groups_ready = 0, q4->i16_groups_ready = 0;
+    q4->ready = -1, q4->i8.key = -1, q4->groups_ready = 0, q4->i16_groups_ready = 0;
 }
 
 /* The stage input as `qg_stripe` takes it (transposed once per stage and thread). */
@@ -300,30 +298,14 @@ static void project_parts(const int64_t *parts, int64_t n_in, const float *x, in
                 }
                 const float *xin = x;
                 int64_t ld = ldx;
-                if (is_q4) {
-#if QB_Q4_I16
-                    if (int16) {
-                        if (q4->ready != Q4_INT16)
-                            qb_prepare_q4_i16(x, ldx, rows, n_in, q4->xt, q4->xsum);
-                        q4->ready = Q4_INT16;
-                        ld = qb_q4_i16_row_floats(n_in);
-                    } else
-#endif
-                    {
-                        if (q4->ready != Q4_FLOAT) qb_prepare_q4(x, ldx, rows, n_in, q4->xt, q4->xsum);
-                        q4->ready = Q4_FLOAT;
-                        ld = n_in;
-                    }
+                const int form = qb_input_form(&m, rows, int16);
+                if (form != QB_INPUT_RAW) {
+                    if (q4->ready != form)
+                        q4->ld = qb_prepare_input(form, x, ldx, rows, n_in, q4->xt, q4->xsum);
+                    q4->ready = form;
                     xin = q4->xt;
+                    ld = q4->ld;
                 }
-#if QB_Q4_I16
-                else if (int16 && rows == 1 && m.block == 32) { /* q8: the one-row layout */
-                    if (q4->ready != Q8_INT16_ROW) qb_prepare_q8_i16_row(x, n_in, q4->xt);
-                    q4->ready = Q8_INT16_ROW;
-                    xin = q4->xt;
-                    ld = qb_q8_i16_row_floats(n_in);
-                }
-#endif
                 qb_project(&m, xin, ld, rows, q4->xsum, y + base, ldy, lo, hi, accumulate,
                            int16);
             }
@@ -410,7 +392,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             float *normed = (float *)scratch_alloc(sizeof(float) * rows * dim);
             /* q4 inputs: [rows, n_in] plus block sums, n_in at most max(dim, q, ffn) */
             const int64_t widest = dim > q_out ? (dim > ffn ? dim : ffn) : (q_out > ffn ? q_out : ffn);
-            q4_input q4 = {NULL, NULL, Q4_NONE, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0,
+            q4_input q4 = {NULL, NULL, -1, 0, {NULL, NULL, NULL, 0, 0, 0, -1}, NULL, NULL, 0,
                            NULL, NULL, 0};
             if (rows >= PANEL_FROM_ROWS) {
                 q4.groups = (float *)scratch_alloc(
@@ -421,8 +403,8 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             /* int16 panel products need their groups and scratch (`gemm_panels_i16.h`) */
             const int i16_panels = parts != NULL && QB_Q4_I16 && rows >= QI_PANEL_FROM_ROWS;
             if (parts != NULL) {
-                q4.xt = (float *)scratch_alloc(sizeof(float) * qb_q4_prepared_floats(rows, widest));
-                q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * qb_q4_row_floats(widest);
+                q4.xt = (float *)scratch_alloc(sizeof(float) * qb_prepared_floats(rows, widest));
+                q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * qb_prepared_row_floats(widest);
                 i8_memory = scratch_alloc((size_t)qb_i8_bytes(rows, widest));
                 if (i8_memory != NULL) qb_i8_bind(&q4.i8, i8_memory, rows, widest);
 #if QB_Q4_I16

@@ -386,20 +386,50 @@ static inline __attribute__((always_inline)) void qb_q8_tile(
 
 #endif
 
-/* Floats a q4 product's prepared activations take in either form: the rows, then their
- * block sums (at `rows * qb_q4_row_floats(cols)`). */
-static inline int64_t qb_q4_row_floats(int64_t cols) {
+/* The form in which `qb_project` reads a product's activations: as given, or prepared
+ * (`qb_prepare_input`) for q4 blocks (float32 or int16) or, at one row, for q8 blocks of 32
+ * with int16 activations. The one place that decides it, for every caller. */
+enum { QB_INPUT_RAW, QB_INPUT_Q4_FLOAT, QB_INPUT_Q4_INT16, QB_INPUT_Q8_INT16_ROW };
+
+static inline int qb_input_form(const qb_matrix *m, int64_t rows, int int16) {
+    if (!QB_Q4_I16) int16 = 0;
+    if (m->kind == QB_Q4) return int16 ? QB_INPUT_Q4_INT16 : QB_INPUT_Q4_FLOAT;
+    return int16 && rows == 1 && m->block == 32 ? QB_INPUT_Q8_INT16_ROW : QB_INPUT_RAW;
+}
+
+/* Floats a row of any prepared form takes, and a prepared input of `rows` rows: the rows,
+ * then their block sums (at `rows * qb_prepared_row_floats(cols)`). */
+static inline int64_t qb_prepared_row_floats(int64_t cols) {
 #if QB_Q4_I16
     int64_t words = qb_q4_i16_row_floats(cols);
-    if (qb_q8_i16_row_floats(cols) > words) words = qb_q8_i16_row_floats(cols); /* q8, one row */
+    if (qb_q8_i16_row_floats(cols) > words) words = qb_q8_i16_row_floats(cols);
     return words > cols ? words : cols;
 #else
     return cols;
 #endif
 }
 
-static inline int64_t qb_q4_prepared_floats(int64_t rows, int64_t cols) {
-    return rows * (qb_q4_row_floats(cols) + cols / 32) + 1;
+static inline int64_t qb_prepared_floats(int64_t rows, int64_t cols) {
+    return rows * (qb_prepared_row_floats(cols) + cols / 32) + 1;
+}
+
+/* x (`[rows, ldx]`) in `form` (not QB_INPUT_RAW) into xt, q4 block sums into xsum; returns
+ * the row stride `qb_project` then reads it with. */
+static inline int64_t qb_prepare_input(int form, const float *x, int64_t ldx, int64_t rows,
+                                       int64_t cols, float *xt, float *xsum) {
+#if QB_Q4_I16
+    if (form == QB_INPUT_Q4_INT16) {
+        qb_prepare_q4_i16(x, ldx, rows, cols, xt, xsum);
+        return qb_q4_i16_row_floats(cols);
+    }
+    if (form == QB_INPUT_Q8_INT16_ROW) {
+        qb_prepare_q8_i16_row(x, cols, xt);
+        return qb_q8_i16_row_floats(cols);
+    }
+#endif
+    (void)form;
+    qb_prepare_q4(x, ldx, rows, cols, xt, xsum);
+    return cols;
 }
 
 /* Any q8 block the vector tile cannot take (not a multiple of 16): one scalar dot. */
@@ -431,10 +461,10 @@ static inline float qb_q8_dot_scalar(const int8_t *q, const float *sc, int64_t n
     }
 
 /* y[r * ldy + o] (= or +=, by `accumulate`) sum_i W[o, i] x[r, i] for o in [o0, o1) (o
- * counts m's rows from 0). For q8, x is the activations (`[rows, ldx]`); for q4 it is their
- * prepared form and block sums: `qb_prepare_q4` (pass ldx = cols), or with `int16` (where
- * QB_Q4_I16) `qb_prepare_q4_i16` (pass ldx = `qb_q4_i16_row_floats(cols)`); xsum
- * `[rows, cols / 32]`, unused for q8. */
+ * counts m's rows from 0). x is the activations (`[rows, ldx]`) in the form
+ * `qb_input_form(m, rows, int16)` names: as given (QB_INPUT_RAW), else as `qb_prepare_input`
+ * wrote them, ldx the stride it returned, with the q4 block sums in xsum (`[rows, cols / 32]`,
+ * unused for q8). */
 static inline void qb_project(const qb_matrix *m, const float *x, int64_t ldx, int64_t rows,
                               const float *xsum, float *y, int64_t ldy, int64_t o0, int64_t o1,
                               int accumulate, int int16) {
@@ -482,7 +512,7 @@ static inline void qb_project(const qb_matrix *m, const float *x, int64_t ldx, i
 #undef QB_Q4_CALL
                 }
 #if QB_Q4_I16
-                else if (int16 && rows == 1 && m->block == 32) { /* q8, the one-row layout */
+                else if (qb_input_form(m, rows, int16) == QB_INPUT_Q8_INT16_ROW) {
                     const int8_t *q = (const int8_t *)m->qs + o * qs_stride;
                     if (NO == 4)
                         qb_q8_i16_row_tile(4, q, qs_stride, sc, nb, xr, dots);

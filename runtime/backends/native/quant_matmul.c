@@ -13,8 +13,7 @@
  * `quant_matmul_i16`: `quant_matmul` over q4 blocks (or q8 blocks of 32) with the activations
  * rounded to int16 per block, q4 streamed (`quant_blocks_i16.h`) below QI_PANEL_FROM_ROWS rows
  * and on int16 panels (`quant_gemm_i16`) from there on, q8 streamed at one row and on panels
- * from two;
- * returns 3 where this CPU cannot (`quant_q4_int16`).
+ * from two; returns 3 where this CPU cannot (`quant_q4_int16`).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -39,28 +38,14 @@ static int matmul(const qb_matrix *m, const float *x, float *out, int64_t rows, 
     float *xt = NULL, *xsum = NULL;
     const float *xin = x;
     int64_t ldx = m->cols;
-    if (m->kind == QB_Q4) {
-        xt = (float *)scratch_alloc(sizeof(float) * qb_q4_prepared_floats(rows, m->cols));
+    const int form = qb_input_form(m, rows, int16);
+    if (form != QB_INPUT_RAW) {
+        xt = (float *)scratch_alloc(sizeof(float) * qb_prepared_floats(rows, m->cols));
         if (xt == NULL) return 1;
-        xsum = xt + rows * qb_q4_row_floats(m->cols);
-#if QB_Q4_I16
-        if (int16) {
-            qb_prepare_q4_i16(x, m->cols, rows, m->cols, xt, xsum);
-            ldx = qb_q4_i16_row_floats(m->cols);
-        } else
-#endif
-            qb_prepare_q4(x, m->cols, rows, m->cols, xt, xsum);
+        xsum = xt + rows * qb_prepared_row_floats(m->cols);
+        ldx = qb_prepare_input(form, x, m->cols, rows, m->cols, xt, xsum);
         xin = xt;
     }
-#if QB_Q4_I16
-    else if (int16) { /* q8 blocks of 32, one row (`quant_matmul_i16`) */
-        xt = (float *)scratch_alloc(sizeof(float) * qb_q8_i16_row_floats(m->cols));
-        if (xt == NULL) return 1;
-        qb_prepare_q8_i16_row(x, m->cols, xt);
-        xin = xt;
-        ldx = qb_q8_i16_row_floats(m->cols);
-    }
-#endif
     int64_t per_thread = (n_out + 15) / 16;
     if (n_threads > per_thread) n_threads = (int)(per_thread > 0 ? per_thread : 1);
 #pragma omp parallel num_threads(n_threads)
