@@ -31,6 +31,7 @@ from runtime.config import PageTableLayout
 from runtime.decode_batch import (
     DecodeOptions,
     LaneInputs,
+    LaneSamplingMemo,
     PreparedDecode,
     assert_lane_batch,
     check_decode_options,
@@ -38,7 +39,6 @@ from runtime.decode_batch import (
     check_sampling_arguments,
     check_token_ids,
     page_table_copy_counts,
-    prepare_lane_sampling,
     require_prepared,
 )
 from runtime.decode_config import DecodeRuntimeConfig
@@ -108,6 +108,7 @@ class DecodeRuntime:
         self._device: Device = config.device
         self._check = _check_of(config)
         self._normalizer = PageTableNormalizer(config.page_table_layout)
+        self._sampling_memo = LaneSamplingMemo()
         self._last_submitted: torch.Tensor | None = None
         self._signatures: dict[tuple[SamplingPath, bool, bool, bool], DecodeSignature] = {}
         self._orphans: list[TensorResourceOrphan] = []
@@ -127,6 +128,7 @@ class DecodeRuntime:
         self._config = config
         self._check = _check_of(config)
         self._normalizer = PageTableNormalizer(config.page_table_layout)
+        self._sampling_memo = LaneSamplingMemo()
         self._last_submitted = None
         self._signatures.clear()
 
@@ -185,7 +187,7 @@ class DecodeRuntime:
         check_token_ids(lane, config.vocab_size)
         sampling = None
         if params is not None:
-            sampling = prepare_lane_sampling(
+            sampling = self._sampling_memo.prepare(
                 config,
                 params,
                 lane,
@@ -232,7 +234,7 @@ class DecodeRuntime:
         params = step.sampling_params
         sampling = None
         if params is not None:
-            sampling = prepare_lane_sampling(
+            sampling = self._sampling_memo.prepare(
                 config,
                 params,
                 lane,

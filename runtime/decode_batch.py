@@ -30,6 +30,7 @@ __all__ = [
     "DecodeArguments",
     "DecodeOptions",
     "LaneInputs",
+    "LaneSamplingMemo",
     "PreparedDecode",
     "SlotRemap",
     "assert_lane_batch",
@@ -362,3 +363,43 @@ def prepare_lane_sampling(
     lane_rows = slice_prepared_sampling_params(full, range(width))
     remap = None if full.slot_remap is None else full.slot_remap[:width]
     return attrs.evolve(lane_rows, slot_remap=remap)
+
+
+class LaneSamplingMemo:
+    """The last `prepare_lane_sampling` result, reused while a lane's requests stay put.
+
+    A generator hands the same (frozen) `SamplingParams` object step after step; normalising
+    it over the sampler batch again each step cost more host time than the argmax it feeds.
+    Reused only for the same object, the same active rows and no history or slot remap
+    (those change every step); anything else is prepared afresh and remembered.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[SamplingParams, tuple[bool, ...], PreparedSamplingParams] | None = None
+
+    def prepare(
+        self,
+        config: DecodeRuntimeConfig,
+        sampling_params: SamplingParams,
+        lane: LaneInputs,
+        *,
+        prompt_tokens: torch.Tensor | None,
+        output_tokens: torch.Tensor | None,
+        slot_remap: SlotRemap | None,
+    ) -> PreparedSamplingParams:
+        """`prepare_lane_sampling`, or the remembered result of an identical call."""
+        stateless = prompt_tokens is None and output_tokens is None and slot_remap is None
+        active = tuple(bool(flag) for flag in lane.active.tolist())
+        last = self._last
+        if stateless and last is not None and last[0] is sampling_params and last[1] == active:
+            return last[2]
+        prepared = prepare_lane_sampling(
+            config,
+            sampling_params,
+            lane,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            slot_remap=slot_remap,
+        )
+        self._last = (sampling_params, active, prepared) if stateless else None
+        return prepared

@@ -59,6 +59,9 @@ class StackSource(Protocol):
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    @property
+    def final_norm_weight(self) -> torch.Tensor: ...
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
     def uses_graph_safe_path(self) -> bool: ...
@@ -221,24 +224,31 @@ class FusedDecodeStack:
         tokens: torch.Tensor,
         pos: torch.Tensor,
         pages: torch.Tensor,
+        *,
+        final_norm: bool = False,
     ) -> torch.Tensor:
         """The last hidden states `[rows, dim]` of active rows (`tokens`, `pos` `[rows]`,
-        `pages` `[rows, W]`, long, validated by the decode), their K/V written."""
+        `pages` `[rows, W]`, long, validated by the decode), their K/V written; with
+        `final_norm`, after the model's final RMSNorm (what its head reads), in the same
+        native call."""
         model = self._model
         x = model.embed(tokens).contiguous()
-        rope_cos, rope_sin = model.rope
-        cos = rope_cos.index_select(0, pos)
-        sin = rope_sin.index_select(0, pos)
+        cos, sin = model.rope
+        norm = model.final_norm_weight if final_norm else None
         geometry = self._geometry
         if geometry.block_size != block_size:
             geometry = attrs.evolve(geometry, block_size=block_size)
             self._geometry = geometry
         table, pages, n_keys = self._table_of(cache), pages.contiguous(), (pos + 1).contiguous()
         if not self._mixed:
-            self._kernel.unchecked(geometry, table, self._layouts, x, cos, sin, pages, n_keys)
+            self._kernel.unchecked(
+                geometry, table, self._layouts, x, cos, sin, pages, n_keys, final_norm=norm
+            )
         else:
             parts = self._parts_table()
-            self._kernel.unchecked_mixed(geometry, table, parts, x, cos, sin, pages, n_keys)
+            self._kernel.unchecked_mixed(
+                geometry, table, parts, x, cos, sin, pages, n_keys, final_norm=norm
+            )
         return x
 
 

@@ -194,6 +194,12 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         """The rotary `cos` and signed `sin` tables `[max_seq_len, head_dim]` (`rope_tables`)."""
         return self._rope_cos, self._rope_sin
 
+    @property
+    def final_norm_weight(self) -> torch.Tensor:
+        """The final RMSNorm's weight `[dim]` (the fused stack applies it in its own call)."""
+        weight: torch.Tensor = self.norm.weight
+        return weight
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[*tokens.shape, dim]` (rows of the head's weight when tied,
         dequantized row by row when it is held in blocks)."""
@@ -443,7 +449,11 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return self._head(self.norm(hidden))
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden states the final norm was applied to."""
+        logits: torch.Tensor = self.lm_head(normed)
         return logits.float()
 
     def _zero_logits(self, batch: int) -> torch.Tensor:
@@ -621,7 +631,10 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         # Fused decode stack (`models.decoder.fused_decode`): chosen per row bucket at warmup.
         fused = self.fused_decode
         if fused is not None and fused.runs(tokens.shape[0]):
-            return self._logits(fused.hidden(cache.layers, cache.block_size, tokens, pos, pages))
+            normed = fused.hidden(
+                cache.layers, cache.block_size, tokens, pos, pages, final_norm=True
+            )
+            return self._head(normed)
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():

@@ -637,7 +637,7 @@ class FusedDecodeLayers:
         self._kernel = library.fused_decode_layers_f32
         self._mixed = library.fused_decode_layers_mixed
         for kernel in (self._kernel, self._mixed):
-            kernel.argtypes = [_PTR] * 7 + [_I64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
+            kernel.argtypes = [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
             kernel.restype = ctypes.c_int
 
     def unchecked(
@@ -650,11 +650,14 @@ class FusedDecodeLayers:
         sin: torch.Tensor,
         pages: torch.Tensor,
         n_keys: torch.Tensor,
+        final_norm: torch.Tensor | None = None,
     ) -> None:
         """Run the stack on `x` in place. Inputs are the model's, validated once per step by
-        its decode: `table` int64 `[n_layers, 8]`, `layouts` int64 `[4]`, `cos`/`sin` the rows'
-        rotary rows `[rows, head_dim]`, `pages` int64 `[rows, W]`, `n_keys` int64 `[rows]`
-        (position + 1). A bad address, page id or key count here reads out of bounds."""
+        its decode: `table` int64 `[n_layers, 8]`, `layouts` int64 `[4]`, `cos`/`sin` the
+        model's rotary tables `[positions, head_dim]` (read at each row's position), `pages`
+        int64 `[rows, W]`, `n_keys` int64 `[rows]` (position + 1), `final_norm` the model's
+        final RMSNorm weight `[dim]` to apply to x at the end (None: x is left un-normed).
+        A bad address, page id, position or key count here reads out of bounds."""
         g = geometry
         failed = self._kernel(
             table.data_ptr(),
@@ -664,6 +667,7 @@ class FusedDecodeLayers:
             sin.data_ptr(),
             pages.data_ptr(),
             n_keys.data_ptr(),
+            0 if final_norm is None else final_norm.data_ptr(),
             x.shape[0],
             g.n_layers,
             g.dim,
@@ -690,6 +694,7 @@ class FusedDecodeLayers:
         sin: torch.Tensor,
         pages: torch.Tensor,
         n_keys: torch.Tensor,
+        final_norm: torch.Tensor | None = None,
     ) -> None:
         """`unchecked` with the projections taken from `parts` (`stack_parts_table`: each
         projection up to 3 float32 or quantized parts stacked by output rows) instead of the
@@ -703,6 +708,7 @@ class FusedDecodeLayers:
             sin.data_ptr(),
             pages.data_ptr(),
             n_keys.data_ptr(),
+            0 if final_norm is None else final_norm.data_ptr(),
             x.shape[0],
             g.n_layers,
             g.dim,

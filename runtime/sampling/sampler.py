@@ -106,6 +106,12 @@ class SamplerPlan:
             seeded=prepared.seeded,
         )
 
+    @property
+    def reads_buffers(self) -> bool:
+        """Whether `run` reads the staged per-row buffers: the argmax path without
+        penalties does not, so staging it only checks (no host-to-buffer copies a step)."""
+        return self.sampling_path != "argmax" or self.penalties_enabled
+
 
 @attrs.frozen
 class SampleOutput:
@@ -362,7 +368,8 @@ class DeviceSampler:
         return self._device
 
     def stage(self, prepared: PreparedSamplingParams) -> SamplerPlan:
-        """Copy `prepared` into the persistent buffers in place; returns its plan.
+        """Copy `prepared` into the persistent buffers in place; returns its plan. A plan
+        that reads no buffer (`SamplerPlan.reads_buffers`) is checked and copies nothing.
 
         Host work: run it outside a trace, before capture and before each replay.
         """
@@ -386,9 +393,11 @@ class DeviceSampler:
                 "prepared for the argmax path, but this sampler has allow_force_argmax=False; "
                 "prepare with allow_force_argmax=False"
             )
-        for name, value in _staged_values(prepared).items():
-            self._buffers[name][:rows].copy_(value)
-        return SamplerPlan.from_prepared(prepared)
+        plan = SamplerPlan.from_prepared(prepared)
+        if plan.reads_buffers:
+            for name, value in _staged_values(prepared).items():
+                self._buffers[name][:rows].copy_(value)
+        return plan
 
     # ---- device side -------------------------------------------------------------------
 
@@ -427,8 +436,10 @@ class DeviceSampler:
     ) -> SampleOutput:
         """Sample from `logits [B, V]` with the staged parameters; trace-safe (module doc)."""
         self._check_run_inputs(logits, plan, positions)
-        buf = {name: value[: plan.batch_size] for name, value in self._buffers.items()}
         x = logits.to(torch.float32)
+        if not plan.reads_buffers:
+            return SampleOutput(tokens=greedy_tokens(x))
+        buf = {name: value[: plan.batch_size] for name, value in self._buffers.items()}
         if plan.penalties_enabled:
             x = apply_penalties(
                 x,

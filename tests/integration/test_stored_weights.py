@@ -79,9 +79,9 @@ def test_the_fused_stack_over_blocks_gives_the_per_op_tokens(files: Path, qtype:
     calls = []
     hidden = stack.hidden
 
-    def counted(*args: Any) -> torch.Tensor:
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(args[2].shape[0])
-        return hidden(*args)
+        return hidden(*args, **kwargs)
 
     stack.hidden = counted  # type: ignore[method-assign]
     model.fused_decode = stack

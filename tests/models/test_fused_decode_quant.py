@@ -93,8 +93,11 @@ class _MixedKernel(FusedDecodeLayers):
         sin: torch.Tensor,
         pages: torch.Tensor,
         n_keys: torch.Tensor,
+        final_norm: torch.Tensor | None = None,
     ) -> None:
-        self._inner.unchecked_mixed(geometry, table, self._parts, x, cos, sin, pages, n_keys)
+        self._inner.unchecked_mixed(
+            geometry, table, self._parts, x, cos, sin, pages, n_keys, final_norm=final_norm
+        )
 
 
 def _quantize_weights(

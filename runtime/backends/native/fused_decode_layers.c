@@ -14,13 +14,17 @@
  * weight, fused QKV `[q + 2 kv, dim]`, O `[dim, q]`, MLP norm weight, fused gate/up
  * `[2 ffn, dim]`, down `[dim, ffn]`, K cache, V cache (caches `[blocks, kv, block_size, hd]`).
  * `layouts[4]` says how QKV, O, gate/up and down are stored: 0 `[out, in]`, 1 `[in, out]`.
- * Rotary is rotate-half with the row's `cos` / signed `sin` rows `[rows, head_dim]`. Row b
+ * Rotary is rotate-half with the model's `cos` / signed `sin` tables `[positions, head_dim]`,
+ * read at the row's position (the caller checked it is inside them). Row b
  * sits at position n_keys[b] - 1, writes its K/V there (on page pages[b, pos / bs]; an
  * unmapped page, -1, is not written and its keys are masked) and attends to its first
  * n_keys[b] positions. Attention is `paged_decode_attention.c`'s own team body (rows longest
  * first, split into key spans when they are too few for the threads), run by this stack's
  * threads, so both paths share one kernel: the stack's own scalar loop had cost 1 ms of a
- * 3.5 ms batch-1 step and lost to the per-op path on long mixed contexts.
+ * 3.5 ms batch-1 step and lost to the per-op path on long mixed contexts. With `final_norm`
+ * (not NULL) the model's final RMSNorm is applied to x at the end, in the same call: what the
+ * head reads. Done by torch after the call, on a cache the weight stream had just emptied, it
+ * took 25-40 us of a 2.6 ms batch-1 step.
  *
  * `fused_decode_layers_mixed` is the same stack with each projection given as up to 3 parts
  * stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
@@ -365,7 +369,7 @@ void paged_attention_team_f32(void *memory, const float *q, int64_t q_stride,
 /* The stack; `parts` NULL: float32 projections from the table in `layouts`, else from parts. */
 static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t *parts, float *x,
                      const float *cos, const float *sin, const int64_t *pages,
-                     const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
+                     const int64_t *n_keys, const float *final_norm, int64_t rows, int64_t n_layers, int64_t dim,
                      int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
                      int64_t block_size, int64_t width, float eps, float scale, int n_threads) {
     const int64_t q_out = n_heads * head_dim, kv_out = kv * head_dim;
@@ -450,7 +454,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 for (int64_t job = 0; job < rows * kv; ++job) {
                     const int64_t b = job / kv, h = job % kv, pos = n_keys[b] - 1;
                     float *row = qkv + b * qkv_out;
-                    const float *cos_b = cos + b * head_dim, *sin_b = sin + b * head_dim;
+                    const float *cos_b = cos + pos * head_dim, *sin_b = sin + pos * head_dim;
                     for (int64_t g = 0; g < group; ++g)
                         rotate(row + (h * group + g) * head_dim, cos_b, sin_b, head_dim);
                     float *k = row + q_out + h * head_dim;
@@ -512,6 +516,11 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                             dim, hidden, ffn, rows, x, dim, d0, d1, 1, &q4);
 #pragma omp barrier
             }
+            if (final_norm != NULL && !failed) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; ++r)
+                    rms_norm(x + r * dim, final_norm, x + r * dim, 1, dim, eps);
+            }
             free(normed);
             free(q4.xt);
             free(q4.groups);
@@ -529,20 +538,22 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 
 int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,
                             const float *cos, const float *sin, const int64_t *pages,
-                            const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
-                            int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
-                            int64_t block_size, int64_t width, float eps, float scale,
-                            int n_threads) {
-    return run_stack(table, layouts, NULL, x, cos, sin, pages, n_keys, rows, n_layers, dim,
-                     n_heads, kv, head_dim, ffn, block_size, width, eps, scale, n_threads);
+                            const int64_t *n_keys, const float *final_norm, int64_t rows,
+                            int64_t n_layers, int64_t dim, int64_t n_heads, int64_t kv,
+                            int64_t head_dim, int64_t ffn, int64_t block_size, int64_t width,
+                            float eps, float scale, int n_threads) {
+    return run_stack(table, layouts, NULL, x, cos, sin, pages, n_keys, final_norm, rows,
+                     n_layers, dim, n_heads, kv, head_dim, ffn, block_size, width, eps, scale,
+                     n_threads);
 }
 
 int fused_decode_layers_mixed(const int64_t *table, const int64_t *parts, float *x,
                               const float *cos, const float *sin, const int64_t *pages,
-                              const int64_t *n_keys, int64_t rows, int64_t n_layers, int64_t dim,
-                              int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
-                              int64_t block_size, int64_t width, float eps, float scale,
-                              int n_threads) {
-    return run_stack(table, NULL, parts, x, cos, sin, pages, n_keys, rows, n_layers, dim,
-                     n_heads, kv, head_dim, ffn, block_size, width, eps, scale, n_threads);
+                              const int64_t *n_keys, const float *final_norm, int64_t rows,
+                              int64_t n_layers, int64_t dim, int64_t n_heads, int64_t kv,
+                              int64_t head_dim, int64_t ffn, int64_t block_size, int64_t width,
+                              float eps, float scale, int n_threads) {
+    return run_stack(table, NULL, parts, x, cos, sin, pages, n_keys, final_norm, rows,
+                     n_layers, dim, n_heads, kv, head_dim, ffn, block_size, width, eps, scale,
+                     n_threads);
 }
