@@ -372,10 +372,12 @@ def test_sampling_is_slot_indexed_with_neutral_inactive_rows(setup: TinySetup) -
     assert sampling.top_k[1] == 1 and sampling.seeds[1] is None
     assert sampling.top_k[3] == 7 and sampling.seeds == (3, None, 5, 6)
     assert prepared.sampling_path == "topk"
+    again = rt.prepare(NEXT_TOKENS, torch.tensor([6, -1, 4, 3]), table, sampling_params=params)
+    assert again.prepared_sampling is sampling  # same parameters, same active rows: kept
     lane_greedy = rt.prepare(
         NEXT_TOKENS, torch.tensor([5, -1, 3, -1]), table, sampling_params=params
     )
-    assert lane_greedy.sampling_path == "argmax"
+    assert lane_greedy.sampling_path == "argmax"  # other active rows: prepared afresh
 
 
 def test_sampling_is_prepared_over_the_sampler_batch(setup: TinySetup) -> None:

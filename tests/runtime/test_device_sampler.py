@@ -110,6 +110,26 @@ def test_stage_writes_buffers_in_place() -> None:
     )
 
 
+def test_a_greedy_plan_reads_no_buffer_so_staging_it_copies_nothing() -> None:
+    """The argmax path without penalties never reads the buffers: staging it leaves what an
+    earlier plan staged, and sampling with it is still the argmax. With penalties the same
+    path reads them, so they are staged."""
+    sampler = make_sampler(batch=2)
+    sampler.stage(prepared(sampler, 2, temperature=[0.5, 0.25], top_k=7))
+    before = {name: tensor.clone() for name, tensor in sampler.buffers.items()}
+    greedy = prepared(sampler, 2, temperature=[0.0, 0.0])
+    plan = sampler.stage(greedy)
+    assert plan.sampling_path == "argmax" and not plan.reads_buffers
+    assert all(torch.equal(sampler.buffers[name], value) for name, value in before.items())
+    logits = torch.randn(2, VOCAB)
+    assert torch.equal(sampler.run(logits, plan).tokens, logits.argmax(dim=-1))
+    penalised = prepared(sampler, 2, temperature=[0.0, 0.0], repetition_penalty=1.5)
+    plan = sampler.stage(penalised)
+    assert plan.sampling_path == "argmax" and plan.reads_buffers
+    assert sampler.buffers["repetition_penalty"].tolist() == [1.5, 1.5]
+    assert sampler.buffers["top_k"].tolist() == [1, 1]
+
+
 def test_stage_rejects_values_beyond_the_sampler() -> None:
     sampler = make_sampler(batch=2, top_k=4)
     with pytest.raises(ValueError, match="exceeds the sampler batch"):
