@@ -11,9 +11,10 @@ Why: at batch 1 the per-op path runs about 1,000 small torch ops a step (norms, 
 views, copies, residual adds) around the weight-streaming products; their overhead is a
 third of the step. `runtime/backends/native/fused_decode_layers.c` runs the whole stack in
 one OpenMP region instead, streaming each weight once in the layout the kernel plan chose,
-writing K/V into the paged cache and attending over the row's pages in place. The
-embedding lookup, the final norm and the LM head stay torch (the head keeps the form the
-plan measured for it).
+writing K/V into the paged cache and attending over the row's pages in place. The final norm
+runs in the same call, and up to `HEAD_IN_STACK_UP_TO` rows the LM head too, as its last
+stage (with the activations of the form the plan measured for the head at that bucket:
+int16 or int8 where it chose those, float32 otherwise); the embedding lookup stays outside.
 
 Warmup decides, per row bucket, whether this path runs (`models.decoder.fused_choice`); the
 model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `DecoderModel.decode_rows`).
@@ -37,8 +38,17 @@ from runtime.backends.native_kernels import (
     STACK_MAX_PARTS,
     STACK_TABLE_WIDTH,
     DecodeStackGeometry,
+    StackHead,
     StackPart,
+    stack_head_parts,
 )
+
+HEAD_IN_STACK_UP_TO = 4
+"""Rows up to which the LM head runs as the stack's last stage (a read-bound stream there,
+like the layers' projections); larger buckets run it in its own call, in the plan's form."""
+
+_HEAD_ACTIVATIONS = {"q_int16": "int16", "q_int8": "int8"}
+"""The stack activations of a head block form (every other form: float32)."""
 
 
 class StackSource(Protocol):
@@ -61,6 +71,9 @@ class StackSource(Protocol):
 
     @property
     def final_norm_weight(self) -> torch.Tensor: ...
+
+    @property
+    def head_projection(self) -> Projection: ...
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
@@ -183,12 +196,33 @@ class FusedDecodeStack:
             _projection(layer, n).blocks is not None for layer in layers for n in _PROJECTIONS
         )
         self._parts: torch.Tensor | None = None
+        self._head_parts: dict[str, torch.Tensor] = {}
 
     def forget_addresses(self) -> None:
         """Rebuild the layer and parts tables on the next call (the weights moved: sleep,
         wake, reload)."""
         self._table_for = None
         self._parts = None
+        self._head_parts.clear()
+
+    def _head_for(self, rows: int) -> torch.Tensor | None:
+        """The head's parts entry for a `rows` step, or None where it runs in its own call."""
+        if rows > HEAD_IN_STACK_UP_TO:
+            return None
+        head = self._model.head_projection
+        blocks = head.blocks
+        form = None if head.choice is None else head.choice.form_for(rows)
+        activations = _HEAD_ACTIVATIONS.get(form or "", "float32") if blocks else "float32"
+        parts = self._head_parts.get(activations)
+        if parts is None:
+            args = self._model.args
+            held: list[StackPart] = list(blocks) if blocks is not None else [head.weight]
+            layout = _LAYOUT_CODES[head.layout]
+            parts = stack_head_parts(
+                held, layout, args.dim, args.vocab_size, activations=activations
+            )
+            self._head_parts[activations] = parts
+        return parts
 
     def _parts_table(self) -> torch.Tensor:
         if self._parts is None:
@@ -217,6 +251,31 @@ class FusedDecodeStack:
             self._table_for = cache
         return self._table
 
+    def runs_head(self, rows: int) -> bool:
+        """Whether `logits` serves a `rows` step (the head as the stack's last stage)."""
+        return rows <= HEAD_IN_STACK_UP_TO
+
+    def logits(
+        self,
+        cache: tuple[LayerCache, ...],
+        block_size: int,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        pages: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits `[rows, vocab]` of a step `runs_head(rows)` takes: `hidden`'s
+        inputs, the final norm and the head in the same native call."""
+        rows = tokens.shape[0]
+        parts = self._head_for(rows)
+        if parts is None:
+            raise ValueError(
+                f"the stack runs the head up to {HEAD_IN_STACK_UP_TO} rows, not {rows}"
+            )
+        logits = torch.empty(rows, self._model.args.vocab_size)
+        head = StackHead(parts=parts, logits=logits)
+        self._run(cache, block_size, tokens, pos, pages, final_norm=True, head=head)
+        return logits
+
     def hidden(
         self,
         cache: tuple[LayerCache, ...],
@@ -231,6 +290,19 @@ class FusedDecodeStack:
         `pages` `[rows, W]`, long, validated by the decode), their K/V written; with
         `final_norm`, after the model's final RMSNorm (what its head reads), in the same
         native call."""
+        return self._run(cache, block_size, tokens, pos, pages, final_norm=final_norm)
+
+    def _run(
+        self,
+        cache: tuple[LayerCache, ...],
+        block_size: int,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        pages: torch.Tensor,
+        *,
+        final_norm: bool,
+        head: StackHead | None = None,
+    ) -> torch.Tensor:
         model = self._model
         x = model.embed(tokens).contiguous()
         cos, sin = model.rope
@@ -242,12 +314,12 @@ class FusedDecodeStack:
         table, pages, n_keys = self._table_of(cache), pages.contiguous(), (pos + 1).contiguous()
         if not self._mixed:
             self._kernel.unchecked(
-                geometry, table, self._layouts, x, cos, sin, pages, n_keys, final_norm=norm
+                geometry, table, self._layouts, x, cos, sin, pages, n_keys, norm, head
             )
         else:
             parts = self._parts_table()
             self._kernel.unchecked_mixed(
-                geometry, table, parts, x, cos, sin, pages, n_keys, final_norm=norm
+                geometry, table, parts, x, cos, sin, pages, n_keys, norm, head
             )
         return x
 

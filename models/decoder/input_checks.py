@@ -130,10 +130,12 @@ def check_prefill_shapes(
     check_page_table_layout(page_table, batch)
 
 
-def decode_extent(pos: torch.Tensor, *, width: int, block_size: int, max_seq_len: int) -> int:
+def decode_extent(
+    pos: torch.Tensor | list[int], *, width: int, block_size: int, max_seq_len: int
+) -> int:
     """Host check of active positions `pos` (non-empty): below max_seq_len, pages to hold
     them. Returns the highest position."""
-    top = int(pos.max())
+    top = max(pos) if isinstance(pos, list) else int(pos.max())
     if top >= max_seq_len:
         raise ValueError(
             f"positions up to {top} exceed max_seq_len={max_seq_len}: allowed are "

@@ -195,6 +195,11 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         return self._rope_cos, self._rope_sin
 
     @property
+    def head_projection(self) -> Projection:
+        """The LM head (the fused stack runs it as its last stage for a few rows)."""
+        return self.lm_head
+
+    @property
     def final_norm_weight(self) -> torch.Tensor:
         """The final RMSNorm's weight `[dim]` (the fused stack applies it in its own call)."""
         weight: torch.Tensor = self.norm.weight
@@ -604,18 +609,18 @@ class DecoderModel(KernelPlanHooks, nn.Module):
             "block_size": cache.block_size,
             "max_seq_len": self.max_seq_len,
         }
-        active = pos >= 0
+        # One host read of the few positions, then list arithmetic: each torch op on them
+        # costs microseconds at batch 1, where the whole step is a few milliseconds.
+        placed = [p for p in pos.tolist() if p >= 0]
+        if placed:
+            checks.decode_extent(placed, **extent)
         if graph_safe:
-            if bool(active.any()):
-                checks.decode_extent(pos[active], **extent)
             return self._decode_static(cache, tokens, pos, pages)
-        if not bool(active.any()):
+        if not placed:
             return self._zero_logits(batch)
-        if bool(active.all()):
-            checks.decode_extent(pos, **extent)
+        if len(placed) == batch:
             return self.decode_rows(cache, tokens, pos, pages)
-        rows = active.nonzero().squeeze(1)
-        checks.decode_extent(pos[rows], **extent)
+        rows = (pos >= 0).nonzero().squeeze(1)
         out = self._zero_logits(batch)
         out[rows] = self.decode_rows(cache, tokens[rows], pos[rows], pages[rows])
         return out
@@ -630,7 +635,10 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         self._entering_path(graph_safe=False)
         # Fused decode stack (`models.decoder.fused_decode`): chosen per row bucket at warmup.
         fused = self.fused_decode
-        if fused is not None and fused.runs(tokens.shape[0]):
+        rows = tokens.shape[0]
+        if fused is not None and fused.runs(rows):
+            if fused.runs_head(rows):
+                return fused.logits(cache.layers, cache.block_size, tokens, pos, pages)
             normed = fused.hidden(
                 cache.layers, cache.block_size, tokens, pos, pages, final_norm=True
             )

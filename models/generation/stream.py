@@ -274,10 +274,11 @@ class GenerationStream:
             self._record(request, token, scheduler)
 
     def _decode_inputs(self, scheduler: Scheduler) -> tuple[_DecodeInputs, list[TrackedRequest]]:
-        lane = self._lane
-        tokens = torch.zeros(lane, dtype=torch.int64)
-        start_pos = torch.full((lane,), -1, dtype=torch.int64)
-        page_table = torch.zeros((lane, self._decode_width), dtype=torch.int32)
+        # Built as lists, then one tensor each: a torch op per slot and value cost more host
+        # time than the rest of this step's bookkeeping.
+        lane, width = self._lane, self._decode_width
+        tokens, start_pos = [0] * lane, [-1] * lane
+        page_rows = [[0] * width for _ in range(lane)]
         rows: list[GenerationParams | None] = [None] * lane
         active: list[TrackedRequest] = []
         slots: dict[int, int] = {}
@@ -287,13 +288,24 @@ class GenerationStream:
             tokens[slot] = sequence.output_token_ids[-1]
             start_pos[slot] = sequence.next_position
             blocks = sequence.table.block_ids
-            page_table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            if len(blocks) > width:
+                raise RuntimeError(
+                    f"sequence {sequence.index} holds {len(blocks)} blocks; the decode page "
+                    f"table has {width} columns"
+                )
+            page_rows[slot][: len(blocks)] = blocks
             rows[slot] = request.params
             active.append(request)
             slots[slot] = sequence.index
         reset = slots != self._last_slots
         self._last_slots = slots
-        inputs = _DecodeInputs(tokens, start_pos, page_table, self._sampling_params(rows), reset)
+        inputs = _DecodeInputs(
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(start_pos, dtype=torch.int64),
+            torch.tensor(page_rows, dtype=torch.int32),
+            self._sampling_params(rows),
+            reset,
+        )
         return inputs, active
 
     def _decode_step(self, scheduler: Scheduler) -> list[StreamEvent]:

@@ -624,6 +624,38 @@ def stack_parts_table(
     return torch.tensor(rows, dtype=torch.int64).view(g.n_layers, STACK_PARTS_WIDTH)
 
 
+def stack_head_parts(
+    parts: Sequence[StackPart], layout: int, dim: int, vocab: int, *, activations: str
+) -> torch.Tensor:
+    """The head's entry for the fused stack (`StackHead.parts`), int64
+    `[STACK_MAX_PARTS * STACK_PART_FIELDS]`, in a parts-table projection's layout: up to 3
+    float32 (in `layout`) or quantized parts of `[rows, dim]` stacked to `vocab` rows, their
+    activations as `stack_parts_table` sets them."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: allowed are {ACTIVATIONS}")
+    if not 1 <= len(parts) <= STACK_MAX_PARTS:
+        raise ValueError(f"head: {len(parts)} parts: allowed are 1 to {STACK_MAX_PARTS}")
+    fields: list[int] = []
+    total = 0
+    for part in parts:
+        part_rows, part_fields = _part_fields(part, layout, dim, "head", activations)
+        total += part_rows
+        fields.extend(part_fields)
+    if total != vocab:
+        raise ValueError(f"head: parts hold {total} output rows: allowed is {vocab}")
+    fields.extend([-1, 0, 0, 0, 0, 0] * (STACK_MAX_PARTS - len(parts)))
+    return torch.tensor(fields, dtype=torch.int64)
+
+
+@attrs.frozen(eq=False)
+class StackHead:
+    """The head as the fused stack's last stage: its parts (`stack_head_parts`) and the
+    float32 logits `[rows, vocab]` they are written to. Needs the final norm in the call."""
+
+    parts: torch.Tensor
+    logits: torch.Tensor
+
+
 class FusedDecodeLayers:
     """Every decoder layer of a float32 decode step for a few rows, in one native call.
 
@@ -637,7 +669,9 @@ class FusedDecodeLayers:
         self._kernel = library.fused_decode_layers_f32
         self._mixed = library.fused_decode_layers_mixed
         for kernel in (self._kernel, self._mixed):
-            kernel.argtypes = [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int]
+            kernel.argtypes = (
+                [_PTR] * 8 + [_PTR, _PTR] + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int]
+            )
             kernel.restype = ctypes.c_int
 
     def unchecked(
@@ -651,38 +685,18 @@ class FusedDecodeLayers:
         pages: torch.Tensor,
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None = None,
+        head: StackHead | None = None,
     ) -> None:
         """Run the stack on `x` in place. Inputs are the model's, validated once per step by
         its decode: `table` int64 `[n_layers, 8]`, `layouts` int64 `[4]`, `cos`/`sin` the
         model's rotary tables `[positions, head_dim]` (read at each row's position), `pages`
         int64 `[rows, W]`, `n_keys` int64 `[rows]` (position + 1), `final_norm` the model's
-        final RMSNorm weight `[dim]` to apply to x at the end (None: x is left un-normed).
+        final RMSNorm weight `[dim]` to apply to x at the end (None: x is left un-normed),
+        `head` the head to run on the normed x (it needs `final_norm`).
         A bad address, page id, position or key count here reads out of bounds."""
-        g = geometry
-        failed = self._kernel(
-            table.data_ptr(),
-            layouts.data_ptr(),
-            x.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            pages.data_ptr(),
-            n_keys.data_ptr(),
-            0 if final_norm is None else final_norm.data_ptr(),
-            x.shape[0],
-            g.n_layers,
-            g.dim,
-            g.n_heads,
-            g.n_kv_heads,
-            g.head_dim,
-            g.ffn_dim,
-            g.block_size,
-            pages.shape[1],
-            g.norm_eps,
-            g.head_dim**-0.5,
-            _threads(),
+        self._call(
+            self._kernel, geometry, table, layouts, x, cos, sin, pages, n_keys, final_norm, head
         )
-        if failed:
-            raise MemoryError("the fused decode stack could not allocate its buffers")
 
     def unchecked_mixed(
         self,
@@ -695,20 +709,43 @@ class FusedDecodeLayers:
         pages: torch.Tensor,
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None = None,
+        head: StackHead | None = None,
     ) -> None:
         """`unchecked` with the projections taken from `parts` (`stack_parts_table`: each
         projection up to 3 float32 or quantized parts stacked by output rows) instead of the
         table's 4 projection columns (unused here) and `layouts`."""
-        g = geometry
-        failed = self._mixed(
+        self._call(
+            self._mixed, geometry, table, parts, x, cos, sin, pages, n_keys, final_norm, head
+        )
+
+    @staticmethod
+    def _call(
+        kernel: Callable[..., int],
+        g: DecodeStackGeometry,
+        table: torch.Tensor,
+        projections: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pages: torch.Tensor,
+        n_keys: torch.Tensor,
+        final_norm: torch.Tensor | None,
+        head: StackHead | None,
+    ) -> None:
+        if head is not None and final_norm is None:
+            raise ValueError("the stack's head reads the normed stream: pass final_norm too")
+        failed = kernel(
             table.data_ptr(),
-            parts.data_ptr(),
+            projections.data_ptr(),
             x.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
             pages.data_ptr(),
             n_keys.data_ptr(),
             0 if final_norm is None else final_norm.data_ptr(),
+            0 if head is None else head.parts.data_ptr(),
+            0 if head is None else head.logits.data_ptr(),
+            0 if head is None else head.logits.shape[1],
             x.shape[0],
             g.n_layers,
             g.dim,

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from models import load_executor
-from models.decoder import greedy_generate, load_model, random_state_dict
+from models.decoder import fused_decode, greedy_generate, load_model, random_state_dict
 from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
-from models.decoder.kernels import KernelPlanError, int8_activations_available
+from models.decoder.kernels import KernelPlanError, ProjectionChoice, int8_activations_available
 from models.decoder.layers import Projection
 from models.generation.generator import GenerationParams, Generator
 from models.llama import LlamaArgs
+from runtime.backends import native_kernels
 from tests.gguf_files import MIXED, write_llama_gguf
 from tests.models.llama_oracle import full_prefill_logits
 
@@ -77,13 +78,15 @@ def test_the_fused_stack_over_blocks_gives_the_per_op_tokens(files: Path, qtype:
     per_op = greedy_generate(model, PROMPTS, 12)
     stack = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4))
     calls = []
-    hidden = stack.hidden
+    for name in ("hidden", "logits"):  # without / with the head as its last stage
+        inner = getattr(stack, name)
 
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(args[2].shape[0])
-        return hidden(*args, **kwargs)
+        def counted(*args: Any, inner: Any = inner, **kwargs: Any) -> torch.Tensor:
+            calls.append(args[2].shape[0])
+            result: torch.Tensor = inner(*args, **kwargs)
+            return result
 
-    stack.hidden = counted  # type: ignore[method-assign]
+        setattr(stack, name, counted)
     model.fused_decode = stack
     try:
         fused = greedy_generate(model, PROMPTS, 12)
@@ -91,6 +94,47 @@ def test_the_fused_stack_over_blocks_gives_the_per_op_tokens(files: Path, qtype:
         model.fused_decode = None
     assert calls and max(calls) == len(PROMPTS), calls  # every decode step took the stack
     assert fused == per_op
+
+
+@pytest.mark.skipif(
+    native_kernels.unavailable_reason() is not None
+    or not native_kernels.quant_matmul().int16_available,
+    reason="int16 activations need gcc and a CPU with AVX-512 VNNI (avx512_vnni in lscpu)",
+)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_the_stack_runs_the_head_in_the_plans_form(
+    files: Path, qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head as the stack's last stage meets its input as the plan's form for the head
+    would: with int16 activations where that form is `q_int16` (one row), float32 ones
+    otherwise (two rows). Its logits equal the head run in its own call, in that form."""
+    model = load_model(_gguf(files, qtype), weights="stored").model
+    head = model.head_projection
+    assert head.blocks is not None
+    head.choice = ProjectionChoice(
+        layout="out_in", split=False, forms=((1, "q_int16"), (4, "q_rows")), blocks=qtype
+    )
+    model.fused_decode = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4))
+    steps: list[torch.Tensor] = []
+    decode_rows = model.decode_rows
+
+    def recorded(*args: Any) -> torch.Tensor:
+        logits: torch.Tensor = decode_rows(*args)
+        steps.append(logits.clone())
+        return logits
+
+    model.decode_rows = recorded  # type: ignore[method-assign]
+    for prompts in ([PROMPTS[0]], PROMPTS[:2]):
+        steps.clear()
+        in_stack = greedy_generate(model, prompts, 6)
+        with_head = list(steps)
+        monkeypatch.setattr(fused_decode, "HEAD_IN_STACK_UP_TO", 0)
+        steps.clear()
+        assert greedy_generate(model, prompts, 6) == in_stack
+        assert len(steps) == len(with_head) == 5
+        for got, want in zip(with_head, steps, strict=True):
+            assert torch.equal(got, want), (got - want).abs().max()
+        monkeypatch.undo()
 
 
 def test_types_without_block_kernels_are_dequantized_and_named(files: Path) -> None:

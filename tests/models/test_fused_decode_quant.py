@@ -19,6 +19,7 @@ from runtime.backends.native_kernels import (
     STACK_PROJECTIONS,
     DecodeStackGeometry,
     FusedDecodeLayers,
+    StackHead,
     StackPart,
 )
 from runtime.quant.gguf_blocks import repack
@@ -94,9 +95,10 @@ class _MixedKernel(FusedDecodeLayers):
         pages: torch.Tensor,
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None = None,
+        head: StackHead | None = None,
     ) -> None:
         self._inner.unchecked_mixed(
-            geometry, table, self._parts, x, cos, sin, pages, n_keys, final_norm=final_norm
+            geometry, table, self._parts, x, cos, sin, pages, n_keys, final_norm, head
         )
 
 

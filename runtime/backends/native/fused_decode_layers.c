@@ -24,7 +24,10 @@
  * 3.5 ms batch-1 step and lost to the per-op path on long mixed contexts. With `final_norm`
  * (not NULL) the model's final RMSNorm is applied to x at the end, in the same call: what the
  * head reads. Done by torch after the call, on a cache the weight stream had just emptied, it
- * took 25-40 us of a 2.6 ms batch-1 step.
+ * took 25-40 us of a 2.6 ms batch-1 step. With `head` (one projection's parts, the layout
+ * of a `parts` entry below, and `final_norm` given) the head's product of the normed x
+ * follows as one more stage into `logits` `[rows, vocab]`: a separate call had cost its
+ * Python path and a second team start.
  *
  * `fused_decode_layers_mixed` is the same stack with each projection given as up to 3 parts
  * stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
@@ -369,7 +372,8 @@ void paged_attention_team_f32(void *memory, const float *q, int64_t q_stride,
 /* The stack; `parts` NULL: float32 projections from the table in `layouts`, else from parts. */
 static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t *parts, float *x,
                      const float *cos, const float *sin, const int64_t *pages,
-                     const int64_t *n_keys, const float *final_norm, int64_t rows, int64_t n_layers, int64_t dim,
+                     const int64_t *n_keys, const float *final_norm, const int64_t *head,
+                     float *logits, int64_t vocab, int64_t rows, int64_t n_layers, int64_t dim,
                      int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
                      int64_t block_size, int64_t width, float eps, float scale, int n_threads) {
     const int64_t q_out = n_heads * head_dim, kv_out = kv * head_dim;
@@ -405,8 +409,9 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             }
             void *i8_memory = NULL;
             /* int16 panel products need their groups and scratch (`gemm_panels_i16.h`) */
-            const int i16_panels = parts != NULL && QB_Q4_I16 && rows >= QI_PANEL_FROM_ROWS;
-            if (parts != NULL) {
+            const int blocks = parts != NULL || head != NULL;
+            const int i16_panels = blocks && QB_Q4_I16 && rows >= QI_PANEL_FROM_ROWS;
+            if (blocks) {
                 q4.xt = (float *)scratch_alloc(sizeof(float) * qb_prepared_floats(rows, widest));
                 q4.xsum = q4.xt == NULL ? NULL : q4.xt + rows * qb_prepared_row_floats(widest);
                 i8_memory = scratch_alloc((size_t)qb_i8_bytes(rows, widest));
@@ -422,7 +427,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
             }
             int mine_failed = normed == NULL ||
                               (rows >= PANEL_FROM_ROWS && q4.groups == NULL) ||
-                              (parts != NULL && (q4.xt == NULL || i8_memory == NULL)) ||
+                              (blocks && (q4.xt == NULL || i8_memory == NULL)) ||
                               (i16_panels && q4.i16_groups == NULL);
 #pragma omp atomic
             failed += mine_failed;
@@ -520,6 +525,13 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < rows; ++r)
                     rms_norm(x + r * dim, final_norm, x + r * dim, 1, dim, eps);
+                /* (implicit barrier: every row is normed) the head, a stripe of it each */
+                if (head != NULL) {
+                    int64_t h0, h1;
+                    stripe(vocab, thread, threads, &h0, &h1);
+                    new_stage(&q4);
+                    project_parts(head, dim, x, dim, rows, logits, vocab, h0, h1, 0, &q4);
+                }
             }
             free(normed);
             free(q4.xt);
@@ -538,22 +550,24 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 
 int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,
                             const float *cos, const float *sin, const int64_t *pages,
-                            const int64_t *n_keys, const float *final_norm, int64_t rows,
+                            const int64_t *n_keys, const float *final_norm,
+                            const int64_t *head, float *logits, int64_t vocab, int64_t rows,
                             int64_t n_layers, int64_t dim, int64_t n_heads, int64_t kv,
                             int64_t head_dim, int64_t ffn, int64_t block_size, int64_t width,
                             float eps, float scale, int n_threads) {
-    return run_stack(table, layouts, NULL, x, cos, sin, pages, n_keys, final_norm, rows,
-                     n_layers, dim, n_heads, kv, head_dim, ffn, block_size, width, eps, scale,
-                     n_threads);
+    return run_stack(table, layouts, NULL, x, cos, sin, pages, n_keys, final_norm, head,
+                     logits, vocab, rows, n_layers, dim, n_heads, kv, head_dim, ffn,
+                     block_size, width, eps, scale, n_threads);
 }
 
 int fused_decode_layers_mixed(const int64_t *table, const int64_t *parts, float *x,
                               const float *cos, const float *sin, const int64_t *pages,
-                              const int64_t *n_keys, const float *final_norm, int64_t rows,
+                              const int64_t *n_keys, const float *final_norm,
+                              const int64_t *head, float *logits, int64_t vocab, int64_t rows,
                               int64_t n_layers, int64_t dim, int64_t n_heads, int64_t kv,
                               int64_t head_dim, int64_t ffn, int64_t block_size, int64_t width,
                               float eps, float scale, int n_threads) {
-    return run_stack(table, NULL, parts, x, cos, sin, pages, n_keys, final_norm, rows,
-                     n_layers, dim, n_heads, kv, head_dim, ffn, block_size, width, eps, scale,
-                     n_threads);
+    return run_stack(table, NULL, parts, x, cos, sin, pages, n_keys, final_norm, head,
+                     logits, vocab, rows, n_layers, dim, n_heads, kv, head_dim, ffn,
+                     block_size, width, eps, scale, n_threads);
 }
