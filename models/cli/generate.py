@@ -225,10 +225,17 @@ def _print_completions(
             stream.close()  # drops unfinished requests and releases their blocks
         except Exception as error:
             logger.warning("stopping the stream after Ctrl-C failed: %s", one_line(error))
+        if total > 1 or args.json:
+            printer.drain_interrupted(stream)  # nor is what the unfinished ones had so far
         printer.summary(stream, executor, interrupted=True)
         where = " (printed above)" if printer.finished else ""
+        short = (
+            f"; {printer.cut_short} cut short (printed with finish_reason interrupted)"
+            if printer.cut_short
+            else ""
+        )
         print(
-            f"{PROG}: interrupted: {printer.finished} of {total} request(s) finished{where}",
+            f"{PROG}: interrupted: {printer.finished} of {total} request(s) finished{where}{short}",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED

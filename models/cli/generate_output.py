@@ -49,6 +49,7 @@ class Printer:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
         self.finished = 0
+        self.cut_short = 0
         self.pending: list[Completion] = []
 
     def write(self, text: str) -> None:
@@ -76,6 +77,20 @@ class Printer:
                 self._write(self._format(self.pending[0]))
                 self.pending.pop(0)
                 self.finished += 1
+            count += 1
+        return count
+
+    def drain_interrupted(self, stream: GenerationStream) -> int:
+        """After Ctrl-C: print what every unfinished request had generated, marked
+        "interrupted" (a request that had in fact just finished counts as finished)."""
+        count = 0
+        for completion in stream.interrupted_completions():
+            with sigint_held():
+                self._write(self._format(completion))
+                if completion.finish_reason == "interrupted":
+                    self.cut_short += 1
+                else:
+                    self.finished += 1
             count += 1
         return count
 
@@ -110,6 +125,7 @@ class Printer:
         out["finished"] = self.finished
         if interrupted:
             out["interrupted"] = True
+            out["cut_short"] = self.cut_short
         self.write(json.dumps({"summary": out}) + "\n")
 
 

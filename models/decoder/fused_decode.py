@@ -12,8 +12,8 @@ views, copies, residual adds) around the weight-streaming products; their overhe
 third of the step. `runtime/backends/native/fused_decode_layers.c` runs the whole stack in
 one OpenMP region instead, streaming each weight once in the layout the kernel plan chose,
 writing K/V into the paged cache and attending over the row's pages in place. The final norm
-runs in the same call, and up to `HEAD_IN_STACK_UP_TO` rows the LM head too, as its last
-stage (with the activations of the form the plan measured for the head at that bucket:
+runs in the same call, and up to `kernels.HEAD_IN_STACK_UP_TO` rows the LM head too, as its
+last stage (with the activations of the form the plan measured for the head at that bucket:
 int16 or int8 where it chose those, float32 otherwise); the embedding lookup stays outside.
 
 Warmup decides, per row bucket, whether this path runs (`models.decoder.fused_choice`); the
@@ -29,6 +29,7 @@ import attrs
 import torch
 from torch import nn
 
+from models.decoder import kernels
 from models.decoder.attention import LayerCache
 from models.decoder.config import DecoderArgs
 from models.decoder.kernels import FUSED_MAX_ROWS
@@ -42,10 +43,6 @@ from runtime.backends.native_kernels import (
     StackPart,
     stack_head_parts,
 )
-
-HEAD_IN_STACK_UP_TO = 4
-"""Rows up to which the LM head runs as the stack's last stage (a read-bound stream there,
-like the layers' projections); larger buckets run it in its own call, in the plan's form."""
 
 _HEAD_ACTIVATIONS = {"q_int16": "int16", "q_int8": "int8"}
 """The stack activations of a head block form (every other form: float32)."""
@@ -207,7 +204,7 @@ class FusedDecodeStack:
 
     def _head_for(self, rows: int) -> torch.Tensor | None:
         """The head's parts entry for a `rows` step, or None where it runs in its own call."""
-        if rows > HEAD_IN_STACK_UP_TO:
+        if rows > kernels.HEAD_IN_STACK_UP_TO:
             return None
         head = self._model.head_projection
         blocks = head.blocks
@@ -253,7 +250,7 @@ class FusedDecodeStack:
 
     def runs_head(self, rows: int) -> bool:
         """Whether `logits` serves a `rows` step (the head as the stack's last stage)."""
-        return rows <= HEAD_IN_STACK_UP_TO
+        return rows <= kernels.HEAD_IN_STACK_UP_TO
 
     def logits(
         self,
@@ -269,7 +266,7 @@ class FusedDecodeStack:
         parts = self._head_for(rows)
         if parts is None:
             raise ValueError(
-                f"the stack runs the head up to {HEAD_IN_STACK_UP_TO} rows, not {rows}"
+                f"the stack runs the head up to {kernels.HEAD_IN_STACK_UP_TO} rows, not {rows}"
             )
         logits = torch.empty(rows, self._model.args.vocab_size)
         head = StackHead(parts=parts, logits=logits)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -39,6 +40,9 @@ READABLE_PLAN_VERSIONS = (1, 2)
 # The fused decode stack (`models.decoder.fused_decode`) is offered for decode buckets of at
 # most this many rows: above, the products stop being bound by streaming the weights.
 FUSED_MAX_ROWS = 64
+# Rows up to which the fused stack runs the LM head as its last stage (a read-bound stream
+# there, like the layers' projections); larger buckets run it in its own call, in its form.
+HEAD_IN_STACK_UP_TO = 4
 # Decode attention implementations (`DecoderModel.decode_attention`).
 ATTENTION_KINDS = ("paged_inplace", "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
@@ -314,7 +318,7 @@ class KernelPlan:
                     **(
                         {
                             "candidates_us": {
-                                form: [round(us, 1) for us in times]
+                                form: [_timed_us(us) for us in times]
                                 for form, times in choice.candidates
                             }
                         }
@@ -338,8 +342,13 @@ class KernelPlan:
             held = f" {choice.blocks} blocks" if choice.blocks else ""
             parts.append(f"{name}{held} {choice.layout}{fused} {forms}")
         fused = ",".join(f"@{bucket}" for bucket in self.fused_decode) or " off"
+        notes = []
         if self.fused_decode and self.fused_activations != "float32":
-            fused += f" ({self.fused_activations} activations)"
+            notes.append(f"{self.fused_activations} activations")
+        if any(bucket <= HEAD_IN_STACK_UP_TO for bucket in self.fused_decode):
+            notes.append(f"final norm and LM head in the call up to {HEAD_IN_STACK_UP_TO} rows")
+        if notes:
+            fused += f" ({'; '.join(notes)})"
         return (
             f"kernels {self.source}: {'; '.join(parts)}; decode attention {self.decode_attention}"
             f"; fused decode{fused}"
@@ -468,11 +477,17 @@ def _parse_projection(name: str, entry: object, where: str) -> ProjectionChoice:
         raise _error(where, f"{name} holds {blocks} blocks: allowed is out_in, unsplit")
     candidates_raw = entry.get("candidates_us", {})
     candidates = tuple(
-        (str(form), tuple(float(us) for us in times))
+        (str(form), tuple(math.nan if us is None else float(us) for us in times))
         for form, times in sorted(candidates_raw.items())
         if isinstance(candidates_raw, dict) and isinstance(times, list)
     )
     return ProjectionChoice(layout, split, tuple(forms), micro, blocks, candidates)
+
+
+def _timed_us(us: float) -> float | None:
+    """A candidate's microseconds for the file: null where it was not timed (the form does
+    not run that bucket), so the manifest stays strict JSON (no NaN)."""
+    return None if math.isnan(us) else round(us, 1)
 
 
 def _parse_form(

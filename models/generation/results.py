@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import attrs
 
 from models.generation.scheduler import FinishReason
 from runtime.json_types import JSONValue
+
+CompletionReason = FinishReason | Literal["interrupted"]
+"""Why a completion ended: the scheduler's reasons, or "interrupted" for what a request had
+generated when its stream was stopped early (`GenerationStream.interrupted_completions`)."""
 
 
 @attrs.frozen
@@ -19,7 +23,7 @@ class Completion:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: FinishReason
+    finish_reason: CompletionReason
 
     def to_json(self) -> dict[str, JSONValue]:
         """The CLI's JSON object (lists, not tuples)."""

@@ -181,6 +181,36 @@ class GenerationStream:
             out.append(request.completion)
         return out
 
+    def interrupted_completions(self) -> list[Completion]:
+        """What each request without a completion had generated, in input order, for a
+        stream stopped early (Ctrl-C): the text so far is not lost with the request. Its
+        finish_reason is "interrupted", or the reason it had already finished for (a
+        request whose last token was still waiting for this step's text work). Requests
+        that had not produced a token are left out."""
+        pending, self._pending = self._pending, []
+        for request, token in pending:
+            if not (request.sequence.finish_reason == "eos" and token in request.eos):
+                request.text.push(token)
+        out: list[Completion] = []
+        for request in self.requests:
+            sequence = request.sequence
+            if request.completion is not None or not sequence.output_token_ids:
+                continue
+            tracker = request.text
+            tracker.flush()
+            reason = sequence.finish_reason or ("stop" if tracker.stopped else "interrupted")
+            out.append(
+                Completion(
+                    index=sequence.index,
+                    prompt=request.prompt,
+                    prompt_token_ids=sequence.prompt_token_ids,
+                    token_ids=tuple(sequence.output_token_ids),
+                    text=tracker.text,
+                    finish_reason=reason,
+                )
+            )
+        return out
+
     def newly_finished(self) -> list[Completion]:
         """Completions finished since the last call, in finishing order."""
         out, self._finished = self._finished, []

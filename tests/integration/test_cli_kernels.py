@@ -17,7 +17,7 @@ def _kernel_line(output: str) -> str:
     """The journal's kernel summary of the compile transition."""
     found = re.search(
         r"compile: ALLOCATED -> COMPILED .*?; "
-        r"(kernels .*?decode attention \w+; fused decode(?: off|(?:@\d+,?)+))",
+        r"(kernels .*?decode attention \w+; fused decode(?: off|(?:@\d+,?)+)(?: \([^)]*\))?)",
         output,
     )
     assert found is not None, output

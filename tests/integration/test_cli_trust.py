@@ -398,8 +398,14 @@ def test_ctrl_c_prints_what_finished_and_exits_130() -> None:
     lines = [json.loads(line) for line in (first + rest).decode().splitlines()]
     assert producer.returncode == 130, err.decode()
     summary = lines[-1]["summary"]
-    assert summary["interrupted"] is True and summary["finished"] == len(lines) - 1 >= 1
+    cut = [line for line in lines[:-1] if line["finish_reason"] == "interrupted"]
+    assert summary["interrupted"] is True and summary["finished"] >= 1
+    assert summary["finished"] + summary["cut_short"] == len(lines) - 1
+    # What the requests in flight had generated is printed too, marked, never empty.
+    assert summary["cut_short"] == len(cut) <= 2 and all(line["token_ids"] for line in cut)
     assert f"interrupted: {summary['finished']} of 400 request(s) finished" in err.decode()
+    if cut:
+        assert f"{len(cut)} cut short (printed with finish_reason interrupted)" in err.decode()
 
 
 def test_runtime_failure_exits_1_and_debug_shows_the_traceback(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models import load_executor
-from models.decoder import fused_decode, greedy_generate, load_model, random_state_dict
+from models.decoder import greedy_generate, kernels, load_model, random_state_dict
 from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.decoder.kernels import KernelPlanError, ProjectionChoice, int8_activations_available
 from models.decoder.layers import Projection
@@ -128,7 +128,7 @@ def test_the_stack_runs_the_head_in_the_plans_form(
         steps.clear()
         in_stack = greedy_generate(model, prompts, 6)
         with_head = list(steps)
-        monkeypatch.setattr(fused_decode, "HEAD_IN_STACK_UP_TO", 0)
+        monkeypatch.setattr(kernels, "HEAD_IN_STACK_UP_TO", 0)
         steps.clear()
         assert greedy_generate(model, prompts, 6) == in_stack
         assert len(steps) == len(with_head) == 5

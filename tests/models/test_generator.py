@@ -214,6 +214,28 @@ def test_a_closed_stream_releases_everything(executor: Any, generator: Generator
     assert len(generator.generate(batch, params)) == 4
 
 
+def test_a_stream_stopped_early_keeps_what_unfinished_requests_had(generator: Generator) -> None:
+    """After 7 events of 5 requests (3 slots): each request that had produced tokens comes
+    back "interrupted" with a prefix of its full completion's tokens and text; finished
+    ones and never-started ones are not repeated."""
+    batch = prompts(5, seed=17)
+    params = GenerationParams(max_new_tokens=8, ignore_eos=True)
+    full = generator.generate(batch, params)
+    stream = generator.stream(batch, params)
+    seen = [event for _, event in zip(range(7), stream, strict=False)]
+    stream.close()
+    cut = stream.interrupted_completions()
+    assert cut and all(c.finish_reason == "interrupted" for c in cut)
+    started = {event.index for event in seen}
+    assert {c.index for c in cut} <= started
+    for completion in cut:
+        whole = full[completion.index]
+        assert 0 < len(completion.token_ids) < len(whole.token_ids)
+        assert completion.token_ids == whole.token_ids[: len(completion.token_ids)]
+        assert whole.text.startswith(completion.text)
+    assert stream.interrupted_completions() == cut  # asking again changes nothing
+
+
 # -- determinism and batch invariance ------------------------------------------------------------
 
 

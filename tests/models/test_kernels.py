@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -210,6 +212,25 @@ def test_kernels_file_for_another_model_or_form_is_refused(tmp_path: Path) -> No
         load_executor("tiny-random", kernels=_write_plan(tmp_path, data))
     with pytest.raises(KernelPlanError, match="cannot be read"):
         load_executor("tiny-random", kernels=tmp_path / "missing.json")
+
+
+def test_untimed_candidates_are_null_so_the_plan_is_strict_json() -> None:
+    """A block form that does not run a bucket has no time there: the file says null (not
+    NaN, which strict JSON readers refuse) and reads back as untimed."""
+    model = _model()
+    model.choose_kernels(decode_rows=1, prefill_rows=8)
+    assert model.kernel_plan is not None
+    name, choice = model.kernel_plan.projections[0]
+    timed = attrs.evolve(choice, candidates=(("q_rows", (12.34, math.nan)),))
+    plan = attrs.evolve(
+        model.kernel_plan, projections=((name, timed), *model.kernel_plan.projections[1:])
+    )
+    text = json.dumps(plan.to_json(), allow_nan=False)
+    entry = json.loads(text)["projections"][name]["candidates_us"]
+    assert entry == {"q_rows": [12.3, None]}
+    again = dict(parse_kernel_plan(json.loads(text), where="here").projections)[name]
+    ((form, times),) = again.candidates
+    assert form == "q_rows" and times[0] == 12.3 and math.isnan(times[1])
 
 
 def test_parse_rejects_a_single_row_form_for_many_rows() -> None:
