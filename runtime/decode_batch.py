@@ -368,10 +368,11 @@ def prepare_lane_sampling(
 class LaneSamplingMemo:
     """The last `prepare_lane_sampling` result, reused while a lane's requests stay put.
 
-    A generator hands the same (frozen) `SamplingParams` object step after step; normalising
-    it over the sampler batch again each step cost more host time than the argmax it feeds.
-    Reused only for the same object, the same active rows and no history or slot remap
-    (those change every step); anything else is prepared afresh and remembered.
+    A generator hands the same (frozen) `SamplingParams` object step after step, a serving
+    engine equal ones; normalising them over the sampler batch again each step cost more host
+    time than the argmax it feeds. Reused only for equal parameters (the same object is
+    checked first), the same active rows and no history or slot remap (those change every
+    step); anything else is prepared afresh and remembered.
     """
 
     def __init__(self) -> None:
@@ -391,7 +392,12 @@ class LaneSamplingMemo:
         stateless = prompt_tokens is None and output_tokens is None and slot_remap is None
         active = tuple(bool(flag) for flag in lane.active.tolist())
         last = self._last
-        if stateless and last is not None and last[0] is sampling_params and last[1] == active:
+        if (
+            stateless
+            and last is not None
+            and last[1] == active
+            and (last[0] is sampling_params or last[0] == sampling_params)
+        ):
             return last[2]
         prepared = prepare_lane_sampling(
             config,

@@ -374,6 +374,12 @@ def test_sampling_is_slot_indexed_with_neutral_inactive_rows(setup: TinySetup) -
     assert prepared.sampling_path == "topk"
     again = rt.prepare(NEXT_TOKENS, torch.tensor([6, -1, 4, 3]), table, sampling_params=params)
     assert again.prepared_sampling is sampling  # same parameters, same active rows: kept
+    equal = SamplingParams(temperature=[0.0, 0.9, 0.0, 0.5], top_k=[1, 5, 1, 7], seed=[3, 4, 5, 6])
+    kept = rt.prepare(NEXT_TOKENS, torch.tensor([6, -1, 4, 3]), table, sampling_params=equal)
+    assert kept.prepared_sampling is sampling  # an equal object (a serving engine's) too
+    other = SamplingParams(temperature=[0.0, 0.9, 0.0, 0.5], top_k=[1, 5, 1, 8], seed=[3, 4, 5, 6])
+    fresh = rt.prepare(NEXT_TOKENS, torch.tensor([6, -1, 4, 3]), table, sampling_params=other)
+    assert fresh.prepared_sampling is not None and fresh.prepared_sampling.top_k[3] == 8
     lane_greedy = rt.prepare(
         NEXT_TOKENS, torch.tensor([5, -1, 3, -1]), table, sampling_params=params
     )
