@@ -99,20 +99,22 @@ def test_the_fused_stack_over_blocks_gives_the_per_op_tokens(files: Path, qtype:
 @pytest.mark.skipif(
     native_kernels.unavailable_reason() is not None
     or not native_kernels.quant_matmul().int16_available,
-    reason="int16 activations need gcc and a CPU with AVX-512 VNNI (avx512_vnni in lscpu)",
+    reason="int16 and int8 activations need gcc and a CPU with AVX-512 VNNI (avx512_vnni in lscpu)",
 )
+@pytest.mark.parametrize("form", ["q_int16", "q_int8"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_the_stack_runs_the_head_in_the_plans_form(
-    files: Path, qtype: str, monkeypatch: pytest.MonkeyPatch
+    files: Path, qtype: str, form: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The head as the stack's last stage meets its input as the plan's form for the head
-    would: with int16 activations where that form is `q_int16` (one row), float32 ones
-    otherwise (two rows). Its logits equal the head run in its own call, in that form."""
+    would: with int16 or int8 activations where that form is `q_int16` or `q_int8` (one
+    row), float32 ones otherwise (two rows). Its logits equal the head run in its own call,
+    in that form."""
     model = load_model(_gguf(files, qtype), weights="stored").model
     head = model.head_projection
     assert head.blocks is not None
     head.choice = ProjectionChoice(
-        layout="out_in", split=False, forms=((1, "q_int16"), (4, "q_rows")), blocks=qtype
+        layout="out_in", split=False, forms=((1, form), (4, "q_rows")), blocks=qtype
     )
     model.fused_decode = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4))
     steps: list[torch.Tensor] = []
