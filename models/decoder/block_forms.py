@@ -192,6 +192,9 @@ class BlockForm:
     converted: bool = False
     """Runs from a converted copy of the blocks: warmup times it on one layer and scales,
     so the timing holds one layer's copy rather than every layer's."""
+    activations: str = "float32"
+    """How its activations meet the blocks (the fused stack's `ACTIVATIONS` name): the
+    stack runs a head of this form with the same rounding."""
 
     def fits(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -212,6 +215,7 @@ BLOCK_FORMS: dict[str, BlockForm] = {
             available=_int16_available,
             takes=native_kernels.int16_takes,
             needs="AVX-512 VNNI (the int16-activation kernel)",
+            activations="int16",
         ),
         BlockForm(
             "q_int8",
@@ -220,6 +224,7 @@ BLOCK_FORMS: dict[str, BlockForm] = {
             available=_int8_available,
             takes=native_kernels.int8_takes,
             needs="AVX-512 VNNI (the int8-activation kernel)",
+            activations="int8",
         ),
         BlockForm(
             "torch_int4",

@@ -31,6 +31,7 @@ from torch import nn
 
 from models.decoder import kernels
 from models.decoder.attention import LayerCache
+from models.decoder.block_forms import BLOCK_FORMS
 from models.decoder.config import DecoderArgs
 from models.decoder.kernels import FUSED_MAX_ROWS
 from models.decoder.layers import DecoderLayer, Projection
@@ -43,9 +44,6 @@ from runtime.backends.native_kernels import (
     StackPart,
     stack_head_parts,
 )
-
-_HEAD_ACTIVATIONS = {"q_int16": "int16", "q_int8": "int8"}
-"""The stack activations of a head block form (every other form: float32)."""
 
 
 class StackSource(Protocol):
@@ -208,8 +206,8 @@ class FusedDecodeStack:
             return None
         head = self._model.head_projection
         blocks = head.blocks
-        form = None if head.choice is None else head.choice.form_for(rows)
-        activations = _HEAD_ACTIVATIONS.get(form or "", "float32") if blocks else "float32"
+        form = None if head.choice is None or blocks is None else head.choice.form_for(rows)
+        activations = "float32" if form is None else BLOCK_FORMS[form].activations
         parts = self._head_parts.get(activations)
         if parts is None:
             args = self._model.args
@@ -248,10 +246,6 @@ class FusedDecodeStack:
             self._table_for = cache
         return self._table
 
-    def runs_head(self, rows: int) -> bool:
-        """Whether `logits` serves a `rows` step (the head as the stack's last stage)."""
-        return rows <= kernels.HEAD_IN_STACK_UP_TO
-
     def logits(
         self,
         cache: tuple[LayerCache, ...],
@@ -260,50 +254,19 @@ class FusedDecodeStack:
         pos: torch.Tensor,
         pages: torch.Tensor,
     ) -> torch.Tensor:
-        """float32 logits `[rows, vocab]` of a step `runs_head(rows)` takes: `hidden`'s
-        inputs, the final norm and the head in the same native call."""
+        """float32 logits `[rows, vocab]` of active rows (`tokens`, `pos` `[rows]`, `pages`
+        `[rows, W]`, long, validated by the decode), their K/V written. The final norm runs
+        in the native call, and up to `kernels.HEAD_IN_STACK_UP_TO` rows the head too;
+        above, the head runs in its own call, in its plan form."""
         rows = tokens.shape[0]
         parts = self._head_for(rows)
-        if parts is None:
-            raise ValueError(
-                f"the stack runs the head up to {kernels.HEAD_IN_STACK_UP_TO} rows, not {rows}"
-            )
-        logits = torch.empty(rows, self._model.args.vocab_size)
-        head = StackHead(parts=parts, logits=logits)
-        self._run(cache, block_size, tokens, pos, pages, final_norm=True, head=head)
-        return logits
-
-    def hidden(
-        self,
-        cache: tuple[LayerCache, ...],
-        block_size: int,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        pages: torch.Tensor,
-        *,
-        final_norm: bool = False,
-    ) -> torch.Tensor:
-        """The last hidden states `[rows, dim]` of active rows (`tokens`, `pos` `[rows]`,
-        `pages` `[rows, W]`, long, validated by the decode), their K/V written; with
-        `final_norm`, after the model's final RMSNorm (what its head reads), in the same
-        native call."""
-        return self._run(cache, block_size, tokens, pos, pages, final_norm=final_norm)
-
-    def _run(
-        self,
-        cache: tuple[LayerCache, ...],
-        block_size: int,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        pages: torch.Tensor,
-        *,
-        final_norm: bool,
-        head: StackHead | None = None,
-    ) -> torch.Tensor:
+        head = None
+        if parts is not None:
+            head = StackHead(parts=parts, logits=torch.empty(rows, self._model.args.vocab_size))
         model = self._model
         x = model.embed(tokens).contiguous()
         cos, sin = model.rope
-        norm = model.final_norm_weight if final_norm else None
+        norm = model.final_norm_weight
         geometry = self._geometry
         if geometry.block_size != block_size:
             geometry = attrs.evolve(geometry, block_size=block_size)
@@ -314,11 +277,13 @@ class FusedDecodeStack:
                 geometry, table, self._layouts, x, cos, sin, pages, n_keys, norm, head
             )
         else:
-            parts = self._parts_table()
             self._kernel.unchecked_mixed(
-                geometry, table, parts, x, cos, sin, pages, n_keys, norm, head
+                geometry, table, self._parts_table(), x, cos, sin, pages, n_keys, norm, head
             )
-        return x
+        if head is not None:
+            return head.logits
+        product: torch.Tensor = model.head_projection(x)
+        return product.float()
 
 
 def _projection(layer: DecoderLayer, name: str) -> Projection:

@@ -454,11 +454,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._head(self.norm(hidden))
-
-    def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        """float32 logits of hidden states the final norm was applied to."""
-        logits: torch.Tensor = self.lm_head(normed)
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return logits.float()
 
     def _zero_logits(self, batch: int) -> torch.Tensor:
@@ -635,14 +631,8 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         self._entering_path(graph_safe=False)
         # Fused decode stack (`models.decoder.fused_decode`): chosen per row bucket at warmup.
         fused = self.fused_decode
-        rows = tokens.shape[0]
-        if fused is not None and fused.runs(rows):
-            if fused.runs_head(rows):
-                return fused.logits(cache.layers, cache.block_size, tokens, pos, pages)
-            normed = fused.hidden(
-                cache.layers, cache.block_size, tokens, pos, pages, final_norm=True
-            )
-            return self._head(normed)
+        if fused is not None and fused.runs(tokens.shape[0]):
+            return fused.logits(cache.layers, cache.block_size, tokens, pos, pages)
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():

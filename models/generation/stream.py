@@ -21,7 +21,12 @@ import torch
 
 from models.generation.block_manager import BlockManager
 from models.generation.params import GenerationParams, rows_sampling
-from models.generation.results import Completion, GenerationStats, StreamEvent
+from models.generation.results import (
+    Completion,
+    CompletionReason,
+    GenerationStats,
+    StreamEvent,
+)
 from models.generation.scheduler import Admission, Scheduler, SequenceState
 from models.generation.text import TextTracker
 from runtime.config import PageTableLayout
@@ -92,6 +97,19 @@ class TrackedRequest:
     text: TextTracker
     eos: frozenset[int]
     completion: Completion | None = None
+
+
+def _completion(request: TrackedRequest, reason: CompletionReason) -> Completion:
+    """What `request` has generated so far, as a completion ending for `reason`."""
+    sequence = request.sequence
+    return Completion(
+        index=sequence.index,
+        prompt=request.prompt,
+        prompt_token_ids=sequence.prompt_token_ids,
+        token_ids=tuple(sequence.output_token_ids),
+        text=request.text.text,
+        finish_reason=reason,
+    )
 
 
 class _DecodeInputs(NamedTuple):
@@ -199,16 +217,7 @@ class GenerationStream:
             tracker = request.text
             tracker.flush()
             reason = sequence.finish_reason or ("stop" if tracker.stopped else "interrupted")
-            out.append(
-                Completion(
-                    index=sequence.index,
-                    prompt=request.prompt,
-                    prompt_token_ids=sequence.prompt_token_ids,
-                    token_ids=tuple(sequence.output_token_ids),
-                    text=tracker.text,
-                    finish_reason=reason,
-                )
-            )
+            out.append(_completion(request, reason))
         return out
 
     def newly_finished(self) -> list[Completion]:
@@ -246,14 +255,7 @@ class GenerationStream:
             events.append(StreamEvent(sequence.index, token, tracker.delta(final=final)))
             if final and request.completion is None:
                 assert sequence.finish_reason is not None
-                request.completion = Completion(
-                    index=sequence.index,
-                    prompt=request.prompt,
-                    prompt_token_ids=sequence.prompt_token_ids,
-                    token_ids=tuple(sequence.output_token_ids),
-                    text=tracker.text,
-                    finish_reason=sequence.finish_reason,
-                )
+                request.completion = _completion(request, sequence.finish_reason)
                 self._finished.append(request.completion)
         return events
 

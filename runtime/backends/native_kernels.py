@@ -666,13 +666,9 @@ class FusedDecodeLayers:
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._kernel = library.fused_decode_layers_f32
-        self._mixed = library.fused_decode_layers_mixed
-        for kernel in (self._kernel, self._mixed):
-            kernel.argtypes = (
-                [_PTR] * 8 + [_PTR, _PTR] + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int]
-            )
-            kernel.restype = ctypes.c_int
+        self._kernel = library.fused_decode_layers
+        self._kernel.argtypes = [_PTR] * 11 + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int]
+        self._kernel.restype = ctypes.c_int
 
     def unchecked(
         self,
@@ -694,9 +690,7 @@ class FusedDecodeLayers:
         final RMSNorm weight `[dim]` to apply to x at the end (None: x is left un-normed),
         `head` the head to run on the normed x (it needs `final_norm`).
         A bad address, page id, position or key count here reads out of bounds."""
-        self._call(
-            self._kernel, geometry, table, layouts, x, cos, sin, pages, n_keys, final_norm, head
-        )
+        self._call(geometry, table, layouts, None, x, cos, sin, pages, n_keys, final_norm, head)
 
     def unchecked_mixed(
         self,
@@ -714,16 +708,14 @@ class FusedDecodeLayers:
         """`unchecked` with the projections taken from `parts` (`stack_parts_table`: each
         projection up to 3 float32 or quantized parts stacked by output rows) instead of the
         table's 4 projection columns (unused here) and `layouts`."""
-        self._call(
-            self._mixed, geometry, table, parts, x, cos, sin, pages, n_keys, final_norm, head
-        )
+        self._call(geometry, table, None, parts, x, cos, sin, pages, n_keys, final_norm, head)
 
-    @staticmethod
     def _call(
-        kernel: Callable[..., int],
+        self,
         g: DecodeStackGeometry,
         table: torch.Tensor,
-        projections: torch.Tensor,
+        layouts: torch.Tensor | None,
+        parts: torch.Tensor | None,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -734,9 +726,10 @@ class FusedDecodeLayers:
     ) -> None:
         if head is not None and final_norm is None:
             raise ValueError("the stack's head reads the normed stream: pass final_norm too")
-        failed = kernel(
+        failed = self._kernel(
             table.data_ptr(),
-            projections.data_ptr(),
+            0 if layouts is None else layouts.data_ptr(),
+            0 if parts is None else parts.data_ptr(),
             x.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),

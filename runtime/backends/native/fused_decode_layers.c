@@ -29,8 +29,8 @@
  * follows as one more stage into `logits` `[rows, vocab]`: a separate call had cost its
  * Python path and a second team start.
  *
- * `fused_decode_layers_mixed` is the same stack with each projection given as up to 3 parts
- * stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
+ * With `parts` instead of `layouts` (the mixed stack) it is the same stack with each
+ * projection given as up to 3 parts stacked by output rows (a GGUF Q4_K_M file mixes Q4_K and Q6_K inside one fused QKV), each
  * float32 or quantized blocks (`quant_blocks.h`). Per layer, `parts` holds
  * PARTS_WIDTH = 4 projections (QKV, O, gate/up, down) x 3 parts x 6 int64:
  *   {kind, block, rows, weight or qs address, scales address, mins address}
@@ -548,26 +548,17 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
     return failed != 0 || attention_failed != 0;
 }
 
-int fused_decode_layers_f32(const int64_t *table, const int64_t *layouts, float *x,
-                            const float *cos, const float *sin, const int64_t *pages,
-                            const int64_t *n_keys, const float *final_norm,
-                            const int64_t *head, float *logits, int64_t vocab, int64_t rows,
-                            int64_t n_layers, int64_t dim, int64_t n_heads, int64_t kv,
-                            int64_t head_dim, int64_t ffn, int64_t block_size, int64_t width,
-                            float eps, float scale, int n_threads) {
-    return run_stack(table, layouts, NULL, x, cos, sin, pages, n_keys, final_norm, head,
-                     logits, vocab, rows, n_layers, dim, n_heads, kv, head_dim, ffn,
-                     block_size, width, eps, scale, n_threads);
-}
-
-int fused_decode_layers_mixed(const int64_t *table, const int64_t *parts, float *x,
-                              const float *cos, const float *sin, const int64_t *pages,
-                              const int64_t *n_keys, const float *final_norm,
-                              const int64_t *head, float *logits, int64_t vocab, int64_t rows,
-                              int64_t n_layers, int64_t dim, int64_t n_heads, int64_t kv,
-                              int64_t head_dim, int64_t ffn, int64_t block_size, int64_t width,
-                              float eps, float scale, int n_threads) {
-    return run_stack(table, NULL, parts, x, cos, sin, pages, n_keys, final_norm, head,
+/* The exported stack: `layouts` for float32 projections from the table, or `parts` (the
+ * other NULL) for the mixed stack. */
+int fused_decode_layers(const int64_t *table, const int64_t *layouts, const int64_t *parts,
+                        float *x, const float *cos, const float *sin, const int64_t *pages,
+                        const int64_t *n_keys, const float *final_norm, const int64_t *head,
+                        float *logits, int64_t vocab, int64_t rows, int64_t n_layers,
+                        int64_t dim, int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
+                        int64_t block_size, int64_t width, float eps, float scale,
+                        int n_threads) {
+    if ((layouts == NULL) == (parts == NULL)) return 2;
+    return run_stack(table, layouts, parts, x, cos, sin, pages, n_keys, final_norm, head,
                      logits, vocab, rows, n_layers, dim, n_heads, kv, head_dim, ffn,
                      block_size, width, eps, scale, n_threads);
 }
