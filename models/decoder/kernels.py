@@ -477,11 +477,24 @@ def _parse_projection(name: str, entry: object, where: str) -> ProjectionChoice:
         raise _error(where, f"{name} holds {blocks} blocks: allowed is out_in, unsplit")
     candidates_raw = entry.get("candidates_us", {})
     candidates = tuple(
-        (str(form), tuple(math.nan if us is None else float(us) for us in times))
+        (str(form), _candidate_times(times, f"{name}.candidates_us.{form}", where))
         for form, times in sorted(candidates_raw.items())
         if isinstance(candidates_raw, dict) and isinstance(times, list)
     )
     return ProjectionChoice(layout, split, tuple(forms), micro, blocks, candidates)
+
+
+def _candidate_times(times: list[object], field: str, where: str) -> tuple[float, ...]:
+    """A candidate's recorded microseconds per bucket (null: not timed there, read as NaN)."""
+    out: list[float] = []
+    for us in times:
+        if us is None:
+            out.append(math.nan)
+        elif isinstance(us, int | float) and not isinstance(us, bool):
+            out.append(float(us))
+        else:
+            raise _error(where, f"{field} holds {us!r}: allowed are numbers and null")
+    return tuple(out)
 
 
 def _timed_us(us: float) -> float | None:

@@ -231,6 +231,10 @@ def test_untimed_candidates_are_null_so_the_plan_is_strict_json() -> None:
     again = dict(parse_kernel_plan(json.loads(text), where="here").projections)[name]
     ((form, times),) = again.candidates
     assert form == "q_rows" and times[0] == 12.3 and math.isnan(times[1])
+    data = json.loads(text)
+    data["projections"][name]["candidates_us"]["q_rows"][0] = "fast"
+    with pytest.raises(KernelPlanError, match=r"here: .*candidates_us\.q_rows holds 'fast'"):
+        parse_kernel_plan(data, where="here")
 
 
 def test_parse_rejects_a_single_row_form_for_many_rows() -> None:
