@@ -10,13 +10,15 @@ the kernel plan for a lane of that many slots, as warmup does; without it the mo
 default forms. Then, best and median of `reps` calls, passes alternating: the whole
 `model.decode` (the fused stack where the plan chose it, and the per-op path beside it); the
 native paged attention over every layer's cache (the step's queries replaced by random ones
-of the same shape); each projection kind over every layer, through the model's `Projection`
-(the plan's form) and through a plain `F.linear`; the KV writes. "rest" is the per-op step
-minus the parts: norms, rotary, SwiGLU, residual adds, views and per-op overhead.
+of the same shape; the plan's prefetch placement, the read pass without `--plan`); each
+projection kind over every layer, through the model's `Projection` (the plan's form) and
+through a plain `F.linear`; the KV writes. "rest" is the per-op step minus the parts: norms,
+rotary, SwiGLU, residual adds, views and per-op overhead.
 
 Floors: attention, the step's K/V bytes at the read rate `torch.sum` reaches on a buffer of
 that size; projections, their FLOPs at the best GEMM rate `gemm_candidates.py` measured on
-this machine kind (`--peak-gflops`, default 494: Zen 5, 2 threads).
+this CPU, measured here as `gemm_candidates.py` does (its best form on a 1024^3 product), or
+`--peak-gflops` (the peak differs 2.3x between Zen 4 and Zen 5: 211 against 494 GFLOP/s).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks.model_step_times import BLOCK_SIZE, _cases
 from models.decoder import DecoderModel, load_model
 from models.decoder import dynamic_addressing as dynamic
 from models.decoder.attention import write_kv
+from models.decoder.attention_choice import SPREAD
 from runtime.backends import native_kernels
 
 _MEMORY_PROBE_BYTES = 512 << 20
@@ -77,9 +80,12 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
     group = args.n_heads // args.n_kv_heads
     q = torch.randn(rows, args.n_kv_heads, group, args.head_dim)
     attention = native_kernels.paged_decode_attention()
+    spread = model.decode_attention == SPREAD  # the plan's prefetch placement
     parts: dict[str, Callable[[], object]] = {
         "attention (native, all layers)": lambda: [
-            attention.unchecked(q, k, v, path.pages, path.n_keys, args.head_dim**-0.5)
+            attention.unchecked(
+                q, k, v, path.pages, path.n_keys, args.head_dim**-0.5, spread=spread
+            )
             for k, v in cache
         ],
     }
@@ -130,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--rows", type=int, choices=sorted(CASES), default=32)
-    parser.add_argument("--peak-gflops", type=_positive_rate, default=494.0)
+    parser.add_argument(
+        "--peak-gflops", type=_positive_rate, default=None, help="default: measured here"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(
@@ -169,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     step = best.get("step, per-op path", best["step (model.decode)"])
     print(f"{'rest (per-op step - parts)':32s} {step - accounted:12.2f} ms")
-    for line in _floors(model, inputs, best, args.peak_gflops):
+    peak = args.peak_gflops
+    if peak is None:
+        from benchmarks.gemm_candidates import peak_rate
+
+        peak = peak_rate()
+    for line in _floors(model, inputs, best, peak):
         print(line)
     return 0
 

@@ -122,12 +122,14 @@ def _flat_heads(out: torch.Tensor) -> torch.Tensor:
 class PagedDecode(NamedTuple):
     """Dynamic decode: the native kernel reads each row's keys from its pages in place.
 
-    `pages` `[B, W]` (contiguous long) and `n_keys` `[B]` (position + 1) of the active rows.
+    `pages` `[B, W]` (contiguous long) and `n_keys` `[B]` (position + 1) of the active rows;
+    `spread` picks the kernel's prefetch placement (`PagedDecodeAttention`).
     """
 
     writes: CacheWrites
     pages: torch.Tensor
     n_keys: torch.Tensor
+    spread: bool = False
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache
@@ -136,7 +138,7 @@ class PagedDecode(NamedTuple):
         n_kv = cache[0].shape[1]
         folded = q.reshape(batch, n_kv, n_q // n_kv, hd)
         attended = native_kernels.paged_decode_attention().unchecked(
-            folded, cache[0], cache[1], self.pages, self.n_keys, hd**-0.5
+            folded, cache[0], cache[1], self.pages, self.n_keys, hd**-0.5, spread=self.spread
         )
         return attended.to(q.dtype).reshape(batch, 1, n_q * hd)
 

@@ -47,11 +47,17 @@ def _decode_writes(
 
 
 def paged_decode(
-    pages: torch.Tensor, pos: torch.Tensor, *, n_kv_heads: int, block_size: int
+    pages: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    n_kv_heads: int,
+    block_size: int,
+    spread: bool = False,
 ) -> PagedDecode:
-    """Active rows' decode with attention reading K/V pages in place (no sort, no gather)."""
+    """Active rows' decode with attention reading K/V pages in place (no sort, no gather);
+    `spread` picks the kernel's prefetch placement (`PagedDecodeAttention`)."""
     writes = _decode_writes(pages, pos, n_kv_heads=n_kv_heads, block_size=block_size)
-    return PagedDecode(writes=writes, pages=pages.contiguous(), n_keys=pos + 1)
+    return PagedDecode(writes=writes, pages=pages.contiguous(), n_keys=pos + 1, spread=spread)
 
 
 def position_order(pos: torch.Tensor) -> torch.Tensor | None:

@@ -158,11 +158,15 @@ class FusedDecodeStack:
         rows: Sequence[int],
         *,
         activations: str = "float32",
+        spread_attention: bool = False,
     ) -> None:
         """`activations`: how block weights meet their activations (the plan's
-        `fused_activations`: "float32", "int16" or "int8")."""
+        `fused_activations`: "float32", "int16" or "int8"); `spread_attention`: the
+        attention's prefetch placement (the plan's `decode_attention` is
+        "paged_inplace_spread")."""
         args = model.args
         self.activations = activations
+        self.spread_attention = spread_attention
         self._model = model
         self._buckets = tuple(sorted(buckets))
         self._rows = frozenset(rows)
@@ -274,11 +278,31 @@ class FusedDecodeStack:
         table, pages, n_keys = self._table_of(cache), pages.contiguous(), (pos + 1).contiguous()
         if not self._mixed:
             self._kernel.unchecked(
-                geometry, table, self._layouts, x, cos, sin, pages, n_keys, norm, head
+                geometry,
+                table,
+                self._layouts,
+                x,
+                cos,
+                sin,
+                pages,
+                n_keys,
+                norm,
+                head,
+                spread=self.spread_attention,
             )
         else:
             self._kernel.unchecked_mixed(
-                geometry, table, self._parts_table(), x, cos, sin, pages, n_keys, norm, head
+                geometry,
+                table,
+                self._parts_table(),
+                x,
+                cos,
+                sin,
+                pages,
+                n_keys,
+                norm,
+                head,
+                spread=self.spread_attention,
             )
         if head is not None:
             return head.logits

@@ -14,10 +14,17 @@ from typing import cast
 import torch
 from torch import nn
 
+from models.decoder.attention_choice import READ_PASS, SPREAD, choose_in_place_attention
 from models.decoder.fused_choice import TimedDecoder, choose_fused_decode
 from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.decoder.kernel_measure import fixed_plan, measure_kernel_plan, row_buckets
-from models.decoder.kernels import KernelPlan, ProjectionShape, check_plan_fits, parse_kernel_plan
+from models.decoder.kernels import (
+    IN_PLACE_ATTENTION,
+    KernelPlan,
+    ProjectionShape,
+    check_plan_fits,
+    parse_kernel_plan,
+)
 from models.decoder.layers import DecoderLayer, Projection
 from models.progress import ProgressSink
 from runtime.backends import native_kernels
@@ -73,12 +80,12 @@ class KernelPlanHooks:
         `where` names the plan's origin in errors (the CLI passes `--kernels FILE`).
         """
         check_plan_fits(plan, self.projection_shapes(), where)
-        if plan.decode_attention == "paged_inplace":
+        if plan.decode_attention in IN_PLACE_ATTENTION:
             reason = self._inplace_unavailable()
             if reason is not None:
                 raise ValueError(
-                    f"{where}: decode_attention 'paged_inplace' cannot run here ({reason}): "
-                    "allowed here is 'gather'"
+                    f"{where}: decode_attention {plan.decode_attention!r} cannot run here "
+                    f"({reason}): allowed here is 'gather'"
                 )
         self._check_fused_runs(plan, where)
         self._replay_plan = plan
@@ -133,9 +140,16 @@ class KernelPlanHooks:
         if self.decode_attention is not None:
             return self.decode_attention, ("decode attention set by the caller",)
         reason = self._inplace_unavailable()
-        if reason is None:
-            return "paged_inplace", ()
-        return "gather", (f"in-place paged attention unavailable: {reason}",)
+        if reason is not None:
+            return "gather", (f"in-place paged attention unavailable: {reason}",)
+        args = self._model().args
+        kind, note = choose_in_place_attention(
+            n_kv_heads=args.n_kv_heads,
+            group=args.n_heads // args.n_kv_heads,
+            head_dim=args.head_dim,
+            dtype=self.dtype,
+        )
+        return kind, (note,)
 
     def apply_kernel_plan(self, plan: KernelPlan) -> None:
         """Lay every projection out and pick its forms as `plan` says (checked first)."""
@@ -153,6 +167,7 @@ class KernelPlanHooks:
                 plan.buckets,
                 plan.fused_decode,
                 activations=plan.fused_activations,
+                spread_attention=plan.decode_attention == SPREAD,
             )
         self.decode_attention = plan.decode_attention
         self.kernel_plan = plan
@@ -161,8 +176,8 @@ class KernelPlanHooks:
     def _decodes_in_place(self) -> bool:
         attention = self.decode_attention
         if attention is None:
-            attention = "paged_inplace" if self._inplace_unavailable() is None else "gather"
-        return attention == "paged_inplace"
+            attention = READ_PASS if self._inplace_unavailable() is None else "gather"
+        return attention in IN_PLACE_ATTENTION
 
     # ------------------------------------------------------------ fused decode stack
     def _model(self) -> TimedDecoder:

@@ -43,8 +43,12 @@ FUSED_MAX_ROWS = 64
 # Rows up to which the fused stack runs the LM head as its last stage (a read-bound stream
 # there, like the layers' projections); larger buckets run it in its own call, in its form.
 HEAD_IN_STACK_UP_TO = 4
-# Decode attention implementations (`DecoderModel.decode_attention`).
-ATTENTION_KINDS = ("paged_inplace", "gather")
+# Decode attention implementations (`DecoderModel.decode_attention`): the native kernel
+# reading K/V pages in place, prefetching the next page during each page's read pass or
+# through its math (same results; warmup times both, `attention_choice`), or gathering the
+# pages into a workspace for SDPA.
+IN_PLACE_ATTENTION = ("paged_inplace", "paged_inplace_spread")
+ATTENTION_KINDS = (*IN_PLACE_ATTENTION, "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
 LINEAR_FROM_ROWS = 64
 # Another storage than the checkpoint's ([out, in], fused parts) must beat it by this share of

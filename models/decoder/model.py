@@ -74,10 +74,11 @@ class DecoderModel(KernelPlanHooks, nn.Module):
     `graph_safe`: None (default) picks the graph-safe decode/prefill on CUDA and the dynamic
     one elsewhere; True or False forces one (tests force True on CPU).
 
-    `decode_attention`: how the dynamic decode attends: "paged_inplace" (a native kernel
-    reads K/V pages where they are), "gather" (pages copied into a workspace, then SDPA), or
-    None (default): in place when the native kernel is available. The kernel plan chosen at
-    warmup sets it (`choose_kernels`).
+    `decode_attention`: how the dynamic decode attends: "paged_inplace" or
+    "paged_inplace_spread" (a native kernel reads K/V pages where they are, prefetching the
+    next page during each page's read pass or through its math), "gather" (pages copied into
+    a workspace, then SDPA), or None (default): in place when the native kernel is
+    available. The kernel plan chosen at warmup sets it (`choose_kernels`).
     """
 
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
@@ -636,7 +637,8 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():
-            path = dynamic.paged_decode(pages, pos, **self._geometry(cache))
+            spread = self.decode_attention == "paged_inplace_spread"
+            path = dynamic.paged_decode(pages, pos, spread=spread, **self._geometry(cache))
         else:
             order = dynamic.position_order(pos)
             if order is not None:

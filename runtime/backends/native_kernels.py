@@ -145,13 +145,16 @@ class PagedDecodeAttention:
             torch.bfloat16: library.paged_decode_attention_bf16,
         }
         for kernel in self._kernels.values():
-            kernel.argtypes = [*[_PTR] * 6, *[_I64] * 6, ctypes.c_float, ctypes.c_int]
+            # ... scale, threads, spread
+            kernel.argtypes = [*[_PTR] * 6, *[_I64] * 6, ctypes.c_float, *[ctypes.c_int] * 2]
             kernel.restype = ctypes.c_int
 
-    def __call__(self, *inputs: *PagedDecodeInputs) -> torch.Tensor:
+    def __call__(self, *inputs: *PagedDecodeInputs, spread: bool = False) -> torch.Tensor:
         """`unchecked` after checking its inputs: q `[B, kv, g, hd]`; caches
         `[blocks, kv, block_size, hd]`; pages `[B, W]`; n_keys `[B]` (keys per row).
-        Returns float32 `[B, kv, g, hd]`."""
+        Returns float32 `[B, kv, g, hd]`. `spread`: the next page's lines are prefetched
+        through each page's math instead of during its read pass (same result; which is
+        faster depends on the CPU, so warmup times both)."""
         q, k_cache, v_cache, pages, n_keys, _scale = inputs
         batch, kv, _, head_dim = q.shape
         blocks, cache_kv, block_size, cache_hd = k_cache.shape
@@ -176,7 +179,7 @@ class PagedDecodeAttention:
             raise ValueError(f"n_keys exceed the {width} page(s) of {block_size} tokens per row")
         if pages.numel() and (int(pages.min()) < -1 or int(pages.max()) >= blocks):
             raise ValueError(f"pages hold entries outside -1 and [0, {blocks})")
-        return self.unchecked(*inputs)
+        return self.unchecked(*inputs, spread=spread)
 
     def unchecked(
         self,
@@ -186,6 +189,8 @@ class PagedDecodeAttention:
         pages: torch.Tensor,
         n_keys: torch.Tensor,
         scale: float,
+        *,
+        spread: bool = False,
     ) -> torch.Tensor:
         """`__call__` for inputs the caller has validated (the model's decode does, once per
         step): a bad page id or key count here reads out of bounds."""
@@ -212,6 +217,7 @@ class PagedDecodeAttention:
             width,
             float(scale),
             torch.get_num_threads(),
+            int(spread),
         )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch buffers")
@@ -667,7 +673,9 @@ class FusedDecodeLayers:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._kernel = library.fused_decode_layers
-        self._kernel.argtypes = [_PTR] * 11 + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int]
+        self._kernel.argtypes = (
+            [_PTR] * 11 + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+        )
         self._kernel.restype = ctypes.c_int
 
     def unchecked(
@@ -682,15 +690,20 @@ class FusedDecodeLayers:
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None = None,
         head: StackHead | None = None,
+        *,
+        spread: bool = False,
     ) -> None:
         """Run the stack on `x` in place. Inputs are the model's, validated once per step by
         its decode: `table` int64 `[n_layers, 8]`, `layouts` int64 `[4]`, `cos`/`sin` the
         model's rotary tables `[positions, head_dim]` (read at each row's position), `pages`
         int64 `[rows, W]`, `n_keys` int64 `[rows]` (position + 1), `final_norm` the model's
         final RMSNorm weight `[dim]` to apply to x at the end (None: x is left un-normed),
-        `head` the head to run on the normed x (it needs `final_norm`).
-        A bad address, page id, position or key count here reads out of bounds."""
-        self._call(geometry, table, layouts, None, x, cos, sin, pages, n_keys, final_norm, head)
+        `head` the head to run on the normed x (it needs `final_norm`); `spread` as in
+        `PagedDecodeAttention`. A bad address, page id, position or key count here reads out
+        of bounds."""
+        self._call(
+            geometry, table, layouts, None, x, cos, sin, pages, n_keys, final_norm, head, spread
+        )
 
     def unchecked_mixed(
         self,
@@ -704,11 +717,15 @@ class FusedDecodeLayers:
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None = None,
         head: StackHead | None = None,
+        *,
+        spread: bool = False,
     ) -> None:
         """`unchecked` with the projections taken from `parts` (`stack_parts_table`: each
         projection up to 3 float32 or quantized parts stacked by output rows) instead of the
         table's 4 projection columns (unused here) and `layouts`."""
-        self._call(geometry, table, None, parts, x, cos, sin, pages, n_keys, final_norm, head)
+        self._call(
+            geometry, table, None, parts, x, cos, sin, pages, n_keys, final_norm, head, spread
+        )
 
     def _call(
         self,
@@ -723,6 +740,7 @@ class FusedDecodeLayers:
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None,
         head: StackHead | None,
+        spread: bool,
     ) -> None:
         if head is not None and final_norm is None:
             raise ValueError("the stack's head reads the normed stream: pass final_norm too")
@@ -751,6 +769,7 @@ class FusedDecodeLayers:
             g.norm_eps,
             g.head_dim**-0.5,
             _threads(),
+            int(spread),
         )
         if failed:
             raise MemoryError("the fused decode stack could not allocate its buffers")

@@ -67,8 +67,10 @@ def _decode_both_ways(
     positions: list[int],
     shared_pages: bool,
     seed: int,
+    spread: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """One decode step per-op and fused from the same random cache: logits and caches."""
+    """One decode step per-op and fused from the same random cache: logits and caches
+    (`spread`: the fused stack's attention prefetches through its math)."""
     generator = torch.Generator().manual_seed(seed)
     rows = len(positions)
     width = max(positions) // block_size + 1
@@ -100,7 +102,9 @@ def _decode_both_ways(
     for fused in (False, True):
         copy = [(k.clone(), v.clone()) for k, v in cache]
         model.set_kv_cache(copy)
-        model.fused_decode = FusedDecodeStack(model, ALL_ROWS, ALL_ROWS) if fused else None
+        model.fused_decode = (
+            FusedDecodeStack(model, ALL_ROWS, ALL_ROWS, spread_attention=spread) if fused else None
+        )
         try:
             logits = model.decode(
                 tokens, positions=torch.tensor(positions), page_table=pages.to(torch.int32)
@@ -128,6 +132,7 @@ def _decode_both_ways(
     ),
     shared_pages=st.booleans(),
     seed=st.integers(0, 2**16),
+    spread=st.booleans(),
 )
 def test_fused_stack_equals_the_per_op_decode(
     n_kv: int,
@@ -141,9 +146,11 @@ def test_fused_stack_equals_the_per_op_decode(
     layouts: dict[str, Layout],
     shared_pages: bool,
     seed: int,
+    spread: bool,
 ) -> None:
-    """Random tiny configs (GQA, odd widths, both weight layouts), 1-4 rows at positions
-    crossing page boundaries: same logits and same K/V written as the per-op path."""
+    """Random tiny configs (GQA, odd widths, both weight layouts), 1-64 rows at positions
+    crossing page boundaries, either attention prefetch placement: same logits and same K/V
+    written as the per-op path."""
     args = LlamaArgs(
         dim=dim,
         n_layers=layers,
@@ -159,7 +166,12 @@ def test_fused_stack_equals_the_per_op_decode(
     model = _model(args, seed=seed)
     model.apply_kernel_plan(_plan(model, layouts))
     per_op, fused, per_op_cache, fused_cache = _decode_both_ways(
-        model, block_size=block_size, positions=positions, shared_pages=shared_pages, seed=seed
+        model,
+        block_size=block_size,
+        positions=positions,
+        shared_pages=shared_pages,
+        seed=seed,
+        spread=spread,
     )
     torch.testing.assert_close(fused, per_op, atol=2e-5, rtol=2e-5)
     for got, expected in zip(fused_cache, per_op_cache, strict=True):

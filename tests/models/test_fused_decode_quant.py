@@ -96,9 +96,21 @@ class _MixedKernel(FusedDecodeLayers):
         n_keys: torch.Tensor,
         final_norm: torch.Tensor | None = None,
         head: StackHead | None = None,
+        *,
+        spread: bool = False,
     ) -> None:
         self._inner.unchecked_mixed(
-            geometry, table, self._parts, x, cos, sin, pages, n_keys, final_norm, head
+            geometry,
+            table,
+            self._parts,
+            x,
+            cos,
+            sin,
+            pages,
+            n_keys,
+            final_norm,
+            head,
+            spread=spread,
         )
 
 

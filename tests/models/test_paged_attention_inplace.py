@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.decoder import DecoderModel, allocate_kv_cache
+from models.decoder.kernels import IN_PLACE_ATTENTION
 from models.llama import TINY_PRESETS
 from runtime.backends import native_kernels
 from tests.models.llama_oracle import assert_four_rows_greedy_match_transformers, tiny_pair
@@ -63,15 +64,20 @@ def test_kernel_equals_gathered_sdpa_on_shuffled_and_unmapped_pages(dtype: torch
     torch.testing.assert_close(got, _reference(q, k, v, pages, n_keys), atol=2e-6, rtol=1e-5)
 
 
+_FEW_ROWS = st.integers(1, 9)
+
+
 @st.composite
-def _paged_problem(draw: st.DrawFn) -> tuple[torch.Tensor, ...]:
+def _paged_problem(
+    draw: st.DrawFn, batches: st.SearchStrategy[int] = _FEW_ROWS
+) -> tuple[torch.Tensor, ...]:
     """A random decode attention: GQA geometry, rows whose contexts cross pages, shuffled
     pages with some unmapped, float32 or bfloat16 caches."""
     kv = draw(st.integers(1, 3))
     group = draw(st.sampled_from([1, 2, 3, 4, 8]))
     head_dim = draw(st.sampled_from([8, 16, 24, 64, 72]))
     block = draw(st.sampled_from([1, 4, 16, 32]))
-    batch = draw(st.integers(1, 9))
+    batch = draw(batches)
     width = draw(st.integers(1, 6))
     seed = draw(st.integers(0, 2**16))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
@@ -102,6 +108,27 @@ def test_kernel_equals_gathered_sdpa_for_any_geometry(
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, _reference(q, k, v, pages, n_keys), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=_paged_problem(batches=st.integers(5, 64)), threads=st.sampled_from([1, 2, 3]))
+def test_spread_prefetch_gives_the_read_pass_results_bit_for_bit(
+    problem: tuple[torch.Tensor, ...], threads: int
+) -> None:
+    """`paged_inplace_spread` only moves the next page's prefetches into the math: 5-64
+    rows crossing pages, both cache dtypes, vector and scalar head sizes, 1-3 threads."""
+    q, k, v, pages, n_keys = problem
+    attention = native_kernels.paged_decode_attention()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        scale = q.shape[-1] ** -0.5
+        read_pass = attention(q, k, v, pages, n_keys, scale)
+        spread = attention(q, k, v, pages, n_keys, scale, spread=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(spread, read_pass)
+    torch.testing.assert_close(spread, _reference(q, k, v, pages, n_keys), atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_handles_heads_larger_than_its_stack_scratch() -> None:
@@ -148,10 +175,11 @@ def _mixed_decode(model: DecoderModel, mode: str) -> torch.Tensor:
 
 
 @pytest.mark.usefixtures("attention_mode")
+@pytest.mark.parametrize("mode", IN_PLACE_ATTENTION)
 @pytest.mark.parametrize("preset", sorted(TINY_PRESETS))
-def test_in_place_decode_equals_the_gather_path(preset: str) -> None:
+def test_in_place_decode_equals_the_gather_path(preset: str, mode: str) -> None:
     model, _ = tiny_pair(preset)
-    in_place = _mixed_decode(model, "paged_inplace")
+    in_place = _mixed_decode(model, mode)
     gathered = _mixed_decode(model, "gather")
     assert torch.equal(in_place[2], torch.zeros_like(in_place[2]))  # inactive row
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
