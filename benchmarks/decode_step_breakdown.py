@@ -1,8 +1,8 @@
 """Where one mixed-length decode step's time goes (SmolLM2-135M, dynamic CPU path).
 
 Run: `python benchmarks/decode_step_breakdown.py [--rows 1|8|32] [--weights float32|stored]
-[--threads N] [--plan] [--reps R]` (about a minute with `--plan`). To compare two commits,
-run it in a worktree of each in the same minutes, under `flock /tmp/bench.lock`.
+[--threads N] [--plan] [--reps R] [--json FILE]` (about a minute with `--plan`). To compare
+two commits, run it in a worktree of each in the same minutes, under `flock /tmp/bench.lock`.
 
 Method: a decode case of `model_step_times.py` (block size 32, random K/V, shuffled pages):
 `decode b32 ctx48-520` by default, `b8 ctx128-192` or `b1 ctx160`. `--plan` first measures
@@ -24,6 +24,8 @@ this CPU, measured here as `gemm_candidates.py` does (its best form on a 1024^3 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import sys
@@ -42,6 +44,7 @@ from models.decoder import dynamic_addressing as dynamic
 from models.decoder.attention import write_kv
 from models.decoder.attention_choice import SPREAD
 from runtime.backends import native_kernels
+from runtime.backends.cpu_features import CpuFeatures
 
 _MEMORY_PROBE_BYTES = 512 << 20
 CASES = {1: "decode b1 ctx160", 8: "decode b8 ctx128-192", 32: "decode b32 ctx48-520"}
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peak-gflops", type=_positive_rate, default=None, help="default: measured here"
     )
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(
@@ -182,15 +186,33 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gemm_candidates import peak_rate
 
         peak = peak_rate()
-    for line in _floors(model, inputs, best, peak):
+    lines, floors = _floors(model, inputs, best, peak)
+    for line in lines:
         print(line)
+    if args.json:
+        report = {
+            "cpu": CpuFeatures.probe().summary(),
+            "rows": args.rows,
+            "threads": args.threads,
+            "weights": args.weights,
+            "load_average": os.getloadavg(),
+            "plan": None if model.kernel_plan is None else model.kernel_plan.summary(),
+            "ms": {
+                name: {"min": best[name], "median": statistics.median(times) * 1e3}
+                for name, times in samples.items()
+            },
+            "rest_ms": step - accounted,
+            **floors,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return 0
 
 
 def _floors(
     model: DecoderModel, inputs: dict[str, torch.Tensor], best: dict[str, float], peak: float
-) -> list[str]:
-    """Attention and projections against their floors (see the module docstring)."""
+) -> tuple[list[str], dict[str, float]]:
+    """Attention and projections against their floors (see the module docstring): the
+    printed lines, and the numbers behind them."""
     from benchmarks.llama_cpp_compare import read_bandwidth
 
     args = model.args
@@ -206,6 +228,13 @@ def _floors(
     projection_floor = max(flops / peak / 1e6, weight_bytes / bandwidth * 1e3)
     projections = sum(best[f"{name} (plan form)"] for name in PROJECTIONS)
     attention = best["attention (native, all layers)"]
+    floors = {
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "peak_gflop_s": peak,
+        "kv_mb": kv_bytes / 1e6,
+        "attention_floor_ms": attention_floor,
+        "projection_floor_ms": projection_floor,
+    }
     return [
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({_MEMORY_PROBE_BYTES >> 20} MiB buffer)",
         f"attention floor: {kv_bytes / 1e6:.0f} MB of K/V = {attention_floor:.2f} ms; "
@@ -214,7 +243,7 @@ def _floors(
         f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "
         f"{projection_floor:.2f} ms; measured {projections:.2f} ms "
         f"({projections / projection_floor:.2f}x)",
-    ]
+    ], floors
 
 
 if __name__ == "__main__":

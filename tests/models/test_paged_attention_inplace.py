@@ -186,8 +186,9 @@ def test_in_place_decode_equals_the_gather_path(preset: str, mode: str) -> None:
 
 
 @pytest.mark.usefixtures("attention_mode")
+@pytest.mark.parametrize("mode", IN_PLACE_ATTENTION)
 @pytest.mark.parametrize("preset", sorted(TINY_PRESETS))
-def test_in_place_decode_greedy_matches_transformers(preset: str) -> None:
+def test_in_place_decode_greedy_matches_transformers(preset: str, mode: str) -> None:
     model, hf = tiny_pair(preset)
-    model.decode_attention = "paged_inplace"
+    model.decode_attention = mode
     assert_four_rows_greedy_match_transformers(model, hf, preset)
