@@ -275,35 +275,13 @@ class FusedDecodeStack:
         if geometry.block_size != block_size:
             geometry = attrs.evolve(geometry, block_size=block_size)
             self._geometry = geometry
-        table, pages, n_keys = self._table_of(cache), pages.contiguous(), (pos + 1).contiguous()
+        table = self._table_of(cache)
+        step = (x, cos, sin, pages.contiguous(), (pos + 1).contiguous(), norm, head)
+        spread = self.spread_attention
         if not self._mixed:
-            self._kernel.unchecked(
-                geometry,
-                table,
-                self._layouts,
-                x,
-                cos,
-                sin,
-                pages,
-                n_keys,
-                norm,
-                head,
-                spread=self.spread_attention,
-            )
+            self._kernel.unchecked(geometry, table, self._layouts, *step, spread=spread)
         else:
-            self._kernel.unchecked_mixed(
-                geometry,
-                table,
-                self._parts_table(),
-                x,
-                cos,
-                sin,
-                pages,
-                n_keys,
-                norm,
-                head,
-                spread=self.spread_attention,
-            )
+            self._kernel.unchecked_mixed(geometry, table, self._parts_table(), *step, spread=spread)
         if head is not None:
             return head.logits
         product: torch.Tensor = model.head_projection(x)

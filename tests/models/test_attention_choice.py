@@ -5,7 +5,6 @@ plan where the in-place kernel cannot run."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -85,17 +84,6 @@ def test_warmup_records_the_placement_and_a_replay_applies_the_other(
     assert again["decode_attention"] == SPREAD == replayed.decode_attention
     assert replayed.fused_decode is not None and replayed.fused_decode.spread_attention
     assert "decode attention paged_inplace_spread" in str(again["summary"])
-
-
-@pytest.fixture
-def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """No C compiler on PATH and no prebuilt library: the native kernels cannot load."""
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setenv("LLM_RUNTIME_NATIVE_CACHE", str(tmp_path / "native"))
-    native_kernels._load.cache_clear()
-    yield
-    native_kernels._load.cache_clear()
 
 
 def _hand_plan(model: DecoderModel) -> KernelPlan:

@@ -248,17 +248,6 @@ def test_a_plan_with_bad_fused_buckets_is_refused_naming_it(entry: object) -> No
         parse_kernel_plan(data, where="--kernels k.json")
 
 
-@pytest.fixture
-def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """No C compiler on PATH and no prebuilt library: the native kernels cannot load."""
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setenv("LLM_RUNTIME_NATIVE_CACHE", str(tmp_path / "native"))
-    native_kernels._load.cache_clear()
-    yield
-    native_kernels._load.cache_clear()
-
-
 @pytest.mark.usefixtures("no_compiler")
 def test_without_a_compiler_warmup_keeps_the_per_op_path_and_says_why() -> None:
     model = _model(LlamaArgs.tiny_random("gqa"))
