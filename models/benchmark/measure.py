@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -29,11 +30,15 @@ from models.benchmark.runtime_engine import (
 )
 from models.benchmark.transformers_engine import hf_run, load_transformers
 from models.generation.generator import Generator
+from runtime.backends.cpu_features import CpuFeatures
 
 if TYPE_CHECKING:
     from transformers.generation.utils import GenerationMixin
 
 logger = logging.getLogger(__name__)
+# The CPU flags a bench report names (with the model and, where the OS says, its generation):
+# rates differ across these far more than across runs.
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 Log = Callable[[str], None]
 
@@ -198,12 +203,15 @@ def run_benchmark(config: BenchConfig, *, log: Log | None = None) -> BenchReport
         say("loading transformers' model (--compare transformers)")
         hf = load_transformers(config.model, config.dtype)
     results: list[BenchRow] = []
+    load_start = os.getloadavg()
     for batch in config.batch_sizes:
         row = bench_batch(config, batch, hf, say)
         results.append(row)
         say(format_row(row))
     return {
         "model": config.model,
+        "cpu": CpuFeatures.probe().summary(_CPU_FLAGS),
+        "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
         "device": config.device,
         "dtype": config.dtype,
         "weights": config.weights,

@@ -62,6 +62,8 @@ class BenchReport(TypedDict):
     """The whole benchmark (`--json` prints it as is)."""
 
     model: str
+    cpu: str  # model, generation and the SIMD flags that matter (rates differ most by these)
+    load_average: dict[str, list[float]]  # 1/5/15-minute load at the start and the end
     device: str
     dtype: str
     weights: str

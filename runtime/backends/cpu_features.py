@@ -43,13 +43,19 @@ class CpuFeatures:
             text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
         except OSError:
             return cls(model, frozenset(), "unavailable")
+        generation: dict[str, str] = {}
         for line in text.splitlines():
             key, _, value = line.partition(":")
             key = key.strip()
             if key == "model name":
                 model = value.strip()
+            elif key in ("cpu family", "model"):
+                generation.setdefault(key, value.strip())
             elif key in ("flags", "Features"):
                 flags.update(value.split())
+        if len(generation) == 2:
+            # A VM's model name can be bare ("AMD EPYC"): family and model tell Zen 4 from 5.
+            model = f"{model}, family {generation['cpu family']} model {generation['model']}"
         return cls(model, frozenset(flags), "/proc/cpuinfo")
 
     @property

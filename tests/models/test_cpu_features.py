@@ -10,6 +10,7 @@ import torch
 
 from models.cli import main
 from models.decoder.executor import load_executor
+from runtime.backends import cpu_features
 from runtime.backends.cpu_features import (
     FLAGS_ENV,
     CpuFeatures,
@@ -41,6 +42,30 @@ def test_real_probe_reads_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert probed.source == "/proc/cpuinfo"
     assert "sse2" in probed.flags  # every x86_64 CPU has it
     assert probed.native_bf16 == bool({"avx512_bf16", "amx_bf16"} & probed.flags)
+    text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    family = next(line for line in text.splitlines() if line.startswith("cpu family"))
+    # the generation is named: a VM's bare "AMD EPYC" does not tell Zen 4 from Zen 5
+    assert f"family {family.partition(':')[2].strip()} model " in probed.model
+
+
+def test_the_probe_names_family_and_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\n"
+        "cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n",
+        encoding="utf-8",
+    )
+    real_path = Path
+
+    def fake_path(name: str) -> Path:
+        return cpuinfo if name == "/proc/cpuinfo" else real_path(name)
+
+    monkeypatch.delenv(FLAGS_ENV, raising=False)
+    monkeypatch.setattr(cpu_features, "Path", fake_path)
+    probed = CpuFeatures.probe()
+    assert probed.model == "AMD EPYC, family 25 model 17"
+    assert probed.summary() == "AMD EPYC, family 25 model 17 (avx2, avx512f)"
 
 
 def test_bf16_is_refused_naming_the_missing_features() -> None:
