@@ -42,7 +42,7 @@ from benchmarks.model_step_times import BLOCK_SIZE, _cases
 from models.decoder import DecoderModel, load_model
 from models.decoder import dynamic_addressing as dynamic
 from models.decoder.attention import write_kv
-from models.decoder.attention_choice import SPREAD
+from models.decoder.kernels import SPREAD
 from runtime.backends import native_kernels
 from runtime.backends.cpu_features import CpuFeatures
 
@@ -126,6 +126,16 @@ def _positive_rate(text: str) -> float:
     return value
 
 
+def _writable_path(text: str) -> Path:
+    """`--json FILE`: refused before a minute of timing if its folder does not exist."""
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: allowed is a file path")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -142,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peak-gflops", type=_positive_rate, default=None, help="default: measured here"
     )
-    parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument(
+        "--json", type=_writable_path, default=None, help="also write the numbers to this file"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(
@@ -204,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "rest_ms": step - accounted,
             **floors,
         }
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -36,9 +36,6 @@ if TYPE_CHECKING:
     from transformers.generation.utils import GenerationMixin
 
 logger = logging.getLogger(__name__)
-# The CPU flags a bench report names (with the model and, where the OS says, its generation):
-# rates differ across these far more than across runs.
-_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 Log = Callable[[str], None]
 
@@ -210,7 +207,7 @@ def run_benchmark(config: BenchConfig, *, log: Log | None = None) -> BenchReport
         say(format_row(row))
     return {
         "model": config.model,
-        "cpu": CpuFeatures.probe().summary(_CPU_FLAGS),
+        "cpu": CpuFeatures.probe().summary(),
         "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
         "device": config.device,
         "dtype": config.dtype,

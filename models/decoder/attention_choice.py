@@ -15,10 +15,9 @@ import time
 
 import torch
 
+from models.decoder.kernels import READ_PASS, SPREAD
 from runtime.backends import native_kernels
 
-READ_PASS = "paged_inplace"
-SPREAD = "paged_inplace_spread"
 # K/V bytes the timing reads in one call: twice the 32 MiB L3 these 2-core hosts show, so
 # that both placements are timed reading memory, where they differ; freed right after, and
 # small next to a model's weights (the peak RSS of a SmolLM2 Q4_1 run is ~420 MB).

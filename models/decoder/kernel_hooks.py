@@ -14,12 +14,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from models.decoder.attention_choice import READ_PASS, SPREAD, choose_in_place_attention
+from models.decoder.attention_choice import choose_in_place_attention
 from models.decoder.fused_choice import TimedDecoder, choose_fused_decode
 from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.decoder.kernel_measure import fixed_plan, measure_kernel_plan, row_buckets
 from models.decoder.kernels import (
     IN_PLACE_ATTENTION,
+    READ_PASS,
+    SPREAD,
     KernelPlan,
     ProjectionShape,
     check_plan_fits,

@@ -47,7 +47,9 @@ HEAD_IN_STACK_UP_TO = 4
 # reading K/V pages in place, prefetching the next page during each page's read pass or
 # through its math (same results; warmup times both, `attention_choice`), or gathering the
 # pages into a workspace for SDPA.
-IN_PLACE_ATTENTION = ("paged_inplace", "paged_inplace_spread")
+READ_PASS = "paged_inplace"
+SPREAD = "paged_inplace_spread"
+IN_PLACE_ATTENTION = (READ_PASS, SPREAD)
 ATTENTION_KINDS = (*IN_PLACE_ATTENTION, "gather")
 # Rows from which the pre-measurement default uses `F.linear` (see `default_form`).
 LINEAR_FROM_ROWS = 64

@@ -43,7 +43,7 @@ from models.decoder.bound_cache import BoundCache
 from models.decoder.config import DecoderArgs
 from models.decoder.graph_safe import static_decode, static_prefill, stream_capturing
 from models.decoder.kernel_hooks import KernelPlanHooks
-from models.decoder.kernels import packed_bytes, release_packed
+from models.decoder.kernels import SPREAD, packed_bytes, release_packed
 from models.decoder.layers import DecoderLayer, Projection, rope_tables
 from models.decoder.residency import forget_block_descriptors, reload_pairs, weight_tensors
 from models.decoder.weight_names import EMBED, FINAL_NORM, LM_HEAD, layer_name
@@ -637,7 +637,7 @@ class DecoderModel(KernelPlanHooks, nn.Module):
         order: torch.Tensor | None = None
         path: AttentionPath
         if self._decodes_in_place():
-            spread = self.decode_attention == "paged_inplace_spread"
+            spread = self.decode_attention == SPREAD
             path = dynamic.paged_decode(pages, pos, spread=spread, **self._geometry(cache))
         else:
             order = dynamic.position_order(pos)

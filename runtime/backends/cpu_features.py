@@ -71,6 +71,7 @@ class CpuFeatures:
             "avx512f",
             "avx512_bf16",
             "avx512_fp16",
+            "avx512_vnni",
             "amx_bf16",
             "amx_tile",
         )

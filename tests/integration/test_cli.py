@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from models.benchmark import measure
 from models.cli import main
 from runtime.backends.cpu_features import CpuFeatures
 from tests.integration.executor_setup import one_torch_thread as one_torch_thread
@@ -264,7 +263,7 @@ def test_bench_compares_with_transformers(capsys: pytest.CaptureFixture[str]) ->
     )
     assert status == 0, err
     report = json.loads(out)
-    assert report["cpu"] == CpuFeatures.probe().summary(measure._CPU_FLAGS)
+    assert report["cpu"] == CpuFeatures.probe().summary()
     assert all(len(report["load_average"][when]) == 3 for when in ("start", "end"))
     assert [row["batch_size"] for row in report["results"]] == [1, 2]
     for row in report["results"]:

@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from models.decoder import DecoderModel, attention_choice, random_state_dict
-from models.decoder.attention_choice import READ_PASS, SPREAD, choose_in_place_attention
-from models.decoder.kernels import IN_PLACE_ATTENTION, KernelPlan, load_kernel_plan
+from models.decoder.attention_choice import choose_in_place_attention
+from models.decoder.kernels import (
+    IN_PLACE_ATTENTION,
+    READ_PASS,
+    SPREAD,
+    KernelPlan,
+    load_kernel_plan,
+)
 from models.llama import LlamaArgs
 from runtime.backends import native_kernels
 
