@@ -10,14 +10,17 @@ the kernel plan for a lane of that many slots, as warmup does; without it the mo
 default forms. Then, best and median of `reps` calls, passes alternating: the whole
 `model.decode` (the fused stack where the plan chose it, and the per-op path beside it); the
 native paged attention over every layer's cache (the step's queries replaced by random ones
-of the same shape; the plan's prefetch placement, the read pass without `--plan`); each
+of the same shape; the plan's prefetch placement, the read pass without `--plan`) and,
+beside it, its page walk (the same reads in the same order, without the math); each
 projection kind over every layer, through the model's `Projection` (the plan's form) and
 through a plain `F.linear`; the KV writes. "rest" is the per-op step minus the parts: norms,
 rotary, SwiGLU, residual adds, views and per-op overhead.
 
 Floors: attention, the step's K/V bytes at the read rate `torch.sum` reaches on a buffer of
-that size; projections, their FLOPs at the best GEMM rate `gemm_candidates.py` measured on
-this CPU, measured here as `gemm_candidates.py` does (its best form on a 1024^3 product), or
+that size (the best of 3 probes: on shared hosts it is bimodal); the page walk against it is
+the cost of the access pattern, attention against the walk the math the reads do not hide.
+Projections, their FLOPs at the best GEMM rate `gemm_candidates.py` measured on this CPU,
+measured here as `gemm_candidates.py` does (its best form on a 1024^3 product), or
 `--peak-gflops` (the peak differs 2.3x between Zen 4 and Zen 5: 211 against 494 GFLOP/s).
 """
 
@@ -49,6 +52,7 @@ from runtime.backends.cpu_features import CpuFeatures
 _MEMORY_PROBE_BYTES = 512 << 20
 CASES = {1: "decode b1 ctx160", 8: "decode b8 ctx128-192", 32: "decode b32 ctx48-520"}
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+WALK = "attention page walk (reads only)"
 
 
 def _step_inputs(model: DecoderModel, call: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -91,6 +95,9 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
             )
             for k, v in cache
         ],
+        WALK: lambda: [
+            attention.walk(q, k, v, path.pages, path.n_keys, args.head_dim**-0.5) for k, v in cache
+        ],
     }
     groups = model.projection_groups()
     for name in PROJECTIONS:
@@ -104,6 +111,12 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
         write_kv(c, k_new, k_new, path.writes) for c in cache
     ]
     return parts
+
+
+def _beside(name: str) -> bool:
+    """Whether a timed piece is a whole step or a reference timed beside a part (not one
+    of the parts that add up to the per-op step)."""
+    return "F.linear" in name or "step" in name or name == WALK
 
 
 def _time(call: Callable[[], object], reps: int) -> list[float]:
@@ -184,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, piece in timed.items():
                 samples[name] += _time(piece, args.reps)
     best = {name: min(times) * 1e3 for name, times in samples.items()}
-    accounted = sum(
-        ms for name, ms in best.items() if "F.linear" not in name and "step" not in name
-    )
+    accounted = sum(ms for name, ms in best.items() if not _beside(name))
     for name, times in samples.items():
         print(
             f"{name:32s} min {best[name]:8.2f} ms   median {statistics.median(times) * 1e3:8.2f} ms"
@@ -231,7 +242,8 @@ def _floors(
     keys = int((inputs["positions"].long() + 1).sum())
     kv_bytes = keys * args.n_kv_heads * args.head_dim * 4 * 2 * len(model.layers)
     # A step's K/V and weights come from memory, not cache: read a buffer larger than L3.
-    bandwidth = max(read_bandwidth(_MEMORY_PROBE_BYTES) for _ in range(3))
+    probes = [read_bandwidth(_MEMORY_PROBE_BYTES) for _ in range(3)]
+    bandwidth = max(probes)
     attention_floor = kv_bytes / bandwidth * 1e3
     rows = int(inputs["positions"].shape[0])
     modules = [m for name in PROJECTIONS for m in model.projection_groups()[name]]
@@ -239,18 +251,23 @@ def _floors(
     weight_bytes = sum(m.resident_bytes for m in modules)
     projection_floor = max(flops / peak / 1e6, weight_bytes / bandwidth * 1e3)
     projections = sum(best[f"{name} (plan form)"] for name in PROJECTIONS)
-    attention = best["attention (native, all layers)"]
+    attention, walk = best["attention (native, all layers)"], best[WALK]
     floors = {
         "read_bandwidth_gb_s": bandwidth / 1e9,
+        "read_bandwidth_probes_gb_s": [rate / 1e9 for rate in probes],
         "peak_gflop_s": peak,
         "kv_mb": kv_bytes / 1e6,
         "attention_floor_ms": attention_floor,
         "projection_floor_ms": projection_floor,
     }
     return [
-        f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({_MEMORY_PROBE_BYTES >> 20} MiB buffer)",
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, the best of 3 probes "
+        f"({min(probes) / 1e9:.1f}-{bandwidth / 1e9:.1f}) over a "
+        f"{_MEMORY_PROBE_BYTES >> 20} MiB buffer",
         f"attention floor: {kv_bytes / 1e6:.0f} MB of K/V = {attention_floor:.2f} ms; "
-        f"measured {attention:.2f} ms ({attention / attention_floor:.2f}x)",
+        f"measured {attention:.2f} ms ({attention / attention_floor:.2f}x): the page walk "
+        f"alone {walk:.2f} ms ({walk / attention_floor:.2f}x, the access pattern) + "
+        f"{attention - walk:.2f} ms of math not hidden under the reads",
         f"projection floor: {flops / 1e9:.2f} GFLOP at {peak:.0f} GFLOP/s or "
         f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "
         f"{projection_floor:.2f} ms; measured {projections:.2f} ms "

@@ -148,6 +148,10 @@ class PagedDecodeAttention:
             # ... scale, threads, spread
             kernel.argtypes = [*[_PTR] * 6, *[_I64] * 6, ctypes.c_float, *[ctypes.c_int] * 2]
             kernel.restype = ctypes.c_int
+        self._walk = library.paged_kv_walk
+        # k, v, element bytes, pages, n_keys, batch, kv, head_dim, block_size, width, threads
+        self._walk.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, ctypes.c_int]
+        self._walk.restype = ctypes.c_int
 
     def __call__(self, *inputs: *PagedDecodeInputs, spread: bool = False) -> torch.Tensor:
         """`unchecked` after checking its inputs: q `[B, kv, g, hd]`; caches
@@ -155,6 +159,38 @@ class PagedDecodeAttention:
         Returns float32 `[B, kv, g, hd]`. `spread`: the next page's lines are prefetched
         through each page's math instead of during its read pass (same result; which is
         faster depends on the CPU, so warmup times both)."""
+        self._check(*inputs)
+        return self.unchecked(*inputs, spread=spread)
+
+    def walk(self, *inputs: *PagedDecodeInputs) -> int:
+        """The call's memory side alone, for benchmarks: every key and value the attention
+        would read, read in its order with its prefetches, without the math. Returns the OR
+        of the bytes read. Timed beside the kernel, it splits attention's time into the
+        access pattern's and the math's that does not hide under the reads."""
+        self._check(*inputs)
+        q, k_cache, v_cache, pages, n_keys, _scale = inputs
+        batch, kv, _, head_dim = q.shape
+        pages64 = pages.to(torch.int64).contiguous()
+        keys64 = n_keys.to(torch.int64).contiguous()
+        seen = self._walk(
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.element_size(),
+            pages64.data_ptr(),
+            keys64.data_ptr(),
+            batch,
+            kv,
+            head_dim,
+            k_cache.shape[2],
+            pages64.shape[1],
+            torch.get_num_threads(),
+        )
+        if seen < 0:
+            raise MemoryError("the paged K/V walk could not allocate its row order")
+        return int(seen)
+
+    def _check(self, *inputs: *PagedDecodeInputs) -> None:
+        """Raises ValueError naming the first input that does not fit the kernel."""
         q, k_cache, v_cache, pages, n_keys, _scale = inputs
         batch, kv, _, head_dim = q.shape
         blocks, cache_kv, block_size, cache_hd = k_cache.shape
@@ -179,7 +215,6 @@ class PagedDecodeAttention:
             raise ValueError(f"n_keys exceed the {width} page(s) of {block_size} tokens per row")
         if pages.numel() and (int(pages.min()) < -1 or int(pages.max()) >= blocks):
             raise ValueError(f"pages hold entries outside -1 and [0, {blocks})")
-        return self.unchecked(*inputs, spread=spread)
 
     def unchecked(
         self,

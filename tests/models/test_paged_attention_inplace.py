@@ -131,6 +131,70 @@ def test_spread_prefetch_gives_the_read_pass_results_bit_for_bit(
     torch.testing.assert_close(spread, _reference(q, k, v, pages, n_keys), atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    problem=_paged_problem(batches=st.integers(1, 64)),
+    threads=st.sampled_from([1, 2, 3]),
+    data=st.data(),
+)
+def test_walk_reads_exactly_the_bytes_the_attention_reads(
+    problem: tuple[torch.Tensor, ...], threads: int, data: st.DataObject
+) -> None:
+    """The benchmarks' page walk (the attention's reads without its math) covers every byte
+    of every mapped key and value below each row's key count, and no other: with those
+    bytes zero but one, and every other byte 0xFF, it returns that one byte."""
+    q, k, v, pages, n_keys = problem
+    block = k.shape[2]
+    region = sorted(
+        {
+            (int(pages[row, t // block]), t % block)
+            for row in range(q.shape[0])
+            for t in range(int(n_keys[row]))
+            if int(pages[row, t // block]) >= 0
+        }
+    )
+    k_bytes, v_bytes = k.view(torch.uint8), v.view(torch.uint8)  # [blocks, kv, block, bytes]
+    for cache in (k_bytes, v_bytes):
+        cache.fill_(0xFF)
+        for page, offset in region:
+            cache[page, :, offset] = 0
+    expected = 0
+    if region:
+        page, offset = data.draw(st.sampled_from(region))
+        cache = data.draw(st.sampled_from([k_bytes, v_bytes]))
+        head = data.draw(st.integers(0, k.shape[1] - 1))
+        at = data.draw(st.integers(0, k_bytes.shape[-1] - 1))
+        expected = data.draw(st.integers(1, 0xFE))
+        cache[page, head, offset, at] = expected
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seen = native_kernels.paged_decode_attention().walk(q, k, v, pages, n_keys, 1.0)
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == expected
+
+
+def test_walk_reads_the_last_byte_of_a_region_shorter_than_a_vector() -> None:
+    """Three bfloat16 keys of 8 dims are 48 bytes: less than one vector, read byte by byte."""
+    k = torch.zeros(2, 1, 4, 8, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    v.view(torch.uint8)[1, 0, 2, 15] = 0x5A  # the last byte of the last key read
+    v.view(torch.uint8)[1, 0, 3] = 0xFF  # the key past n_keys: not read
+    q = torch.zeros(1, 1, 1, 8)
+    attention = native_kernels.paged_decode_attention()
+    assert attention.walk(q, k, v, torch.tensor([[1]]), torch.tensor([3]), 1.0) == 0x5A
+
+
+def test_walk_refuses_what_the_attention_refuses() -> None:
+    k = torch.zeros(4, 1, 8, 16)
+    attention = native_kernels.paged_decode_attention()
+    with pytest.raises(ValueError, match=r"outside -1 and \[0, 4\)"):
+        attention.walk(torch.zeros(1, 1, 1, 16), k, k, torch.tensor([[4]]), torch.tensor([3]), 1.0)
+    with pytest.raises(ValueError, match="does not fit the caches"):
+        attention.walk(torch.zeros(1, 2, 1, 16), k, k, torch.tensor([[0]]), torch.tensor([3]), 1.0)
+
+
 def test_kernel_handles_heads_larger_than_its_stack_scratch() -> None:
     """A [g, hd] state bigger than the kernel's on-stack scratch takes heap scratch."""
     generator = torch.Generator().manual_seed(5)
