@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from models.decoder.model import DecoderModel
+from runtime.backends import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -19,15 +20,16 @@ logger = logging.getLogger(__name__)
 def allocate_kv_cache(
     model: DecoderModel, num_blocks: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K/V tensors for every layer, shaped for the model's configured block size."""
+    """Zeroed K/V tensors for every layer, shaped for the model's configured block size (on
+    huge pages on the CPU, as the runtime's device allocates them)."""
     shape = model.kv_cache_shape(num_blocks)
-    return [
-        (
-            torch.zeros(shape, dtype=model.dtype, device=model.device),
-            torch.zeros(shape, dtype=model.dtype, device=model.device),
-        )
-        for _ in range(model.n_layers)
-    ]
+
+    def zeros() -> torch.Tensor:
+        if torch.device(model.device).type == "cpu":
+            return huge_pages.full(shape, 0.0, model.dtype)
+        return torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+    return [(zeros(), zeros()) for _ in range(model.n_layers)]
 
 
 def contiguous_page_table(

@@ -22,6 +22,7 @@ from typing import TypeAlias, cast
 import attrs
 import torch
 
+from runtime.backends import huge_pages
 from runtime.backends.accounting import AccountedDevice
 from runtime.backends.base import DeviceError, DeviceTensor, Event, TraceHandle, TraceOutputs
 from runtime.validation import is_int, non_negative_int
@@ -163,7 +164,10 @@ class TorchDevice(AccountedDevice[torch.Tensor]):
         dims = _check_shape(shape)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        tensor = torch.full(dims, fill, dtype=dtype, device=self._device)
+        if self._device.type == "cpu":
+            tensor = huge_pages.full(dims, fill, dtype)
+        else:
+            tensor = torch.full(dims, fill, dtype=dtype, device=self._device)
         with self._lock:
             self._registry.add(tensor)
         return tensor

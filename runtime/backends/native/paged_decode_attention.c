@@ -18,7 +18,8 @@
  *   its own team for it, and the fused decode stack runs it with its threads.
  * - Per page and head, the keys and values are first read line by line side by side (two
  *   streams keep more lines in flight than one) while the next page's lines are
- *   prefetched; the math then runs from L1.
+ *   prefetched; the math then runs from L1 (`spread`: prefetching the next page's lines
+ *   again through it).
  * - Scores are computed LANES keys at a time (16 with AVX-512, else 8): one partial-sum
  *   vector per key, then a transposing tree sums the 16 vectors into one vector of 16 scores
  *   (~2 shuffles a score, not ~8). The online softmax is vectorised over a page's scores,
@@ -481,16 +482,21 @@ static inline __attribute__((always_inline)) vint read_page(const void *keys,
 /* read_page with its result kept: the page's math then runs from L1. Measured: the math after
  * this pass is faster than with the loads spread through it. */
 static void touch_page(const void *keys, const void *values, const void *next_keys,
-                       const void *next_values, int64_t bytes) {
-    const vint sink = read_page(keys, values, next_keys, next_values, bytes, 0);
+                       const void *next_values, int64_t bytes, int into_l2) {
+    const vint sink = into_l2 ? read_page(keys, values, next_keys, next_values, bytes, 1)
+                              : read_page(keys, values, next_keys, next_values, bytes, 0);
     __asm__ volatile("" : : "x"(sink));
 }
 
 /* Keys [first, last) of one row's kv heads [h0, h1), page by page, into
  * states[(h - h0) * apart].
  * Each head's page is read by touch_page, then scored and accumulated from L1. The next
- * page's lines are prefetched through the vector math when `spread`, else during the read
- * pass (which is faster depends on the CPU: warmup times both, `paged_inplace_spread`). */
+ * page's lines are prefetched during the read pass: into L1 without `spread`; into L2 with
+ * it, and once more through the vector math (which is faster depends on the CPU: warmup times
+ * both, `paged_inplace_spread`). Measured on Zen 4, batch 32, 471 MB of K/V, median of 40
+ * interleaved rounds against the read probe: 1.32x with the prefetches through the math
+ * only, 1.21x with the read pass's as well (the walk without math: 1.11x); prefetching only
+ * the part the read pass did not was 1.32x again, as if some prefetches were dropped. */
 #define DEFINE_SPAN(NAME, KV_T, PAGE_VECTOR, PAGE_SCALAR)                                      \
     static void NAME(const float *q_row, const KV_T *k_cache, const KV_T *v_cache,            \
                      const int64_t *row_pages, int64_t first, int64_t last, int64_t kv,       \
@@ -517,9 +523,8 @@ static void touch_page(const void *keys, const void *values, const void *next_ke
                     next_values = v_cache + (next * kv + h) * head_floats;                    \
                 }                                                                             \
                 const float *qh = q_row + h * pair_dim;                                       \
-                touch_page(k_cache + base, v_cache + base, through_math ? NULL : next_keys,   \
-                           through_math ? NULL : next_values,                                 \
-                           count * head_dim * (int64_t)sizeof(KV_T));                         \
+                touch_page(k_cache + base, v_cache + base, next_keys, next_values,            \
+                           count * head_dim * (int64_t)sizeof(KV_T), through_math);           \
                 if (vector)                                                                   \
                     PAGE_VECTOR(qh, k_cache + base, v_cache + base, count, group, head_dim,   \
                                 scale, stride, scores, &states[(h - h0) * apart], tail,       \
