@@ -49,6 +49,7 @@ from models.decoder.attention import write_kv
 from models.decoder.kernels import SPREAD
 from runtime.backends import native_kernels
 from runtime.backends.cpu_features import CpuFeatures
+from runtime.backends.native_kernels import STACK_PHASES
 
 _MEMORY_PROBE_BYTES = 512 << 20
 CASES = {1: "decode b1 ctx160", 8: "decode b8 ctx128-192", 32: "decode b32 ctx48-520"}
@@ -184,7 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     probe = torch.ones(_MEMORY_PROBE_BYTES // 4)
     timed = {"step (model.decode)": call, **_parts(model, inputs), PROBE: probe.sum}
     fused = model.fused_decode
+    phases: list[list[float]] = []  # the fused step's phases, seconds, one list per call
     if fused is not None and fused.runs(args.rows):
+        stack = native_kernels.fused_decode_layers()
+
+        def timed_step() -> torch.Tensor:
+            with stack.timing() as seconds:
+                logits = call()
+            phases.append(seconds.tolist())
+            return logits
+
+        timed["step (model.decode)"] = timed_step
 
         def per_op() -> torch.Tensor:
             model.fused_decode = None
@@ -212,8 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gemm_candidates import peak_rate
 
         peak = peak_rate()
+    phase_ms = {
+        name: {"min": min(times) * 1e3, "median": statistics.median(times) * 1e3}
+        for name, times in zip(STACK_PHASES, zip(*phases, strict=True), strict=True)
+    }
+    for name, ms in phase_ms.items():
+        print(f"{'  fused: ' + name:32s} min {ms['min']:8.2f} ms   median {ms['median']:8.2f} ms")
     rates = [_MEMORY_PROBE_BYTES / seconds for seconds in samples[PROBE]]
-    lines, floors = _floors(model, inputs, best, peak, rates)
+    fused_attention = phase_ms["attention"]["min"] if phase_ms else None
+    lines, floors = _floors(model, inputs, best, peak, rates, fused_attention)
     for line in lines:
         print(line)
     if args.json:
@@ -229,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, times in samples.items()
             },
             "rest_ms": step - accounted,
+            "fused_phases_ms": phase_ms,
             **floors,
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
@@ -241,6 +260,7 @@ def _floors(
     best: dict[str, float],
     peak: float,
     rates: list[float],
+    fused_attention: float | None,
 ) -> tuple[list[str], dict[str, object]]:
     """Attention and projections against their floors (see the module docstring): the
     printed lines, and the numbers behind them."""
@@ -263,6 +283,8 @@ def _floors(
         "peak_gflop_s": peak,
         "kv_mb": kv_bytes / 1e6,
         "attention_floor_ms": attention_floor,
+        "attention_walk_ms": walk,
+        "attention_in_fused_step_ms": fused_attention,
         "projection_floor_ms": projection_floor,
     }
     return [
@@ -271,7 +293,13 @@ def _floors(
         f"attention floor: {kv_bytes / 1e6:.0f} MB of K/V = {attention_floor:.2f} ms; "
         f"measured {attention:.2f} ms ({attention / attention_floor:.2f}x): the page walk "
         f"alone {walk:.2f} ms ({walk / attention_floor:.2f}x, the access pattern) + "
-        f"{attention - walk:.2f} ms of math not hidden under the reads",
+        f"{attention - walk:.2f} ms of math not hidden under the reads"
+        + (
+            ""
+            if fused_attention is None
+            else f"; in the fused step {fused_attention:.2f} ms "
+            f"({fused_attention / attention_floor:.2f}x)"
+        ),
         f"projection floor: {flops / 1e9:.2f} GFLOP at {peak:.0f} GFLOP/s or "
         f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "
         f"{projection_floor:.2f} ms; measured {projections:.2f} ms "

@@ -19,6 +19,7 @@ concurrent processes build it once. Without a C compiler the kernel is unavailab
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -28,7 +29,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -535,6 +536,16 @@ class DecodeStackGeometry:
 
 # Addresses per layer in the fused stack's table (see `fused_decode_layers.c`).
 STACK_TABLE_WIDTH = 8
+STACK_PHASES = (
+    "norm and QKV",
+    "rotary and KV writes",
+    "attention",
+    "O projection",
+    "norm, gate/up and SwiGLU",
+    "down projection",
+    "final norm and head",
+)
+"""The fused stack's timed phases, in its order (`FusedDecodeLayers.timing`)."""
 # The mixed stack's per-layer weight parts: 4 projections x 3 parts x 6 int64
 # {kind, block, rows, weight/qs address, scales address, mins address}.
 STACK_MAX_PARTS = 3
@@ -709,9 +720,22 @@ class FusedDecodeLayers:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._kernel = library.fused_decode_layers
         self._kernel.argtypes = (
-            [_PTR] * 11 + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+            [_PTR] * 11 + [_I64] * 10 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [_PTR]
         )
         self._kernel.restype = ctypes.c_int
+        self._phases: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[torch.Tensor]:
+        """Within the block, every call adds each phase's seconds (`STACK_PHASES`, summed over
+        the layers; a phase lasts until its slowest thread is done) to the yielded float64
+        tensor: where a fused step's time goes, as it runs."""
+        seconds = torch.zeros(len(STACK_PHASES), dtype=torch.float64)
+        previous, self._phases = self._phases, seconds
+        try:
+            yield seconds
+        finally:
+            self._phases = previous
 
     def unchecked(
         self,
@@ -805,6 +829,7 @@ class FusedDecodeLayers:
             g.head_dim**-0.5,
             _threads(),
             int(spread),
+            0 if self._phases is None else self._phases.data_ptr(),
         )
         if failed:
             raise MemoryError("the fused decode stack could not allocate its buffers")

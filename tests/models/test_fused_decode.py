@@ -4,6 +4,7 @@ recorded, replayed, and falls back with a reason where it cannot run."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,6 +177,41 @@ def test_fused_stack_equals_the_per_op_decode(
     torch.testing.assert_close(fused, per_op, atol=2e-5, rtol=2e-5)
     for got, expected in zip(fused_cache, per_op_cache, strict=True):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+def test_timing_a_fused_step_changes_nothing_and_times_every_phase() -> None:
+    """`FusedDecodeLayers.timing`: bit-identical logits and caches, a positive time for every
+    phase of a step that runs the final norm and head, summing to less than the step's wall
+    time; nothing added once the block is left."""
+    args = LlamaArgs(
+        dim=64, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=96, ffn_dim=96,
+        head_dim=16, max_seq_len=128, rope_theta=10000.0, name="tiny-random-timed",
+    )  # fmt: skip
+    model = _model(args)
+    model.apply_kernel_plan(_plan(model, {}))
+
+    def step() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        positions = [3, 17, 40, 9, 70]
+        return _decode_both_ways(
+            model, block_size=8, positions=positions, shared_pages=False, seed=1
+        )
+
+    _, plain, _, plain_cache = step()
+    kernel = native_kernels.fused_decode_layers()
+    with kernel.timing() as seconds:
+        start = time.perf_counter()
+        _, timed, _, timed_cache = step()
+        wall = time.perf_counter() - start
+    assert torch.equal(timed, plain)
+    assert all(torch.equal(a, b) for a, b in zip(timed_cache, plain_cache, strict=True))
+    assert seconds.shape == (len(native_kernels.STACK_PHASES),)
+    named = dict(zip(native_kernels.STACK_PHASES, seconds.tolist(), strict=True))
+    assert bool((seconds > 0).all()), named
+    assert float(seconds.sum()) < wall
+    kept = seconds.clone()
+    step()
+    assert torch.equal(seconds, kept)
 
 
 @pytest.fixture

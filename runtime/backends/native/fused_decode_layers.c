@@ -75,6 +75,17 @@ enum { ATTN_NORM, WQKV, WO, MLP_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, TABLE
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
 enum { PART_KIND, PART_BLOCK, PART_ROWS, PART_W, PART_SCALES, PART_MINS, PART_WIDTH };
 enum { MAX_PARTS = 3, PROJ_WIDTH = MAX_PARTS * PART_WIDTH, PARTS_WIDTH = 4 * PROJ_WIDTH };
+/* The timed phases of a step (`native_kernels.STACK_PHASES` names them in this order). */
+enum {
+    PHASE_QKV,
+    PHASE_ROTARY,
+    PHASE_ATTENTION,
+    PHASE_O,
+    PHASE_GATE_UP,
+    PHASE_DOWN,
+    PHASE_HEAD,
+    STACK_PHASES
+};
 
 /* Portable vectors (GCC/Clang vector extensions): the native width of -march=native. */
 #if defined(__AVX512F__)
@@ -376,7 +387,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                      float *logits, int64_t vocab, int64_t rows, int64_t n_layers, int64_t dim,
                      int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
                      int64_t block_size, int64_t width, float eps, float scale, int n_threads,
-                     int spread) {
+                     int spread, double *phase_seconds) {
     const int64_t q_out = n_heads * head_dim, kv_out = kv * head_dim;
     const int64_t qkv_out = q_out + 2 * kv_out, group = n_heads / kv;
     int64_t max_keys = 1;
@@ -433,6 +444,15 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 #pragma omp atomic
             failed += mine_failed;
 #pragma omp barrier
+            /* Phase timing (`phase_seconds`, else NULL): thread 0 reads the clock as it
+             * leaves each barrier, so a phase is its slowest thread's time. */
+            double mark = omp_get_wtime();
+#define LAP(PHASE)                                                                  \
+    if (phase_seconds != NULL && thread == 0) {                                     \
+        const double now = omp_get_wtime();                                         \
+        phase_seconds[PHASE] += now - mark;                                         \
+        mark = now;                                                                 \
+    }
             int64_t f0, f1, d0, d1, v0, v1;
             stripe(qkv_out, thread, threads, &v0, &v1);
             stripe(dim, thread, threads, &d0, &d1);
@@ -454,6 +474,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     project((int)layouts[L_QKV], (const float *)(intptr_t)entry[WQKV], dim,
                             qkv_out, normed, dim, rows, qkv, qkv_out, v0, v1, 0, &q4);
 #pragma omp barrier
+                LAP(PHASE_QKV)
                 /* 2. per (row, KV head): rotary on its q group and k, K/V into the cache at
                  * the row's position */
 #pragma omp for schedule(static)
@@ -474,12 +495,14 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                                sizeof(float) * head_dim);
                     }
                 }
+                LAP(PHASE_ROTARY)
                 /* (implicit barrier: rows may share pages, so every write lands before any
                  * read, as in the per-op path) 3. attention over each row's pages in place:
                  * `paged_decode_attention.c`'s own items, run by this team */
                 paged_attention_team_f32(attention, qkv, qkv_out, k_cache, v_cache, pages, n_keys,
                                          attended, rows, kv, group, head_dim, block_size, width,
                                          scale, spans, spread, &attention_failed);
+                LAP(PHASE_ATTENTION)
                 /* (implicit barrier) 4. O projection into the residual stream */
                 new_stage(&q4);
                 if (lp != NULL)
@@ -489,6 +512,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     project((int)layouts[L_O], (const float *)(intptr_t)entry[WO], q_out, dim,
                             attended, q_out, rows, x, dim, d0, d1, 1, &q4);
 #pragma omp barrier
+                LAP(PHASE_O)
                 /* 5. gate and up of the same outputs, then SiLU(gate) * up */
                 rms_norm(x, (const float *)(intptr_t)entry[MLP_NORM], normed, rows, dim, eps);
                 const float *w_gu = (const float *)(intptr_t)entry[W_GATE_UP];
@@ -512,6 +536,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                         hr[o] = gr[o] / (1.0f + expf(-gr[o])) * gr[ffn + o];
                 }
 #pragma omp barrier
+                LAP(PHASE_GATE_UP)
                 /* 6. down projection into the residual stream */
                 new_stage(&q4);
                 if (lp != NULL)
@@ -521,6 +546,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     project((int)layouts[L_DOWN], (const float *)(intptr_t)entry[W_DOWN], ffn,
                             dim, hidden, ffn, rows, x, dim, d0, d1, 1, &q4);
 #pragma omp barrier
+                LAP(PHASE_DOWN)
             }
             if (final_norm != NULL && !failed) {
 #pragma omp for schedule(static)
@@ -534,6 +560,11 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                     project_parts(head, dim, x, dim, rows, logits, vocab, h0, h1, 0, &q4);
                 }
             }
+            if (phase_seconds != NULL) { /* every thread or none: the same condition */
+#pragma omp barrier
+                LAP(PHASE_HEAD)
+            }
+#undef LAP
             free(normed);
             free(q4.xt);
             free(q4.groups);
@@ -550,16 +581,17 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 }
 
 /* The exported stack: `layouts` for float32 projections from the table, or `parts` (the
- * other NULL) for the mixed stack; `spread` picks the attention's prefetch placement. */
+ * other NULL) for the mixed stack; `spread` picks the attention's prefetch placement;
+ * `phase_seconds` (or NULL) [STACK_PHASES] accumulates each phase's time over the layers. */
 int fused_decode_layers(const int64_t *table, const int64_t *layouts, const int64_t *parts,
                         float *x, const float *cos, const float *sin, const int64_t *pages,
                         const int64_t *n_keys, const float *final_norm, const int64_t *head,
                         float *logits, int64_t vocab, int64_t rows, int64_t n_layers,
                         int64_t dim, int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
                         int64_t block_size, int64_t width, float eps, float scale,
-                        int n_threads, int spread) {
+                        int n_threads, int spread, double *phase_seconds) {
     if ((layouts == NULL) == (parts == NULL)) return 2;
     return run_stack(table, layouts, parts, x, cos, sin, pages, n_keys, final_norm, head,
                      logits, vocab, rows, n_layers, dim, n_heads, kv, head_dim, ffn,
-                     block_size, width, eps, scale, n_threads, spread);
+                     block_size, width, eps, scale, n_threads, spread, phase_seconds);
 }
