@@ -450,8 +450,8 @@ static inline int64_t score_stride(int64_t block_size) {
 }
 
 /* Reads `bytes` of a page's keys and values line by line, the two streams side by side,
- * prefetching the same lines of the next page (NULL: none; the vector path prefetches them
- * through its math instead), into L1 or, `into_l2`, into L2; returns the OR of what it read.
+ * prefetching the first `ahead` bytes of the same of the next page (NULL: none), into L1
+ * or, `into_l2`, into L2; returns the OR of what it read.
  * Measured: the two streams at once read ~20% faster than keys then values; prefetches
  * issued line by line through the reads, not in one burst before them (Zen 4, batch 32:
  * a burst made the walk without math 13.0 -> 15.2 ms). */
@@ -459,7 +459,8 @@ static inline __attribute__((always_inline)) vint read_page(const void *keys,
                                                             const void *values,
                                                             const void *next_keys,
                                                             const void *next_values,
-                                                            int64_t bytes, int into_l2) {
+                                                            int64_t bytes, int64_t ahead,
+                                                            int into_l2) {
     const char *k = (const char *)keys, *v = (const char *)values;
     vint sink = splat_i(0);
     for (int64_t b = 0; b + (int64_t)sizeof(vint) <= bytes; b += (int64_t)sizeof(vint)) {
@@ -467,7 +468,7 @@ static inline __attribute__((always_inline)) vint read_page(const void *keys,
         memcpy(&x, k + b, sizeof(x));
         memcpy(&y, v + b, sizeof(y));
         sink |= x | y;
-        if (next_keys != NULL && b % 64 == 0) {
+        if (next_keys != NULL && b % 64 == 0 && b < ahead) {
             if (into_l2) {
                 __builtin_prefetch((const char *)next_keys + b, 0, 2);
                 __builtin_prefetch((const char *)next_values + b, 0, 2);
@@ -480,23 +481,27 @@ static inline __attribute__((always_inline)) vint read_page(const void *keys,
     return sink;
 }
 /* read_page with its result kept: the page's math then runs from L1. Measured: the math after
- * this pass is faster than with the loads spread through it. */
+ * this pass is faster than with the loads spread through it. The whole next page is
+ * prefetched into L1, or (`spread`, the math prefetching it again) its first three quarters
+ * into L2: measured on Zen 4, median of 40 rounds, 1.21x against 1.26x with all of it. */
 static void touch_page(const void *keys, const void *values, const void *next_keys,
-                       const void *next_values, int64_t bytes, int into_l2) {
-    const vint sink = into_l2 ? read_page(keys, values, next_keys, next_values, bytes, 1)
-                              : read_page(keys, values, next_keys, next_values, bytes, 0);
+                       const void *next_values, int64_t bytes, int spread) {
+    const vint sink =
+        spread ? read_page(keys, values, next_keys, next_values, bytes, bytes * 3 / 4, 1)
+               : read_page(keys, values, next_keys, next_values, bytes, bytes, 0);
     __asm__ volatile("" : : "x"(sink));
 }
 
 /* Keys [first, last) of one row's kv heads [h0, h1), page by page, into
  * states[(h - h0) * apart].
  * Each head's page is read by touch_page, then scored and accumulated from L1. The next
- * page's lines are prefetched during the read pass: into L1 without `spread`; into L2 with
- * it, and once more through the vector math (which is faster depends on the CPU: warmup times
- * both, `paged_inplace_spread`). Measured on Zen 4, batch 32, 471 MB of K/V, median of 40
- * interleaved rounds against the read probe: 1.32x with the prefetches through the math
- * only, 1.21x with the read pass's as well (the walk without math: 1.11x); prefetching only
- * the part the read pass did not was 1.32x again, as if some prefetches were dropped. */
+ * page's lines are prefetched during the read pass: into L1 without `spread`; with it, most
+ * of them into L2, and all once more through the vector math (which is faster depends on
+ * the CPU: warmup times both, `paged_inplace_spread`). Measured on Zen 4, batch 32, 471 MB
+ * of K/V, medians of 40 rounds alternating with the read probe: 1.31-1.34x with the
+ * prefetches through the math only, 1.21-1.22x with the read pass's as well (the walk
+ * without math: 1.11x); the math no longer prefetching what the read pass did was 1.32x
+ * again, as if some prefetches were dropped. */
 #define DEFINE_SPAN(NAME, KV_T, PAGE_VECTOR, PAGE_SCALAR)                                      \
     static void NAME(const float *q_row, const KV_T *k_cache, const KV_T *v_cache,            \
                      const int64_t *row_pages, int64_t first, int64_t last, int64_t kv,       \
@@ -707,7 +712,8 @@ DEFINE_KERNEL(paged_decode_attention_bf16, paged_attention_team_bf16, uint16_t)
 
 /* The attention's memory side alone: the pages of every row read as the kernel reads them
  * (rows longest first, shared dynamically by the threads; per page and kv head, the keys and
- * values side by side, the next page's prefetched into L2), without the math. Benchmarks
+ * values side by side, the whole next page prefetched into L2: what the spread placement's
+ * read pass and math prefetch between them), without the math. Benchmarks
  * time it beside the kernel: the walk against the read-rate floor is the cost of the access
  * pattern, the kernel against the walk the math that does not hide under the reads.
  * Returns the OR of every byte read (which keeps the reads, and tells tests which bytes
@@ -738,7 +744,7 @@ int paged_kv_walk(const void *k_cache, const void *v_cache, int64_t element_byte
                 const int64_t at = (page * kv + h) * head_bytes;
                 const char *next_k = next >= 0 ? k_base + (next * kv + h) * head_bytes : NULL;
                 const char *next_v = next >= 0 ? v_base + (next * kv + h) * head_bytes : NULL;
-                sink |= read_page(k_base + at, v_base + at, next_k, next_v, bytes, 1);
+                sink |= read_page(k_base + at, v_base + at, next_k, next_v, bytes, bytes, 1);
                 for (int64_t tail = whole; tail < bytes; ++tail)
                     seen |= (unsigned char)(k_base[at + tail] | v_base[at + tail]);
             }
