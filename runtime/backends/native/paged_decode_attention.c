@@ -450,8 +450,8 @@ static inline int64_t score_stride(int64_t block_size) {
 }
 
 /* Reads `bytes` of a page's keys and values line by line, the two streams side by side,
- * prefetching the first `ahead` bytes of the same of the next page (NULL: none), into L1
- * or, `into_l2`, into L2; returns the OR of what it read.
+ * prefetching the next page's lines at the same offsets up to `ahead` bytes (NULL: none),
+ * into L1 or, `into_l2`, into L2; returns the OR of what it read.
  * Measured: the two streams at once read ~20% faster than keys then values; prefetches
  * issued line by line through the reads, not in one burst before them (Zen 4, batch 32:
  * a burst made the walk without math 13.0 -> 15.2 ms). */
@@ -498,10 +498,11 @@ static void touch_page(const void *keys, const void *values, const void *next_ke
  * page's lines are prefetched during the read pass: into L1 without `spread`; with it, most
  * of them into L2, and all once more through the vector math (which is faster depends on
  * the CPU: warmup times both, `paged_inplace_spread`). Measured on Zen 4, batch 32, 471 MB
- * of K/V, medians of 40 rounds alternating with the read probe: 1.31-1.34x with the
- * prefetches through the math only, 1.21-1.22x with the read pass's as well (the walk
- * without math: 1.11x); the math no longer prefetching what the read pass did was 1.32x
- * again, as if some prefetches were dropped. */
+ * of K/V, medians of 20-40 rounds alternating with the read probe: 1.31-1.34x with the
+ * prefetches through the math only, 1.21-1.27x with the read pass prefetching the whole
+ * next page as well, 1.16-1.22x with three quarters of it (the walk without math:
+ * 1.10-1.16x); the math no longer prefetching what the read pass did was 1.32x again, as if
+ * some prefetches were dropped. */
 #define DEFINE_SPAN(NAME, KV_T, PAGE_VECTOR, PAGE_SCALAR)                                      \
     static void NAME(const float *q_row, const KV_T *k_cache, const KV_T *v_cache,            \
                      const int64_t *row_pages, int64_t first, int64_t last, int64_t kv,       \
