@@ -729,7 +729,9 @@ class FusedDecodeLayers:
     def timing(self) -> Iterator[torch.Tensor]:
         """Within the block, every call adds each phase's seconds (`STACK_PHASES`, summed over
         the layers; a phase lasts until its slowest thread is done) to the yielded float64
-        tensor: where a fused step's time goes, as it runs."""
+        tensor: where a fused step's time goes, as it runs. For benchmarks: the kernels are
+        one per process, so calls from other threads in the block (lanes run as threads)
+        add to it too."""
         seconds = torch.zeros(len(STACK_PHASES), dtype=torch.float64)
         previous, self._phases = self._phases, seconds
         try:
