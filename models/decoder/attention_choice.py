@@ -1,8 +1,9 @@
 """Warmup's choice between the in-place decode attention's two prefetch placements.
 
 The native kernel (`native/paged_decode_attention.c`) reads each page of K/V, then runs the
-page's math from L1; the next page is prefetched either during that read pass
-(`paged_inplace`) or a few lines at a time through the math (`paged_inplace_spread`). The
+page's math from L1; the next page is prefetched either into L1 during that read pass
+(`paged_inplace`) or into L2, most of it during the read pass and all of it again a few
+lines at a time through the math (`paged_inplace_spread`). The
 results are identical; the speed depends on the CPU. On Zen 4, whose math is twice Zen 5's,
 the spread placement took a batch-32 step's attention from 19.7 to 14.5 ms, while on Zen 5
 spreading prefetches through the math measured slower (`benchmarks/RESULTS.md`). So warmup

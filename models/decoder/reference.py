@@ -23,13 +23,13 @@ def allocate_kv_cache(
     """Zeroed K/V tensors for every layer, shaped for the model's configured block size (on
     huge pages on the CPU, as the runtime's device allocates them)."""
     shape = model.kv_cache_shape(num_blocks)
-
-    def zeros() -> torch.Tensor:
-        if torch.device(model.device).type == "cpu":
-            return huge_pages.full(shape, 0.0, model.dtype)
-        return torch.zeros(shape, dtype=model.dtype, device=model.device)
-
-    return [(zeros(), zeros()) for _ in range(model.n_layers)]
+    return [
+        (
+            huge_pages.full(shape, 0.0, model.dtype, model.device),
+            huge_pages.full(shape, 0.0, model.dtype, model.device),
+        )
+        for _ in range(model.n_layers)
+    ]
 
 
 def contiguous_page_table(

@@ -58,8 +58,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return True
 
 
-def full(dims: Sequence[int], fill: float, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.full` on the CPU, on huge pages where the allocation is large enough."""
-    tensor = torch.empty(tuple(dims), dtype=dtype)
+def full(
+    dims: Sequence[int], fill: float, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """`torch.full`, on huge pages where the allocation is on the CPU and large enough."""
+    tensor = torch.empty(tuple(dims), dtype=dtype, device=device)
     advise_huge_pages(tensor)
     return tensor.fill_(fill)

@@ -131,6 +131,11 @@ def _build(compiler: str) -> Path:
     return library
 
 
+def _int64_indices(pages: torch.Tensor, n_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page table and key counts as the native kernels read them: contiguous int64."""
+    return pages.to(torch.int64).contiguous(), n_keys.to(torch.int64).contiguous()
+
+
 PagedDecodeInputs = tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
 ]
@@ -157,9 +162,10 @@ class PagedDecodeAttention:
     def __call__(self, *inputs: *PagedDecodeInputs, spread: bool = False) -> torch.Tensor:
         """`unchecked` after checking its inputs: q `[B, kv, g, hd]`; caches
         `[blocks, kv, block_size, hd]`; pages `[B, W]`; n_keys `[B]` (keys per row).
-        Returns float32 `[B, kv, g, hd]`. `spread`: the next page's lines are prefetched
-        through each page's math instead of during its read pass (same result; which is
-        faster depends on the CPU, so warmup times both)."""
+        Returns float32 `[B, kv, g, hd]`. `spread`: the next page's lines are prefetched into
+        L2, most during each page's read pass and all again through its math, instead of
+        into L1 during the read pass (same result; which is faster depends on the CPU, so
+        warmup times both)."""
         self._check(*inputs)
         return self.unchecked(*inputs, spread=spread)
 
@@ -171,8 +177,7 @@ class PagedDecodeAttention:
         self._check(*inputs)
         q, k_cache, v_cache, pages, n_keys, _scale = inputs
         batch, kv, _, head_dim = q.shape
-        pages64 = pages.to(torch.int64).contiguous()
-        keys64 = n_keys.to(torch.int64).contiguous()
+        pages64, keys64 = _int64_indices(pages, n_keys)
         seen = self._walk(
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -234,8 +239,7 @@ class PagedDecodeAttention:
         block_size = k_cache.shape[2]
         kernel = self._kernels[k_cache.dtype]
         q32 = q.to(torch.float32).contiguous()
-        pages64 = pages.to(torch.int64).contiguous()
-        keys64 = n_keys.to(torch.int64).contiguous()
+        pages64, keys64 = _int64_indices(pages, n_keys)
         width = pages64.shape[1]
         out = torch.empty_like(q32)
         failed = kernel(

@@ -164,10 +164,7 @@ class TorchDevice(AccountedDevice[torch.Tensor]):
         dims = _check_shape(shape)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if self._device.type == "cpu":
-            tensor = huge_pages.full(dims, fill, dtype)
-        else:
-            tensor = torch.full(dims, fill, dtype=dtype, device=self._device)
+        tensor = huge_pages.full(dims, fill, dtype, self._device)
         with self._lock:
             self._registry.add(tensor)
         return tensor
