@@ -43,6 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.model_step_times import BLOCK_SIZE, _cases
+from models.cli.argument_types import positive_int
+from models.cli.main import _silence_stdout
 from models.decoder import DecoderModel, load_model
 from models.decoder import dynamic_addressing as dynamic
 from models.decoder.attention import write_kv
@@ -154,16 +156,16 @@ def _writable_path(text: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--plan", action="store_true", help="measure the kernel plan first")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=positive_int, default=7)
     parser.add_argument(
         "--weights",
         choices=("float32", "stored"),
         default="float32",
         help="float32 (the dequantized model) or stored (the GGUF's Q4_1 blocks)",
     )
-    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--passes", type=positive_int, default=2)
     parser.add_argument("--rows", type=int, choices=sorted(CASES), default=32)
     parser.add_argument(
         "--peak-gflops", type=_positive_rate, default=None, help="default: measured here"
@@ -308,4 +310,11 @@ def _floors(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; --json is written at the end
+        print("decode_step_breakdown.py: interrupted, nothing written", file=sys.stderr)
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # piped into `head`: stop quietly, as the CLI does
+        _silence_stdout()
+        raise SystemExit(0) from None
