@@ -124,6 +124,17 @@ def _beside(name: str) -> bool:
     return "F.linear" in name or "step" in name or name in (WALK, PROBE)
 
 
+def _rest_lines(step_ms: float, parts_ms: float) -> list[str]:
+    """The "rest" line, and where the parts add up to more than the step, what that means."""
+    lines = [f"{'rest (per-op step - parts)':32s} {step_ms - parts_ms:12.2f} ms"]
+    if step_ms < parts_ms:
+        lines.append(
+            "  (below zero: the parts, timed apart, add up to more than the step's best call;"
+            " their spread is larger than the rest: raise --reps or --passes)"
+        )
+    return lines
+
+
 def _time(call: Callable[[], object], reps: int) -> list[float]:
     call()
     times = []
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:32s} min {best[name]:8.2f} ms   median {statistics.median(times) * 1e3:8.2f} ms"
         )
     step = best.get("step, per-op path", best["step (model.decode)"])
-    print(f"{'rest (per-op step - parts)':32s} {step - accounted:12.2f} ms")
+    print("\n".join(_rest_lines(step, accounted)))
     peak = args.peak_gflops
     if peak is None:
         from benchmarks.gemm_candidates import peak_rate

@@ -1,4 +1,5 @@
-"""`benchmarks/decode_step_breakdown.py` refuses bad flags before loading a model or timing."""
+"""`benchmarks/decode_step_breakdown.py` refuses bad flags before loading a model or timing,
+and says what a negative rest means."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.decode_step_breakdown import main
+from benchmarks.decode_step_breakdown import _rest_lines, main
 
 
 @pytest.mark.parametrize(
@@ -35,3 +36,16 @@ def test_a_json_path_in_a_missing_folder_is_refused(
     with pytest.raises(SystemExit):
         main(["--json", str(target)])
     assert f"the folder {target.parent} does not exist" in capsys.readouterr().err
+
+
+def test_a_positive_rest_is_one_line() -> None:
+    lines = _rest_lines(80.0, 72.5)
+    assert len(lines) == 1
+    assert lines[0].startswith("rest (per-op step - parts)")
+    assert lines[0].endswith("7.50 ms")
+
+
+def test_a_negative_rest_says_to_measure_longer() -> None:
+    lines = _rest_lines(70.0, 72.5)
+    assert lines[0].endswith("-2.50 ms")
+    assert "raise --reps or --passes" in lines[1]
