@@ -60,6 +60,7 @@ _HEADERS = tuple(
         "gemm_panels.h",
         "gemm_panels_i16.h",
         "scratch_alloc.h",
+        "exp_nonpositive.h",
     )
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")

@@ -180,6 +180,40 @@ def test_fused_stack_equals_the_per_op_decode(
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_fused_silu_matches_torch_far_from_zero(rows: int) -> None:
+    """Gate values out to +-500 (past the exponent's clamp at -87 on both sides of zero), an
+    FFN width that splits into a vector part and a scalar tail per thread: the fused
+    stack's SiLU equals torch's, with no inf or NaN."""
+    args = LlamaArgs(
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        vocab_size=96,
+        ffn_dim=53,
+        head_dim=16,
+        max_seq_len=64,
+        rope_theta=10000.0,
+        name="tiny-random-silu",
+    )
+    weights = random_state_dict(args, seed=7)
+    gate = weights["model.layers.0.mlp.gate_proj.weight"]
+    gate.mul_(500.0 / gate.abs().max())
+    model = DecoderModel.from_state_dict(args, weights)
+    model.apply_kernel_plan(_plan(model, {}))
+    per_op, fused, _, _ = _decode_both_ways(
+        model,
+        block_size=8,
+        positions=[3 + 9 * row for row in range(rows)],
+        shared_pages=False,
+        seed=rows,
+    )
+    assert torch.isfinite(fused).all()
+    torch.testing.assert_close(fused, per_op, atol=2e-5, rtol=2e-5)
+
+
+@needs_native
 def test_timing_a_fused_step_changes_nothing_and_times_every_phase() -> None:
     """`FusedDecodeLayers.timing`: bit-identical logits and caches, a positive time for every
     phase of a step that runs the final norm and head, summing to less than the step's wall

@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_nonpositive.h"
 #include "gemm_panels.h"
 #include "gemm_panels_i16.h"
 #include "quant_blocks.h"
@@ -357,6 +358,26 @@ static void rms_norm(const float *x, const float *weight, float *out, int64_t ro
 /* Rotate-half in place: value d pairs with d + half (the signed `sin` carries the minus).
  * Two halves side by side, so the loop vectorises: with a `(d + half) % head_dim` partner
  * and a scratch copy the scalar loop cost 0.85 ms of a 30 ms batch-32 step on Zen 5. */
+/* out = SiLU(gate) * up over n values, SiLU(x) = x e / (1 + e) with e = e^-|x| (for x >= 0
+ * the numerator's e is 1), so the exponent is never positive; vectorised
+ * (`exp_nonpositive.h`). */
+static void swiglu(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + EXP_LANES <= n; i += EXP_LANES) {
+        exp_vfloat x, u;
+        memcpy(&x, gate + i, sizeof(x));
+        memcpy(&u, up + i, sizeof(u));
+        const exp_vint positive = x >= exp_splat(0.0f);
+        const exp_vfloat e = vexp_nonpositive(exp_select(positive, -x, x));
+        const exp_vfloat y = x * exp_select(positive, exp_splat(1.0f), e) / (exp_splat(1.0f) + e) * u;
+        memcpy(out + i, &y, sizeof(y));
+    }
+    for (; i < n; ++i) {
+        const float x = gate[i], e = exp_nonpositive(x >= 0.0f ? -x : x);
+        out[i] = x * (x >= 0.0f ? 1.0f : e) / (1.0f + e) * up[i];
+    }
+}
+
 static void rotate(float *head, const float *cos, const float *sin, int64_t head_dim) {
     const int64_t half = head_dim / 2;
 #pragma omp simd
@@ -531,9 +552,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                 }
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *gr = gate_up + r * 2 * ffn;
-                    float *hr = hidden + r * ffn;
-                    for (int64_t o = f0; o < f1; ++o)
-                        hr[o] = gr[o] / (1.0f + expf(-gr[o])) * gr[ffn + o];
+                    swiglu(gr + f0, gr + ffn + f0, hidden + r * ffn + f0, f1 - f0);
                 }
 #pragma omp barrier
                 LAP(PHASE_GATE_UP)

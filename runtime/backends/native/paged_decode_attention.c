@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_nonpositive.h"
 #include "scratch_alloc.h"
 
 /* Floats of per-item scratch (scores, a key block, states) kept on the stack; more is allocated. */
@@ -96,7 +97,7 @@ static inline float hsum(vfloat v) {
 }
 
 /* Largest lane: each step keeps the larger of the vector and its halves swapped. */
-static inline vfloat vmax(vfloat a, vfloat b);
+static inline vfloat vmax(vfloat a, vfloat b) { return exp_select(a > b, a, b); }
 static inline float hmax(vfloat v) {
 #if LANES == 16
     v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
@@ -110,48 +111,6 @@ static inline float hmax(vfloat v) {
 #endif
     return v[0];
 }
-
-/* e^x for x <= 0 (scores minus their running maximum), relative error below 2e-7; 0 below
- * -87 (so -inf gives 0). Cody-Waite reduction and Cephes' polynomial, no libm. */
-#define EXP_BODY(FLOAT, INT, SPLAT_F, SPLAT_I, SELECT)                                          \
-    const FLOAT shifter = SPLAT_F(12582912.0f); /* 1.5 * 2^23: adding it rounds */            \
-    const FLOAT low = SPLAT_F(-87.0f);                                                         \
-    const FLOAT clamped = SELECT(x < low, low, x);                                             \
-    const FLOAT shifted = clamped * SPLAT_F(1.44269504f) + shifter;                            \
-    const FLOAT n = shifted - shifter;                                                         \
-    const FLOAT r = (clamped - n * SPLAT_F(0.693145752f)) - n * SPLAT_F(1.42860677e-6f);       \
-    FLOAT p = SPLAT_F(1.98756912e-4f);                                                         \
-    p = p * r + SPLAT_F(1.39819994e-3f);                                                       \
-    p = p * r + SPLAT_F(8.33345205e-3f);                                                       \
-    p = p * r + SPLAT_F(4.16657962e-2f);                                                       \
-    p = p * r + SPLAT_F(1.66666672e-1f);                                                       \
-    p = p * r + SPLAT_F(5.0e-1f);                                                              \
-    p = p * r * r + r + SPLAT_F(1.0f);                                                         \
-    INT bits;                                                                                  \
-    memcpy(&bits, &shifted, sizeof(bits));                                                     \
-    INT scale_bits = (bits - SPLAT_I(0x4B400000)) * SPLAT_I(1 << 23) + SPLAT_I(0x3F800000);    \
-    FLOAT scale;                                                                               \
-    memcpy(&scale, &scale_bits, sizeof(scale));                                                \
-    return SELECT(x < low, SPLAT_F(0.0f), p * scale);
-
-#define SCALAR_SELECT(mask, a, b) ((mask) ? (a) : (b))
-#define SCALAR_SPLAT(x) (x)
-static inline float exp_nonpositive(float x) {
-    EXP_BODY(float, int32_t, SCALAR_SPLAT, SCALAR_SPLAT, SCALAR_SELECT)
-}
-
-static inline vint splat_i(int32_t x) { return x - (vint){0}; }
-static inline vfloat vselect(vint mask, vfloat a, vfloat b) {
-    vint ai, bi;
-    memcpy(&ai, &a, sizeof(ai));
-    memcpy(&bi, &b, sizeof(bi));
-    vint out = (ai & mask) | (bi & ~mask);
-    vfloat f;
-    memcpy(&f, &out, sizeof(f));
-    return f;
-}
-static inline vfloat vmax(vfloat a, vfloat b) { return vselect(a > b, a, b); }
-static inline vfloat vexp_nonpositive(vfloat x) { EXP_BODY(vfloat, vint, splat, splat_i, vselect) }
 
 /* Online-softmax state of one work item: running maximum and sum per query, and the
  * unnormalised output [g, hd], in `state_floats` floats of someone's buffer. */
@@ -297,7 +256,7 @@ static const float lane_index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1
                 const vfloat qv = load_f32(qg + c);                                          \
                 for (int j = 0; j < LANES; ++j) part[j] += qv * LOAD(keys + j * head_dim + c); \
             }                                                                                \
-            const vfloat s = vselect(beyond, splat(-INFINITY), reduce_lanes(part) * splat(scale)); \
+            const vfloat s = exp_select(beyond, splat(-INFINITY), reduce_lanes(part) * splat(scale)); \
             memcpy(out + gi * stride, &s, sizeof(s));                                        \
         }                                                                                    \
     }                                                                                        \
@@ -462,7 +421,7 @@ static inline __attribute__((always_inline)) vint read_page(const void *keys,
                                                             int64_t bytes, int64_t ahead,
                                                             int into_l2) {
     const char *k = (const char *)keys, *v = (const char *)values;
-    vint sink = splat_i(0);
+    vint sink = exp_splat_i(0);
     for (int64_t b = 0; b + (int64_t)sizeof(vint) <= bytes; b += (int64_t)sizeof(vint)) {
         vint x, y;
         memcpy(&x, k + b, sizeof(x));
@@ -732,7 +691,7 @@ int paged_kv_walk(const void *k_cache, const void *v_cache, int64_t element_byte
     for (int64_t item = 0; item < batch; ++item) {
         const int64_t b = order[item], keys = n_keys[b] > 0 ? n_keys[b] : 0;
         const int64_t *row_pages = pages + b * width;
-        vint sink = splat_i(0);
+        vint sink = exp_splat_i(0);
         for (int64_t slot = 0; slot * block_size < keys; ++slot) {
             const int64_t page = row_pages[slot];
             if (page < 0) continue;
