@@ -125,7 +125,10 @@ static inline QB_NO_CONTRACT void qg_dequantize(const qb_matrix *m, int64_t o0, 
 #endif
 
 /* Rows [r0, r0 + n) of x (`cols` values a row, `ldx` apart) as groups `[cols, V * QG_LANES]`,
- * zero-padded. */
+ * zero-padded. In blocks of 16 columns, every row writing into the block's 2 KiB of the group
+ * before the next block: a row at a time over all columns writes a line per value across the
+ * whole group (74-196 KiB, past L1), and that cost 2 ms of a 32-row SmolLM2 step on Zen 4
+ * (one stage's transpose 11.4 -> 5.4 us at 576 columns, 30.6 -> 14.9 at 1536). */
 static inline void qg_transpose(const float *x, int64_t ldx, int64_t cols, int64_t r0,
                                 int64_t n, int V, float *xt) {
     const int64_t width = (int64_t)V * QG_LANES;
@@ -133,9 +136,13 @@ static inline void qg_transpose(const float *x, int64_t ldx, int64_t cols, int64
         float *group = xt + g * width * cols;
         const int64_t rows = n - g * width < width ? n - g * width : width;
         if (rows < width) memset(group, 0, sizeof(float) * width * cols);
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *row = x + (r0 + g * width + r) * ldx;
-            for (int64_t i = 0; i < cols; ++i) group[i * width + r] = row[i];
+        for (int64_t i0 = 0; i0 < cols; i0 += 16) {
+            const int64_t count = cols - i0 < 16 ? cols - i0 : 16;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float *row = x + (r0 + g * width + r) * ldx + i0;
+                float *column = group + i0 * width + r;
+                for (int64_t i = 0; i < count; ++i) column[i * width] = row[i];
+            }
         }
     }
 }

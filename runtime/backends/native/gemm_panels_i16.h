@@ -84,9 +84,11 @@ static inline void qi_prepare(const float *x, int64_t ldx, int64_t rows, int64_t
         float *steps = group + nb * 16 * width, *sums = steps + nb * width;
         const int64_t n = rows - g * width < width ? rows - g * width : width;
         if (n < width) memset(group, 0, sizeof(float) * qi_group_floats(cols, width));
-        for (int64_t r = 0; r < n; ++r) {
-            const float *row = x + (g * width + r) * ldx;
-            for (int64_t b = 0; b < nb; ++b) {
+        /* block by block, every row into the block's words: they stay in L1 (see
+         * `qg_transpose`) */
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int64_t r = 0; r < n; ++r) {
+                const float *row = x + (g * width + r) * ldx;
                 __m256i lo, hi;
                 steps[b * width + r] = qb_i16_round_block(row + b * 32, &lo, &hi, &sums[b * width + r]);
                 int32_t pairs[16];
