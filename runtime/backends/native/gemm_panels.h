@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) void qg_micro(const int V, const fl
         for (int v = 0; v < V; ++v) x[v] = qg_load(xt + i * width + v * QG_LANES);
 #pragma GCC unroll 16
         for (int o = 0; o < QG_NR; ++o) {
-            const qg_vec w = (qg_vec){0} + panel[o * cols + i];
+            const qg_vec w = panel[o * cols + i] - (qg_vec){0}; /* a broadcast (x + 0 is not x for -0) */
 #pragma GCC unroll 2
             for (int v = 0; v < V; ++v) acc[o][v] += w * x[v];
         }
