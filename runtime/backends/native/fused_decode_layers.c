@@ -137,7 +137,7 @@ static inline void new_stage(q4_input *q4) {
 /* The stage input as `qg_stripe` takes it (transposed once per stage and thread). */
 static const float *panel_groups(const float *x, int64_t ldx, int64_t n_in, int64_t rows,
                                  q4_input *q4) {
-    if (!q4->groups_ready) qg_transpose(x, ldx, n_in, 0, rows, qg_vectors(rows), q4->groups);
+    if (!q4->groups_ready) qg_transpose(x, ldx, n_in, 0, rows, qg_width(rows), q4->groups);
     q4->groups_ready = 1;
     return q4->groups;
 }

@@ -40,36 +40,44 @@ static inline qg_vec qg_load(const float *p) {
     return v;
 }
 
-/* tmp[o, l] = sum_i panel[o, i] xt[i, l] for o < QG_NR, l < V * QG_LANES; meanwhile the
- * `ahead` bytes at `next` (the next panel's blocks) are fetched into the cache, a line per
- * column, so its dequantization does not wait for memory. */
-static inline __attribute__((always_inline)) void qg_micro(const int V, const float *panel,
-                                                           int64_t cols, const float *xt,
-                                                           float *tmp, const char *next,
-                                                           int64_t ahead) {
-    qg_vec acc[QG_NR][2];
-#pragma GCC unroll 16
-    for (int o = 0; o < QG_NR; ++o)
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) acc[o][v] = (qg_vec){0};
-    const int64_t width = (int64_t)V * QG_LANES;
-    for (int64_t i = 0; i < cols; ++i) {
-        if (i * 64 < ahead) __builtin_prefetch(next + i * 64, 0, 3);
-        qg_vec x[2];
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) x[v] = qg_load(xt + i * width + v * QG_LANES);
-#pragma GCC unroll 16
-        for (int o = 0; o < QG_NR; ++o) {
-            const qg_vec w = panel[o * cols + i] - (qg_vec){0}; /* a broadcast (x + 0 is not x for -0) */
-#pragma GCC unroll 2
-            for (int v = 0; v < V; ++v) acc[o][v] += w * x[v];
-        }
+/* tmp[o, l] = sum_i panel[o, i] xt[i, l] for o < QG_NR, l < V * VLANES (vectors VEC of
+ * VLANES floats); meanwhile the `ahead` bytes at `next` (the next panel's blocks) are fetched
+ * into the cache, a line per column, so its dequantization does not wait for memory. Defined
+ * per vector width (below). */
+#define QG_DEFINE_MICRO(NAME, VEC, VLANES)                                                     \
+    static inline __attribute__((always_inline)) void NAME(                                    \
+        const int V, const float *panel, int64_t cols, const float *xt, float *tmp,            \
+        const char *next, int64_t ahead) {                                                     \
+        VEC acc[QG_NR][2];                                                                     \
+        _Pragma("GCC unroll 16") for (int o = 0; o < QG_NR; ++o)                               \
+            _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) acc[o][v] = (VEC){0};          \
+        const int64_t width = (int64_t)V * (VLANES);                                           \
+        for (int64_t i = 0; i < cols; ++i) {                                                   \
+            if (i * 64 < ahead) __builtin_prefetch(next + i * 64, 0, 3);                       \
+            VEC x[2];                                                                          \
+            _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v)                                \
+                memcpy(&x[v], xt + i * width + v * (VLANES), sizeof(VEC));                     \
+            _Pragma("GCC unroll 16") for (int o = 0; o < QG_NR; ++o) {                         \
+                /* a broadcast: x - 0 folds to it, x + 0 does not (-0 + 0 is +0) */            \
+                const VEC w = panel[o * cols + i] - (VEC){0};                                  \
+                _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) acc[o][v] += w * x[v];     \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 16") for (int o = 0; o < QG_NR; ++o)                               \
+            _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v)                                \
+                memcpy(tmp + o * width + v * (VLANES), &acc[o][v], sizeof(VEC));               \
     }
-#pragma GCC unroll 16
-    for (int o = 0; o < QG_NR; ++o)
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) memcpy(tmp + o * width + v * QG_LANES, &acc[o][v], sizeof(qg_vec));
-}
+
+QG_DEFINE_MICRO(qg_micro, qg_vec, QG_LANES)
+#if QG_LANES == 16
+/* Half-width vectors for groups of at most 8 rows: 16 lanes would leave half of every FMA
+ * empty. On Zen 4 a 512-bit FMA issues at half the rate of a 256-bit one, so 8 full lanes do
+ * the same work in half the time (a 16-row fused step took no longer than an 8-row one); on
+ * CPUs with two 512-bit FMA units the two tie. */
+typedef float qg_half __attribute__((vector_size(8 * sizeof(float))));
+QG_DEFINE_MICRO(qg_micro_half, qg_half, 8)
+#endif
+#undef QG_DEFINE_MICRO
 
 #if defined(__AVX512F__)
 /* Rows [o0, o1) of m into panel `[o1 - o0, cols]`: `qb_dequantize_rows` with the blocks of 32
@@ -151,7 +159,7 @@ static inline __attribute__((always_inline)) void qg_transpose_tile(qg_vec t[16]
 #undef QG_STAGE
 #endif
 
-/* Rows [r0, r0 + n) of x (`cols` values a row, `ldx` apart) as groups `[cols, V * QG_LANES]`,
+/* Rows [r0, r0 + n) of x (`cols` values a row, `ldx` apart) as groups `[cols, width]`,
  * zero-padded. In blocks of 16 columns, every row writing into the block's 2 KiB of the
  * group before the next block, 16 rows at a time as a tile transposed in registers where the
  * vectors have 16 lanes. Row by row over all columns, a line written per value across the
@@ -159,8 +167,7 @@ static inline __attribute__((always_inline)) void qg_transpose_tile(qg_vec t[16]
  * stage's transpose at 32 rows and 576 columns: 11.4 us that way, 5.9 in blocks, 2.5 in
  * tiles. */
 static inline void qg_transpose(const float *x, int64_t ldx, int64_t cols, int64_t r0,
-                                int64_t n, int V, float *xt) {
-    const int64_t width = (int64_t)V * QG_LANES;
+                                int64_t n, int64_t width, float *xt) {
     for (int64_t g = 0; g * width < n; ++g) {
         float *group = xt + g * width * cols;
         const float *first = x + (r0 + g * width) * ldx;
@@ -187,13 +194,23 @@ static inline void qg_transpose(const float *x, int64_t ldx, int64_t cols, int64
     }
 }
 
-/* Lanes per activation group for `rows`: 32-row groups where there are more than 16 rows
- * (16 with 8-lane vectors), else one vector (no half-empty second vector). */
+/* Vectors per activation group for `rows` (the int16 panels' groups): 32-row groups where
+ * there are more than 16 rows (16 with 8-lane vectors), else one vector (no half-empty second
+ * vector). */
 static inline int qg_vectors(int64_t rows) { return rows > QG_LANES ? 2 : 1; }
+
+/* Rows per activation group of the float panels for `rows`: as `qg_vectors`, and 8 (one
+ * half-width vector) for at most 8 rows where vectors have 16 lanes. */
+static inline int64_t qg_width(int64_t rows) {
+#if QG_LANES == 16
+    if (rows <= 8) return 8;
+#endif
+    return (int64_t)qg_vectors(rows) * QG_LANES;
+}
 
 /* Floats of `qg_transpose`'s output for `rows` rows of `cols` values. */
 static inline int64_t qg_transposed_floats(int64_t rows, int64_t cols) {
-    const int64_t width = (int64_t)qg_vectors(rows) * QG_LANES;
+    const int64_t width = qg_width(rows);
     return (rows + width - 1) / width * width * cols;
 }
 
@@ -217,14 +234,13 @@ static inline void qg_store_tile(const float *tmp, int64_t width, int64_t nr, in
 }
 
 /* y[r, o] (= or += where `accumulate`) sum_i W[o, i] x[r, i] for o in [o0, o1), r < rows;
- * `xt` is x as `qg_transpose` wrote it with V = qg_vectors(rows). W is `m`'s blocks, or
+ * `xt` is x as `qg_transpose` wrote it with width = qg_width(rows). W is `m`'s blocks, or
  * where m is NULL the float32 rows `w` `[*, cols]` (read in place). `scratch`: this thread's
  * `qg_scratch_floats(cols)`. */
 static inline void qg_stripe(const qb_matrix *m, const float *w, int64_t cols, const float *xt,
                       int64_t rows, float *y, int64_t ldy, int64_t o0, int64_t o1,
                       int accumulate, float *scratch) {
-    const int V = qg_vectors(rows);
-    const int64_t width = (int64_t)V * QG_LANES, groups = (rows + width - 1) / width;
+    const int64_t width = qg_width(rows), groups = (rows + width - 1) / width;
     float *panel = scratch, *tmp = scratch + QG_NR * cols;
     const int64_t row_bytes = m == NULL ? cols * 4 : (m->kind == QB_Q4 ? cols / 2 : cols);
     const int64_t scale_row = m == NULL ? 0 : (cols / m->block) * (m->scale_f16 ? 2 : 4);
@@ -249,10 +265,14 @@ static inline void qg_stripe(const qb_matrix *m, const float *w, int64_t cols, c
         const char *next = base + e * row_bytes;
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t ahead = g ? 0 : next_rows * row_bytes;
-            if (V == 2)
+            if (width == 2 * QG_LANES)
                 qg_micro(2, use, cols, xt + g * width * cols, tmp, next, ahead);
-            else
+            else if (width == QG_LANES)
                 qg_micro(1, use, cols, xt + g * width * cols, tmp, next, ahead);
+#if QG_LANES == 16
+            else
+                qg_micro_half(1, use, cols, xt + g * width * cols, tmp, next, ahead);
+#endif
             const int64_t rg = g * width, nr = rows - rg < width ? rows - rg : width;
             qg_store_tile(tmp, width, nr, count, y + rg * ldy + o, ldy, accumulate);
         }

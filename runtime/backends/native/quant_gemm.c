@@ -41,7 +41,7 @@ static int gemm(const qb_matrix *m, const float *x, float *out, int64_t rows, in
             qi_prepare(x + r0 * cols, cols, n, cols, xt);
         else
 #endif
-            qg_transpose(x, cols, cols, r0, n, qg_vectors(n), xt);
+            qg_transpose(x, cols, cols, r0, n, qg_width(n), xt);
 #pragma omp parallel num_threads(n_threads)
         {
             const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
