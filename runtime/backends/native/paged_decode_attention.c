@@ -42,14 +42,11 @@
 /* Work items per thread below which rows are split into key spans. */
 #define ITEMS_PER_THREAD 4
 
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
-
-typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+/* The native vector width and types (16 lanes with AVX-512, else 8), as `exp_nonpositive.h`
+ * defines them. */
+#define LANES EXP_LANES
+typedef exp_vfloat vfloat;
+typedef exp_vint vint;
 typedef uint16_t vhalf __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline float bf16_to_float(uint16_t value) {
@@ -73,8 +70,6 @@ static inline vfloat load_bf16(const uint16_t *p) {
     memcpy(&v, &bits, sizeof(v));
     return v;
 }
-
-static inline vfloat splat(float x) { return x - (vfloat){0}; }
 
 typedef float vquarter __attribute__((vector_size(4 * sizeof(float))));
 
@@ -155,8 +150,8 @@ static inline float softmax_scores(const span_state *state, int64_t gi, float *s
         state->total[gi] *= factor;
         state->top[gi] = top;
     }
-    const vfloat current = splat(state->top[gi]);
-    vfloat sum = splat(0.0f);
+    const vfloat current = exp_splat(state->top[gi]);
+    vfloat sum = exp_splat(0.0f);
     for (int64_t t = 0; t < padded; t += LANES) {
         const vfloat w = vexp_nonpositive(load_f32(s + t) - current);
         memcpy(s + t, &w, sizeof(w));
@@ -246,17 +241,17 @@ static const float lane_index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1
         const float *restrict qh, const KV_T *restrict keys, int64_t valid, int64_t group,   \
         int64_t head_dim, float scale, int64_t stride, float *restrict out,                  \
         const KV_T *ahead, int64_t ahead_lines) {                                            \
-        const vint beyond = load_f32(lane_index) >= splat((float)valid);                      \
+        const vint beyond = load_f32(lane_index) >= exp_splat((float)valid);                      \
         for (int64_t gi = 0; gi < group; ++gi) {                                             \
             prefetch_lines(ahead, gi * ahead_lines / group, (gi + 1) * ahead_lines / group);  \
             const float *qg = qh + gi * head_dim;                                            \
             vfloat part[LANES];                                                              \
-            for (int j = 0; j < LANES; ++j) part[j] = splat(0.0f);                           \
+            for (int j = 0; j < LANES; ++j) part[j] = exp_splat(0.0f);                           \
             for (int64_t c = 0; c < head_dim; c += LANES) {                                  \
                 const vfloat qv = load_f32(qg + c);                                          \
                 for (int j = 0; j < LANES; ++j) part[j] += qv * LOAD(keys + j * head_dim + c); \
             }                                                                                \
-            const vfloat s = exp_select(beyond, splat(-INFINITY), reduce_lanes(part) * splat(scale)); \
+            const vfloat s = exp_select(beyond, exp_splat(-INFINITY), reduce_lanes(part) * exp_splat(scale)); \
             memcpy(out + gi * stride, &s, sizeof(s));                                        \
         }                                                                                    \
     }                                                                                        \
@@ -285,14 +280,14 @@ static const float lane_index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1
         vfloat a[TILE_QUERIES][TILE_CHUNKS];                                                 \
         for (int qi = 0; qi < nq; ++qi)                                                      \
             for (int c = 0; c < nc; ++c)                                                     \
-                a[qi][c] = load_f32(acc + qi * head_dim + c * LANES) * splat(factor[qi]);    \
+                a[qi][c] = load_f32(acc + qi * head_dim + c * LANES) * exp_splat(factor[qi]);    \
         for (int64_t t = 0; t < count; ++t) {                                                \
             if (ahead != NULL)                                                               \
                 prefetch_lines(ahead + t * head_dim, 0, lines_of(1, head_dim * sizeof(KV_T)));  \
             vfloat v[TILE_CHUNKS];                                                           \
             for (int c = 0; c < nc; ++c) v[c] = LOAD(values + t * head_dim + c * LANES);     \
             for (int qi = 0; qi < nq; ++qi) {                                                \
-                const vfloat wq = splat(w[qi * stride + t]);                                 \
+                const vfloat wq = exp_splat(w[qi * stride + t]);                                 \
                 for (int c = 0; c < nc; ++c) a[qi][c] += wq * v[c];                          \
             }                                                                                \
         }                                                                                    \
