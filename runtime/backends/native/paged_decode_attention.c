@@ -241,12 +241,12 @@ static const float lane_index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1
         const float *restrict qh, const KV_T *restrict keys, int64_t valid, int64_t group,   \
         int64_t head_dim, float scale, int64_t stride, float *restrict out,                  \
         const KV_T *ahead, int64_t ahead_lines) {                                            \
-        const vint beyond = load_f32(lane_index) >= exp_splat((float)valid);                      \
+        const vint beyond = load_f32(lane_index) >= exp_splat((float)valid);                  \
         for (int64_t gi = 0; gi < group; ++gi) {                                             \
             prefetch_lines(ahead, gi * ahead_lines / group, (gi + 1) * ahead_lines / group);  \
             const float *qg = qh + gi * head_dim;                                            \
             vfloat part[LANES];                                                              \
-            for (int j = 0; j < LANES; ++j) part[j] = exp_splat(0.0f);                           \
+            for (int j = 0; j < LANES; ++j) part[j] = exp_splat(0.0f);                        \
             for (int64_t c = 0; c < head_dim; c += LANES) {                                  \
                 const vfloat qv = load_f32(qg + c);                                          \
                 for (int j = 0; j < LANES; ++j) part[j] += qv * LOAD(keys + j * head_dim + c); \
@@ -280,14 +280,14 @@ static const float lane_index[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1
         vfloat a[TILE_QUERIES][TILE_CHUNKS];                                                 \
         for (int qi = 0; qi < nq; ++qi)                                                      \
             for (int c = 0; c < nc; ++c)                                                     \
-                a[qi][c] = load_f32(acc + qi * head_dim + c * LANES) * exp_splat(factor[qi]);    \
+                a[qi][c] = load_f32(acc + qi * head_dim + c * LANES) * exp_splat(factor[qi]); \
         for (int64_t t = 0; t < count; ++t) {                                                \
             if (ahead != NULL)                                                               \
                 prefetch_lines(ahead + t * head_dim, 0, lines_of(1, head_dim * sizeof(KV_T)));  \
             vfloat v[TILE_CHUNKS];                                                           \
             for (int c = 0; c < nc; ++c) v[c] = LOAD(values + t * head_dim + c * LANES);     \
             for (int qi = 0; qi < nq; ++qi) {                                                \
-                const vfloat wq = exp_splat(w[qi * stride + t]);                                 \
+                const vfloat wq = exp_splat(w[qi * stride + t]);                              \
                 for (int c = 0; c < nc; ++c) a[qi][c] += wq * v[c];                          \
             }                                                                                \
         }                                                                                    \
