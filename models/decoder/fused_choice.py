@@ -8,9 +8,11 @@ weights (all layers, so they stream from memory as in a real step) against a scr
 cache of the model's block size, and keeps the fused stack where it measures faster. Where
 the CPU has VNNI and weights are held in q4 blocks, the stack is also timed with int16
 activations (`native/quant_blocks_i16.h`), and with `--weights stored-int8` with int8 ones
-(`native/quant_blocks_i8.h`); the fastest variant over the buckets is kept. The result is
-recorded in the kernel plan (`KernelPlan.fused_decode`), so a replayed plan makes the same
-choice without timing anything.
+(`native/quant_blocks_i8.h`); the fastest variant over the buckets is kept. Each variant is
+timed with the LM head as the stack's last stage and with it in its own call, in its plan
+form; per bucket the faster placement is kept (in the call at 1-4 rows and 32 on Zen 4, apart
+at 8). The result is recorded in the kernel plan (`KernelPlan.fused_decode`, `fused_head`),
+so a replayed plan makes the same choice without timing anything.
 """
 
 from __future__ import annotations
@@ -93,20 +95,27 @@ def _choose(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
     block_size = paged.block_size if paged is not None else _DEFAULT_BLOCK_SIZE
     variants = _variants(model)
     timings: list[tuple[int, dict[str, float], float]] = []
+    placements: dict[int, dict[str, tuple[float, float]]] = {}
     started = time.perf_counter()
     with torch.inference_mode():
         for bucket in buckets:
-            fused, per_op = _time_bucket(model, bucket, block_size, variants)
-            timings.append((bucket, {v: s * 1e6 for v, s in fused.items()}, per_op * 1e6))
+            placed, per_op = _time_bucket(model, bucket, block_size, variants)
+            placements[bucket] = {v: (i * 1e6, a * 1e6) for v, (i, a) in placed.items()}
+            fused = {v: min(times) for v, times in placements[bucket].items()}
+            timings.append((bucket, fused, per_op * 1e6))
     logger.info("measured the fused decode stack in %.2f s", time.perf_counter() - started)
     # One parts table serves every bucket: the variant fastest over the buckets, each bucket
     # weighed alike (time relative to float32's), so a few milliseconds of noise at 32 rows,
     # where the variants run the same exact panels, cannot outvote a 5% gain at 1 row.
     kept = min(variants, key=lambda v: sum(fused[v] / fused["float32"] for _, fused, _ in timings))
+    chosen = tuple(bucket for bucket, fused, per_op in timings if fused[kept] < per_op)
+    head = {bucket: placements[bucket][kept] for bucket, _, _ in timings}
     return attrs.evolve(
         plan,
-        fused_decode=tuple(bucket for bucket, fused, per_op in timings if fused[kept] < per_op),
+        fused_decode=chosen,
         fused_timings=tuple((bucket, fused[kept], per_op) for bucket, fused, per_op in timings),
+        fused_head=tuple(b for b in chosen if head[b][0] <= head[b][1]),
+        fused_head_timings=tuple((b, in_call, apart) for b, (in_call, apart) in head.items()),
         fused_activations=kept,
         fused_variant_timings=tuple(
             (variant, bucket, fused[variant])
@@ -142,9 +151,9 @@ def _variants(model: TimedDecoder) -> tuple[str, ...]:
 
 def _time_bucket(
     model: TimedDecoder, rows: int, block_size: int, variants: tuple[str, ...]
-) -> tuple[dict[str, float], float]:
-    """Best seconds of one decode step of `rows` rows: fused (per activation variant), then
-    per-op."""
+) -> tuple[dict[str, tuple[float, float]], float]:
+    """Best seconds of one decode step of `rows` rows: fused (per activation variant, with
+    the LM head in the call and apart), then per-op."""
     pages_per_row = (_CONTEXT + rows) // block_size + 1
     blocks = rows * pages_per_row
     shape = (blocks, model.args.n_kv_heads, block_size, model.args.head_dim)
@@ -157,9 +166,12 @@ def _time_bucket(
     pages = torch.arange(blocks, dtype=torch.long).view(rows, pages_per_row)
     positions = torch.arange(rows, dtype=torch.long) + _CONTEXT
     tokens = torch.arange(rows, dtype=torch.long) % model.vocab_size
-    stacks: dict[str | None, FusedDecodeStack | None] = {
-        variant: FusedDecodeStack(model, [rows], [rows], activations=variant)
+    stacks: dict[tuple[str, bool] | None, FusedDecodeStack | None] = {
+        (variant, in_call): FusedDecodeStack(
+            model, [rows], [rows], activations=variant, head_rows=[rows] if in_call else []
+        )
         for variant in variants
+        for in_call in (True, False)
     }
     stacks[None] = None  # the per-op path
     saved = model.fused_decode
@@ -175,4 +187,4 @@ def _time_bucket(
                     best[key] = min(best[key], seconds)
     finally:
         model.fused_decode = saved
-    return {v: best[v] for v in variants}, best[None]
+    return {v: (best[(v, True)], best[(v, False)]) for v in variants}, best[None]

@@ -12,9 +12,10 @@ views, copies, residual adds) around the weight-streaming products; their overhe
 third of the step. `runtime/backends/native/fused_decode_layers.c` runs the whole stack in
 one OpenMP region instead, streaming each weight once in the layout the kernel plan chose,
 writing K/V into the paged cache and attending over the row's pages in place. The final norm
-runs in the same call, and up to `kernels.HEAD_IN_STACK_UP_TO` rows the LM head too, as its
-last stage (with the activations of the form the plan measured for the head at that bucket:
-int16 or int8 where it chose those, float32 otherwise); the embedding lookup stays outside.
+runs in the same call, and in the buckets where warmup measured it faster
+(`KernelPlan.fused_head`) the LM head too, as its last stage (with the activations of the form
+the plan measured for the head at that bucket: int16 or int8 where it chose those, float32
+otherwise); the embedding lookup stays outside.
 
 Warmup decides, per row bucket, whether this path runs (`models.decoder.fused_choice`); the
 model's dynamic decode asks `FusedDecodeStack.runs(rows)` (see `DecoderModel.decode_rows`).
@@ -159,17 +160,23 @@ class FusedDecodeStack:
         *,
         activations: str = "float32",
         spread_attention: bool = False,
+        head_rows: Iterable[int] | None = None,
     ) -> None:
         """`activations`: how block weights meet their activations (the plan's
         `fused_activations`: "float32", "int16" or "int8"); `spread_attention`: the
         attention's prefetch placement (the plan's `decode_attention` is
-        "paged_inplace_spread")."""
+        "paged_inplace_spread"); `head_rows`: the buckets of `rows` whose steps run the LM
+        head in the call (the plan's `fused_head`; None: those of at most
+        `kernels.HEAD_IN_STACK_UP_TO` rows)."""
         args = model.args
         self.activations = activations
         self.spread_attention = spread_attention
         self._model = model
         self._buckets = tuple(sorted(buckets))
         self._rows = frozenset(rows)
+        if head_rows is None:
+            head_rows = (bucket for bucket in rows if bucket <= kernels.HEAD_IN_STACK_UP_TO)
+        self._head_rows = frozenset(head_rows)
         self._kernel = native_kernels.fused_decode_layers()
         layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
         self._layers = layers
@@ -206,7 +213,7 @@ class FusedDecodeStack:
 
     def _head_for(self, rows: int) -> torch.Tensor | None:
         """The head's parts entry for a `rows` step, or None where it runs in its own call."""
-        if rows > kernels.HEAD_IN_STACK_UP_TO:
+        if self._bucket_of(rows) not in self._head_rows:
             return None
         head = self._model.head_projection
         blocks = head.blocks
@@ -233,14 +240,15 @@ class FusedDecodeStack:
             )
         return self._parts
 
+    def _bucket_of(self, rows: int) -> int | None:
+        """The bucket a decode of `rows` active rows runs in (None: past the stack's)."""
+        if rows > FUSED_MAX_ROWS:
+            return None
+        return next((bucket for bucket in self._buckets if rows <= bucket), None)
+
     def runs(self, rows: int) -> bool:
         """Whether a decode of `rows` active rows takes this path (its bucket chose it)."""
-        if rows > FUSED_MAX_ROWS:
-            return False
-        for bucket in self._buckets:
-            if rows <= bucket:
-                return bucket in self._rows
-        return False
+        return self._bucket_of(rows) in self._rows
 
     def _table_of(self, cache: tuple[LayerCache, ...]) -> torch.Tensor:
         if self._table_for is not cache:
@@ -260,8 +268,8 @@ class FusedDecodeStack:
     ) -> torch.Tensor:
         """float32 logits `[rows, vocab]` of active rows (`tokens`, `pos` `[rows]`, `pages`
         `[rows, W]`, long, validated by the decode), their K/V written. The final norm runs
-        in the native call, and up to `kernels.HEAD_IN_STACK_UP_TO` rows the head too;
-        above, the head runs in its own call, in its plan form."""
+        in the native call, and in the buckets of `head_rows` the head too; elsewhere the
+        head runs in its own call, in its plan form."""
         rows = tokens.shape[0]
         parts = self._head_for(rows)
         head = None

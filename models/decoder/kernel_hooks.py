@@ -170,6 +170,7 @@ class KernelPlanHooks:
                 plan.fused_decode,
                 activations=plan.fused_activations,
                 spread_attention=plan.decode_attention == SPREAD,
+                head_rows=plan.head_in_stack(),
             )
         self.decode_attention = plan.decode_attention
         self.kernel_plan = plan

@@ -41,7 +41,9 @@ READABLE_PLAN_VERSIONS = (1, 2)
 # most this many rows: above, the products stop being bound by streaming the weights.
 FUSED_MAX_ROWS = 64
 # Rows up to which the fused stack runs the LM head as its last stage (a read-bound stream
-# there, like the layers' projections); larger buckets run it in its own call, in its form.
+# there, like the layers' projections) where a plan does not say (`KernelPlan.fused_head`:
+# plans that predate the measured choice, stacks built without a plan); larger buckets run it
+# in its own call, in its form.
 HEAD_IN_STACK_UP_TO = 4
 # Decode attention implementations (`DecoderModel.decode_attention`): the native kernel
 # reading K/V pages in place, prefetching the next page during each page's read pass or
@@ -281,9 +283,21 @@ class KernelPlan:
     # timed, each variant's measured `(activations, bucket, us)`.
     fused_activations: str = "float32"
     fused_variant_timings: tuple[tuple[str, int, float], ...] = ()
+    # Fused buckets whose steps run the final norm's LM head as the stack's last stage rather
+    # than in its own call (None: those of at most `HEAD_IN_STACK_UP_TO` rows), and what warmup
+    # measured for the kept variant: `(bucket, head in the call us, head apart us)`. Measured
+    # on Zen 4: 1.3-2 ms a step faster in the call at 32 rows, 0.5-1 ms slower at 8.
+    fused_head: tuple[int, ...] | None = None
+    fused_head_timings: tuple[tuple[int, float, float], ...] = ()
 
     def choice(self, name: str) -> ProjectionChoice:
         return dict(self.projections)[name]
+
+    def head_in_stack(self) -> tuple[int, ...]:
+        """The fused buckets whose steps run the LM head in the stack's call."""
+        if self.fused_head is not None:
+            return tuple(bucket for bucket in self.fused_head if bucket in self.fused_decode)
+        return tuple(bucket for bucket in self.fused_decode if bucket <= HEAD_IN_STACK_UP_TO)
 
     def to_json(self) -> dict[str, JSONValue]:
         """JSON-ready (the format `--kernels FILE` reads back)."""
@@ -299,6 +313,7 @@ class KernelPlan:
             "summary": self.summary(),
             "fused_decode": {
                 "buckets": list(self.fused_decode),
+                "head_buckets": list(self.head_in_stack()),
                 "activations": self.fused_activations,
                 "measured_us": [
                     {
@@ -309,6 +324,12 @@ class KernelPlan:
                             f"fused_{variant}": round(us, 1)
                             for variant, timed, us in self.fused_variant_timings
                             if timed == bucket
+                        },
+                        **{
+                            key: round(us, 1)
+                            for timed, in_call, apart in self.fused_head_timings
+                            if timed == bucket
+                            for key, us in (("head_in_call", in_call), ("head_apart", apart))
                         },
                     }
                     for bucket, fused, per_op in self.fused_timings
@@ -351,8 +372,9 @@ class KernelPlan:
         notes = []
         if self.fused_decode and self.fused_activations != "float32":
             notes.append(f"{self.fused_activations} activations")
-        if any(bucket <= HEAD_IN_STACK_UP_TO for bucket in self.fused_decode):
-            notes.append(f"final norm and LM head in the call up to {HEAD_IN_STACK_UP_TO} rows")
+        head = ",".join(f"@{bucket}" for bucket in self.head_in_stack())
+        if head:
+            notes.append(f"final norm and LM head in the call {head}")
         if notes:
             fused += f" ({'; '.join(notes)})"
         return (
@@ -395,6 +417,7 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
     buckets = tuple(int(b) for b in data.get("buckets", ()))
     fused, timings = _parse_fused(data.get("fused_decode"), buckets, where)
     activations, variant_timings = _parse_fused_activations(data.get("fused_decode"), where)
+    head, head_timings = _parse_fused_head(data.get("fused_decode"), fused, where)
     return KernelPlan(
         projections=tuple(projections),
         decode_attention=attention,
@@ -408,7 +431,31 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
         fused_timings=timings,
         fused_activations=activations,
         fused_variant_timings=variant_timings,
+        fused_head=head,
+        fused_head_timings=head_timings,
     )
+
+
+def _parse_fused_head(
+    entry: object, fused: Sequence[int], where: str
+) -> tuple[tuple[int, ...] | None, tuple[tuple[int, float, float], ...]]:
+    """Where the fused stack runs the LM head (absent before warmup measured it: None, the
+    default rule) and the timings behind that choice."""
+    if not isinstance(entry, dict) or "head_buckets" not in entry:
+        return None, ()
+    chosen = entry["head_buckets"]
+    if not isinstance(chosen, list) or any(type(b) is not int or b not in fused for b in chosen):
+        raise _error(
+            where,
+            f"fused_decode head_buckets={chosen!r} is invalid: allowed is a list naming buckets "
+            f"the fused stack runs ({list(fused)})",
+        )
+    timings = tuple(
+        (int(item["bucket"]), float(item["head_in_call"]), float(item["head_apart"]))
+        for item in entry.get("measured_us", ())
+        if isinstance(item, dict) and "head_in_call" in item and "head_apart" in item
+    )
+    return tuple(sorted(set(chosen))), timings
 
 
 def _parse_fused_activations(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models import load_executor
-from models.decoder import greedy_generate, kernels, load_model, random_state_dict
+from models.decoder import greedy_generate, load_model, random_state_dict
 from models.decoder.fused_decode import FusedDecodeStack, fused_unsupported_reason
 from models.decoder.kernels import KernelPlanError, ProjectionChoice, int8_activations_available
 from models.decoder.layers import Projection
@@ -101,9 +101,7 @@ def test_the_fused_stack_over_blocks_gives_the_per_op_tokens(files: Path, qtype:
 )
 @pytest.mark.parametrize("form", ["q_int16", "q_int8"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
-def test_the_stack_runs_the_head_in_the_plans_form(
-    files: Path, qtype: str, form: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_stack_runs_the_head_in_the_plans_form(files: Path, qtype: str, form: str) -> None:
     """The head as the stack's last stage meets its input as the plan's form for the head
     would: with int16 or int8 activations where that form is `q_int16` or `q_int8` (one
     row), float32 ones otherwise (two rows). Its logits equal the head run in its own call,
@@ -114,7 +112,8 @@ def test_the_stack_runs_the_head_in_the_plans_form(
     head.choice = ProjectionChoice(
         layout="out_in", split=False, forms=((1, form), (4, "q_rows")), blocks=qtype
     )
-    model.fused_decode = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4))
+    in_call = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4))
+    apart = FusedDecodeStack(model, (1, 2, 4), (1, 2, 4), head_rows=())
     steps: list[torch.Tensor] = []
     decode_rows = model.decode_rows
 
@@ -126,15 +125,15 @@ def test_the_stack_runs_the_head_in_the_plans_form(
     model.decode_rows = recorded  # type: ignore[method-assign]
     for prompts in ([PROMPTS[0]], PROMPTS[:2]):
         steps.clear()
+        model.fused_decode = in_call
         in_stack = greedy_generate(model, prompts, 6)
         with_head = list(steps)
-        monkeypatch.setattr(kernels, "HEAD_IN_STACK_UP_TO", 0)
         steps.clear()
+        model.fused_decode = apart
         assert greedy_generate(model, prompts, 6) == in_stack
         assert len(steps) == len(with_head) == 5
         for got, want in zip(with_head, steps, strict=True):
             assert torch.equal(got, want), (got - want).abs().max()
-        monkeypatch.undo()
 
 
 def test_types_without_block_kernels_are_dequantized_and_named(files: Path) -> None:

@@ -1,7 +1,8 @@
-"""Warmup's choice of the fused stack and its activation variant (`fused_choice`), on made-up
-timings: each decode bucket weighs alike, so noise at 32 rows (where the variants run the
-same exact panels) cannot outvote a gain at 1 row; buckets keep the stack only where it beat
-the per-op path; every variant's time is recorded."""
+"""Warmup's choice of the fused stack, its activation variant and where it runs the LM head
+(`fused_choice`), on made-up timings: each decode bucket weighs alike, so noise at 32 rows
+(where the variants run the same exact panels) cannot outvote a gain at 1 row; buckets keep
+the stack only where it beat the per-op path; the head goes in the call where that measured
+faster; every variant's time is recorded."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ TIMINGS = {
     # the same exact panels both ways: 5% of noise against int16, 1.5 ms of it
     32: ({"float32": 29700.0, "int16": 31200.0}, 29000.0),
 }
+# bucket -> what running the LM head in its own call adds to the fused step (us)
+HEAD_APART = {1: 300.0, 8: -500.0, 32: 1500.0}
 
 
 def _plan() -> KernelPlan:
@@ -38,8 +41,11 @@ def test_the_variant_faster_per_bucket_is_kept_and_every_time_recorded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def timed(model: Any, rows: int, block_size: int, variants: tuple[str, ...]) -> Any:
+        """Each variant's time with the head in the call; apart it costs HEAD_APART more."""
         fused, per_op = TIMINGS[rows]
-        return {v: fused[v] / 1e6 for v in variants}, per_op / 1e6
+        return {
+            v: (fused[v] / 1e6, (fused[v] + HEAD_APART[rows]) / 1e6) for v in variants
+        }, per_op / 1e6
 
     monkeypatch.setattr(fused_choice, "fused_unsupported_reason", lambda model: None)
     monkeypatch.setattr(fused_choice, "_variants", lambda model: ("float32", "int16"))
@@ -49,12 +55,23 @@ def test_the_variant_faster_per_bucket_is_kept_and_every_time_recorded(
     # summed plainly float32 would win (43400 against 43600 us); bucket by bucket int16 does
     assert chosen.fused_activations == "int16"
     assert chosen.fused_decode == (1, 8)  # at 32 rows the per-op path measured faster
+    # at 8 rows the stack is faster with the head in its own call
     measured = [value for timing in chosen.fused_timings for value in timing]
-    assert measured == pytest.approx([1, 3100, 6600, 8, 9300, 13300, 32, 31200, 29000])
+    assert measured == pytest.approx([1, 3100, 6600, 8, 8800, 13300, 32, 31200, 29000])
+    assert chosen.fused_head == (1,) and chosen.head_in_stack() == (1,)
+    placed = [value for timing in chosen.fused_head_timings for value in timing]
+    assert placed == pytest.approx([1, 3100, 3400, 8, 9300, 8800, 32, 31200, 32700])
     assert {(v, b) for v, b, _ in chosen.fused_variant_timings} == {
         (v, b) for b in TIMINGS for v in ("float32", "int16")
     }
     recorded = chosen.to_json()["fused_decode"]
     assert isinstance(recorded, dict)
     first = {"bucket": 1, "fused": 3100.0, "per_op": 6600.0}
-    assert recorded["measured_us"][0] == {**first, "fused_float32": 3300.0, "fused_int16": 3100.0}
+    assert recorded["measured_us"][0] == {
+        **first,
+        "fused_float32": 3300.0,
+        "fused_int16": 3100.0,
+        "head_in_call": 3100.0,
+        "head_apart": 3400.0,
+    }
+    assert recorded["head_buckets"] == [1]

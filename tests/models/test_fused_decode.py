@@ -69,9 +69,12 @@ def _decode_both_ways(
     shared_pages: bool,
     seed: int,
     spread: bool = False,
+    head_in_call: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One decode step per-op and fused from the same random cache: logits and caches
-    (`spread`: the fused stack's attention prefetches through its math)."""
+    (`spread`: the fused stack's attention prefetches through its math; `head_in_call`: the
+    LM head runs in the stack's call at every row count, or in its own; None: the default
+    rule)."""
     generator = torch.Generator().manual_seed(seed)
     rows = len(positions)
     width = max(positions) // block_size + 1
@@ -103,8 +106,13 @@ def _decode_both_ways(
     for fused in (False, True):
         copy = [(k.clone(), v.clone()) for k, v in cache]
         model.set_kv_cache(copy)
+        head_rows = None if head_in_call is None else ALL_ROWS if head_in_call else ()
         model.fused_decode = (
-            FusedDecodeStack(model, ALL_ROWS, ALL_ROWS, spread_attention=spread) if fused else None
+            FusedDecodeStack(
+                model, ALL_ROWS, ALL_ROWS, spread_attention=spread, head_rows=head_rows
+            )
+            if fused
+            else None
         )
         try:
             logits = model.decode(
@@ -134,6 +142,7 @@ def _decode_both_ways(
     shared_pages=st.booleans(),
     seed=st.integers(0, 2**16),
     spread=st.booleans(),
+    head_in_call=st.sampled_from([None, True, False]),
 )
 def test_fused_stack_equals_the_per_op_decode(
     n_kv: int,
@@ -148,10 +157,11 @@ def test_fused_stack_equals_the_per_op_decode(
     shared_pages: bool,
     seed: int,
     spread: bool,
+    head_in_call: bool | None,
 ) -> None:
     """Random tiny configs (GQA, odd widths, both weight layouts), 1-64 rows at positions
-    crossing page boundaries, either attention prefetch placement: same logits and same K/V
-    written as the per-op path."""
+    crossing page boundaries, either attention prefetch placement, the LM head in the
+    stack's call or in its own: same logits and same K/V written as the per-op path."""
     args = LlamaArgs(
         dim=dim,
         n_layers=layers,
@@ -173,6 +183,7 @@ def test_fused_stack_equals_the_per_op_decode(
         shared_pages=shared_pages,
         seed=seed,
         spread=spread,
+        head_in_call=head_in_call,
     )
     torch.testing.assert_close(fused, per_op, atol=2e-5, rtol=2e-5)
     for got, expected in zip(fused_cache, per_op_cache, strict=True):
@@ -294,6 +305,57 @@ def test_warmup_records_the_measured_choice_and_a_replay_reproduces_it(tmp_path:
     assert replayed.kernel_plan is not None and replayed.kernel_plan.fused_decode == tuple(flipped)
     assert (replayed.fused_decode is not None) == bool(flipped)
     assert ("fused decode off" in again["summary"]) == (not flipped)
+
+
+@needs_native
+def test_the_plans_head_placement_is_recorded_replayed_and_defaults_for_older_plans() -> None:
+    """`head_buckets` names the fused buckets whose steps run the LM head in the stack's call:
+    it survives the file round trip, the applied stack follows it, and a plan without it (made
+    before warmup measured the placement) keeps the old rule: buckets of at most 4 rows."""
+    model = _model(LlamaArgs.tiny_random("gqa"))
+    base = _plan(model, {})
+    timed = attrs.evolve(
+        base,
+        fused_decode=(1, 2, 64),
+        fused_timings=((1, 10.0, 20.0), (2, 11.0, 21.0), (64, 30.0, 40.0)),
+        fused_head=(2, 64),
+        fused_head_timings=((1, 12.0, 10.0), (2, 11.0, 13.0), (64, 30.0, 31.0)),
+    )
+    data = timed.to_json()
+    entry = data["fused_decode"]
+    assert isinstance(entry, dict) and entry["head_buckets"] == [2, 64]
+    assert entry["measured_us"][0] == {  # type: ignore[index]
+        "bucket": 1,
+        "fused": 10.0,
+        "per_op": 20.0,
+        "head_in_call": 12.0,
+        "head_apart": 10.0,
+    }
+    assert "final norm and LM head in the call @2,@64" in timed.summary()
+    parsed = parse_kernel_plan(json.loads(json.dumps(data)), where="--kernels k.json")
+    assert parsed.head_in_stack() == (2, 64)
+    assert parsed.fused_head_timings == timed.fused_head_timings
+    del entry["head_buckets"]
+    older = parse_kernel_plan(data, where="--kernels old.json")
+    assert older.fused_head is None and older.head_in_stack() == (1, 2)
+    model.apply_kernel_plan(parsed)
+    stack = model.fused_decode
+    assert stack is not None
+    placed = {rows: stack._head_for(rows) is not None for rows in (1, 2, 3, 40, 64)}
+    assert placed == {1: False, 2: True, 3: False, 40: True, 64: True}
+
+
+@pytest.mark.parametrize("chosen", [[4], [True], "2", [3]])
+def test_a_plan_with_bad_head_buckets_is_refused_naming_it(chosen: object) -> None:
+    model = _model(LlamaArgs.tiny_random("gqa"))
+    data = attrs.evolve(_plan(model, {}), fused_decode=(1, 2)).to_json()
+    entry = data["fused_decode"]
+    assert isinstance(entry, dict)
+    entry["head_buckets"] = chosen
+    with pytest.raises(
+        KernelPlanError, match=r"--kernels k\.json: fused_decode head_buckets=.* is invalid"
+    ):
+        parse_kernel_plan(data, where="--kernels k.json")
 
 
 def test_a_version_1_plan_replays_with_the_fused_stack_off() -> None:
