@@ -1,10 +1,12 @@
 """Where one mixed-length decode step's time goes (SmolLM2-135M, dynamic CPU path).
 
 Run: `python benchmarks/decode_step_breakdown.py [--rows 1|8|32] [--weights float32|stored]
-[--threads N] [--plan] [--reps R] [--json FILE]` (about a minute with `--plan`). To compare
+[--pages shuffled|allocated] [--threads N] [--plan] [--reps R] [--json FILE]` (about a
+minute with `--plan`). To compare
 two commits, run it in a worktree of each in the same minutes, under `flock /tmp/bench.lock`.
 
-Method: a decode case of `model_step_times.py` (block size 32, random K/V, shuffled pages):
+Method: a decode case of `model_step_times.py` (block size 32, random K/V, pages shuffled, or
+with `--pages allocated` each row's pages consecutive, as a fresh pool hands them out):
 `decode b32 ctx48-520` by default, `b8 ctx128-192` or `b1 ctx160`. `--plan` first measures
 the kernel plan for a lane of that many slots, as warmup does; without it the model runs its
 default forms. Then, best and median of `reps` calls, passes alternating: the whole
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.model_step_times import BLOCK_SIZE, _cases
+from benchmarks.model_step_times import BLOCK_SIZE, PAGE_ORDERS, _cases
 from models.cli.argument_types import positive_int
 from models.cli.main import _silence_stdout
 from models.decoder import DecoderModel, load_model
@@ -179,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=positive_int, default=2)
     parser.add_argument("--rows", type=int, choices=sorted(CASES), default=32)
     parser.add_argument(
+        "--pages",
+        choices=PAGE_ORDERS,
+        default="shuffled",
+        help="physical page order: shuffled (the worst case, default) or allocated (each "
+        "row's pages consecutive, as a fresh pool hands them out)",
+    )
+    parser.add_argument(
         "--peak-gflops", type=_positive_rate, default=None, help="default: measured here"
     )
     parser.add_argument(
@@ -193,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         model.choose_kernels(decode_rows=args.rows, prefill_rows=256)
         assert model.kernel_plan is not None
         print(model.kernel_plan.summary())
-    call = _cases(model, random.Random(0))[CASES[args.rows]]
+    call = _cases(model, random.Random(0), args.pages)[CASES[args.rows]]
     inputs = _step_inputs(model, call)
     probe = torch.ones(_MEMORY_PROBE_BYTES // 4)
     timed = {"step (model.decode)": call, **_parts(model, inputs), PROBE: probe.sum}
@@ -251,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "cpu": CpuFeatures.probe().summary(),
             "rows": args.rows,
+            "pages": args.pages,
             "threads": args.threads,
             "weights": args.weights,
             "load_average": os.getloadavg(),

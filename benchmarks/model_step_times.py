@@ -37,7 +37,17 @@ REPS = {"decode b1 ctx160": 40, "decode b8 ctx128-192": 15, "decode b32 ctx48-52
 PREFILL_REPS = 5
 
 
-def _cases(model: DecoderModel, rng: random.Random) -> dict[str, Callable[[], torch.Tensor]]:
+# Physical page orders of the decode cases: `shuffled` (every page at a random place: the
+# worst case, a long-serving cache's) or `allocated` (each row's pages consecutive, rows one
+# after another: what the block manager hands out to prompts prefilled into a fresh pool).
+PAGE_ORDERS = ("shuffled", "allocated")
+
+
+def _cases(
+    model: DecoderModel, rng: random.Random, pages: str = "shuffled"
+) -> dict[str, Callable[[], torch.Tensor]]:
+    if pages not in PAGE_ORDERS:
+        raise ValueError(f"pages={pages!r} is invalid: allowed are {PAGE_ORDERS}")
     blocks = 32 * (520 // BLOCK_SIZE + 1) + 16
     model.configure_paged_attention(block_size=BLOCK_SIZE, max_num_blocks=blocks)
     cache = allocate_kv_cache(model, blocks)
@@ -45,16 +55,17 @@ def _cases(model: DecoderModel, rng: random.Random) -> dict[str, Callable[[], to
         k.normal_()
         v.normal_()
     model.set_kv_cache(cache)
-    physical = list(range(blocks))
-    rng.shuffle(physical)
+    shuffled = list(range(blocks))
+    rng.shuffle(shuffled)  # either way, so that both orders draw the same contexts and tokens
+    physical = shuffled if pages == "shuffled" else sorted(shuffled)
 
     def decode_case(contexts: list[int]) -> Callable[[], torch.Tensor]:
-        pages = iter(physical)
+        drawn = iter(physical)
         width = max(c // BLOCK_SIZE + 1 for c in contexts)
         table = torch.full((len(contexts), width), -1, dtype=torch.int32)
         for row, context in enumerate(contexts):
             for col in range(context // BLOCK_SIZE + 1):
-                table[row, col] = next(pages)
+                table[row, col] = next(drawn)
         tokens = torch.tensor([rng.randrange(100, model.vocab_size) for _ in contexts])
         positions = torch.tensor(contexts)
         return lambda: model.decode(tokens, positions=positions, page_table=table)

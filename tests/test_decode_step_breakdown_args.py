@@ -3,11 +3,16 @@ and says what a negative rest means."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks.decode_step_breakdown import _rest_lines, main
+from benchmarks.decode_step_breakdown import _rest_lines, _step_inputs, main
+from benchmarks.model_step_times import BLOCK_SIZE, _cases
+from models.decoder import DecoderModel, random_state_dict
+from models.llama import LlamaArgs
 
 
 @pytest.mark.parametrize(
@@ -18,6 +23,7 @@ from benchmarks.decode_step_breakdown import _rest_lines, main
         (["--threads", "x"], "argument --threads: 'x' is not an integer"),
         (["--peak-gflops", "-1"], "argument --peak-gflops: -1 is invalid"),
         (["--rows", "7"], "argument --rows: invalid choice: 7"),
+        (["--pages", "random"], "argument --pages: invalid choice: 'random'"),
     ],
 )
 def test_a_bad_flag_is_refused_naming_it(
@@ -49,3 +55,34 @@ def test_a_negative_rest_says_to_measure_longer() -> None:
     lines = _rest_lines(70.0, 72.5)
     assert lines[0].endswith("-2.50 ms")
     assert "raise --reps or --passes" in lines[1]
+
+
+def test_allocated_pages_are_consecutive_per_row_with_the_shuffled_cases_rows() -> None:
+    """`--pages allocated` changes only where the pages are: the same rows, positions and
+    tokens as the shuffled case, each row's pages one consecutive run."""
+    args = LlamaArgs(
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        vocab_size=128,
+        ffn_dim=16,
+        head_dim=8,
+        max_seq_len=1024,
+        rope_theta=10000.0,
+        name="tiny-random-pages",
+    )
+    model = DecoderModel.from_state_dict(args, random_state_dict(args, seed=3))
+    seen = {}
+    for order in ("shuffled", "allocated"):
+        call = _cases(model, random.Random(0), order)["decode b32 ctx48-520"]
+        seen[order] = _step_inputs(model, call)
+    shuffled, allocated = seen["shuffled"], seen["allocated"]
+    assert torch.equal(shuffled["positions"], allocated["positions"])
+    table = allocated["page_table"].long()
+    for row, position in enumerate(allocated["positions"].tolist()):
+        pages = table[row, : position // BLOCK_SIZE + 1]
+        assert torch.equal(pages, torch.arange(int(pages[0]), int(pages[0]) + len(pages)))
+    assert not torch.equal(shuffled["page_table"], allocated["page_table"])
+    with pytest.raises(ValueError, match="pages='random' is invalid"):
+        _cases(model, random.Random(0), "random")

@@ -75,3 +75,18 @@ def test_the_variant_faster_per_bucket_is_kept_and_every_time_recorded(
         "head_apart": 3400.0,
     }
     assert recorded["head_buckets"] == [1]
+
+
+@pytest.mark.parametrize(
+    ("bucket", "in_call", "apart", "expected"),
+    [
+        (1, 1010.0, 1000.0, True),  # apart 1% faster: within the margin, the default stays
+        (4, 1030.0, 1000.0, False),  # apart 3% faster: moved out
+        (8, 990.0, 1000.0, False),  # in the call 1% faster: within the margin, stays apart
+        (32, 970.0, 1000.0, True),  # in the call 3% faster: moved in
+    ],
+)
+def test_the_head_leaves_its_default_place_only_past_the_margin(
+    bucket: int, in_call: float, apart: float, expected: bool
+) -> None:
+    assert fused_choice._head_in_call(bucket, in_call, apart) is expected
