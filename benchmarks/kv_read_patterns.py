@@ -33,7 +33,7 @@ from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.cli.argument_types import positive_int
+from models.cli.argument_types import number_between, positive_int
 from models.cli.main import _silence_stdout
 from runtime.backends.cpu_features import CpuFeatures
 
@@ -123,22 +123,12 @@ def summary(report: dict[str, object]) -> list[Mode]:
     return groups
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 60.0:
-        raise argparse.ArgumentTypeError(f"{text} is invalid: allowed are 0-60 seconds")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=positive_int, default=30)
     parser.add_argument(
         "--pause",
-        type=_seconds,
+        type=number_between(0.0, 60.0, "seconds"),
         default=1.0,
         help="seconds between rounds, so that they sample the host's memory modes (default 1)",
     )

@@ -27,6 +27,23 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def number_between(low: float, high: float, unit: str) -> Callable[[str], float]:
+    """An argparse type: a number in [`low`, `high`] `unit`, with the range in its error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{text} is invalid: allowed are {low:g}-{high:g} {unit}"
+            )
+        return value
+
+    return parse
+
+
 def temperature(text: str) -> float:
     try:
         value = float(text)
