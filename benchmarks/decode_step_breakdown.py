@@ -22,6 +22,10 @@ Floors: attention, the step's K/V bytes at the read rate `torch.sum` reaches on 
 that size (a `sum` over 512 MiB timed in the same alternating passes as the parts, so that
 both see the same memory: on shared hosts its rate is bimodal); the page walk against it is
 the cost of the access pattern, attention against the walk the math the reads do not hide.
+Since the host's read mode can change between passes, the attention, its walk and the fused
+step are also timed `--pairs` times each right after a probe, and their ratios to the floor
+at that probe's rate reported per pair: medians over all pairs and, where the probe rates
+spread, over the fastest third (the fast mode).
 Projections, their FLOPs at the best GEMM rate `gemm_candidates.py` measured on this CPU,
 measured here as `gemm_candidates.py` does (its best form on a 1024^3 product), or
 `--peak-gflops` (the peak differs 2.3x between Zen 4 and Zen 5: 211 against 494 GFLOP/s).
@@ -38,12 +42,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.kv_read_patterns import modes
 from benchmarks.model_step_times import BLOCK_SIZE, PAGE_ORDERS, _cases
 from models.cli.argument_types import positive_int
 from models.cli.main import _silence_stdout
@@ -59,6 +65,8 @@ _MEMORY_PROBE_BYTES = 512 << 20
 CASES = {1: "decode b1 ctx160", 8: "decode b8 ctx128-192", 32: "decode b32 ctx48-520"}
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 WALK = "attention page walk (reads only)"
+ATTENTION = "attention (native, all layers)"
+FUSED_ATTENTION = "attention in the fused step"
 PROBE = "read probe (sum of 512 MiB)"
 
 
@@ -96,7 +104,7 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
     attention = native_kernels.paged_decode_attention()
     spread = model.decode_attention == SPREAD  # the plan's prefetch placement
     parts: dict[str, Callable[[], object]] = {
-        "attention (native, all layers)": lambda: [
+        ATTENTION: lambda: [
             attention.unchecked(
                 q, k, v, path.pages, path.n_keys, args.head_dim**-0.5, spread=spread
             )
@@ -179,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         help="float32 (the dequantized model) or stored (the GGUF's Q4_1 blocks)",
     )
     parser.add_argument("--passes", type=positive_int, default=2)
+    parser.add_argument(
+        "--pairs",
+        type=positive_int,
+        default=10,
+        help="probe-then-part pairs timed for the attention's ratios to its floor (default 10)",
+    )
     parser.add_argument("--rows", type=int, choices=sorted(CASES), default=32)
     parser.add_argument(
         "--pages",
@@ -205,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     call = _cases(model, random.Random(0), args.pages)[CASES[args.rows]]
     inputs = _step_inputs(model, call)
     probe = torch.ones(_MEMORY_PROBE_BYTES // 4)
-    timed = {"step (model.decode)": call, **_parts(model, inputs), PROBE: probe.sum}
+    timed: dict[str, Callable[[], object]] = {
+        "step (model.decode)": call,
+        **_parts(model, inputs),
+        PROBE: probe.sum,
+    }
     fused = model.fused_decode
     phases: list[list[float]] = []  # the fused step's phases, seconds, one list per call
     if fused is not None and fused.runs(args.rows):
@@ -254,6 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     rates = [_MEMORY_PROBE_BYTES / seconds for seconds in samples[PROBE]]
     fused_attention = phase_ms["attention"]["min"] if phase_ms else None
     lines, floors = _floors(model, inputs, best, peak, rates, fused_attention)
+    attention_parts: dict[str, Callable[[], object]] = {n: timed[n] for n in (ATTENTION, WALK)}
+    if phases:
+        attention_parts[FUSED_ATTENTION] = timed["step (model.decode)"]
+    with torch.inference_mode():
+        pairs = _paired(probe.sum, attention_parts, phases, args.pairs)
+    kv_mb = floors["kv_mb"]
+    assert isinstance(kv_mb, float)
+    paired = _paired_summary(pairs, kv_mb * 1e6)
+    lines += _paired_lines(paired)
+    floors["paired"] = {"pairs": [pair._asdict() for pair in pairs], "modes": paired}
     for line in lines:
         print(line)
     if args.json:
@@ -275,6 +303,75 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+class Pair(NamedTuple):
+    """One part timed right after a probe: the probe's rate and the part's seconds."""
+
+    part: str
+    probe_bytes_s: float
+    seconds: float
+
+
+def _paired(
+    probe: Callable[[], object],
+    parts: dict[str, Callable[[], object]],
+    phases: list[list[float]],
+    count: int,
+) -> list[Pair]:
+    """`count` rounds of each part timed right after the probe (for the fused step, the
+    seconds of its attention phase: the step's call appends its phases to `phases`)."""
+    pairs = []
+    for _ in range(count):
+        for name, part in parts.items():
+            start = time.perf_counter()
+            probe()
+            middle = time.perf_counter()
+            part()
+            seconds = time.perf_counter() - middle
+            if name == FUSED_ATTENTION:
+                seconds = dict(zip(STACK_PHASES, phases[-1], strict=True))["attention"]
+            pairs.append(Pair(name, _MEMORY_PROBE_BYTES / (middle - start), seconds))
+    return pairs
+
+
+class PairedMode(TypedDict):
+    """One read mode's pairs: their probe rates, and per part its pairs and median ratio."""
+
+    probe_gb_s: list[float]
+    median_ratio: dict[str, float]
+    pairs: dict[str, int]
+
+
+def _paired_summary(pairs: list[Pair], kv_bytes: float) -> list[PairedMode]:
+    """Per read mode (`kv_read_patterns.modes` over the probe rates): its probe rates and each
+    part's median time over the floor at its own pair's rate."""
+    rates = [pair.probe_bytes_s for pair in pairs]
+    names = list(dict.fromkeys(pair.part for pair in pairs))  # the parts in timing order
+    groups: list[PairedMode] = []
+    for members in modes(rates):
+        ratios: dict[str, list[float]] = {name: [] for name in names}
+        for i in members:
+            ratios.setdefault(pairs[i].part, []).append(pairs[i].seconds * rates[i] / kv_bytes)
+        rated = [rates[i] / 1e9 for i in members]
+        groups.append(
+            {
+                "probe_gb_s": [min(rated), max(rated)],
+                "median_ratio": {name: statistics.median(r) for name, r in ratios.items() if r},
+                "pairs": {name: len(r) for name, r in ratios.items() if r},
+            }
+        )
+    return groups
+
+
+def _paired_lines(groups: list[PairedMode]) -> list[str]:
+    """The paired ratios, one line per read mode."""
+    lines = []
+    for group in groups:
+        low, high = group["probe_gb_s"]
+        ratios = ", ".join(f"{name} {r:.2f}x" for name, r in group["median_ratio"].items())
+        lines.append(f"paired with a probe at {low:.1f}-{high:.1f} GB/s (medians): {ratios}")
+    return lines
 
 
 def _floors(
@@ -299,7 +396,7 @@ def _floors(
     weight_bytes = sum(m.resident_bytes for m in modules)
     projection_floor = max(flops / peak / 1e6, weight_bytes / bandwidth * 1e3)
     projections = sum(best[f"{name} (plan form)"] for name in PROJECTIONS)
-    attention, walk = best["attention (native, all layers)"], best[WALK]
+    attention, walk = best[ATTENTION], best[WALK]
     floors = {
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_range_gb_s": [min(rates) / 1e9, bandwidth / 1e9],

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.decode_step_breakdown import _rest_lines, _step_inputs, main
+from benchmarks.decode_step_breakdown import (
+    Pair,
+    _paired_lines,
+    _paired_summary,
+    _rest_lines,
+    _step_inputs,
+    main,
+)
 from benchmarks.model_step_times import BLOCK_SIZE, _cases
 from models.decoder import DecoderModel, random_state_dict
 from models.llama import LlamaArgs
@@ -86,3 +93,29 @@ def test_allocated_pages_are_consecutive_per_row_with_the_shuffled_cases_rows() 
     assert not torch.equal(shuffled["page_table"], allocated["page_table"])
     with pytest.raises(ValueError, match="pages='random' is invalid"):
         _cases(model, random.Random(0), "random")
+
+
+def test_paired_ratios_use_each_pairs_own_probe_and_split_by_read_mode() -> None:
+    """A part's ratio is its time over the floor at the rate of the probe timed just before
+    it, so a mode change between pairs moves the floor with the part; the fastest third of
+    the probe rates is reported apart."""
+    kv_bytes = 1e9
+    pairs = [
+        # slow mode: 30 GB/s, floor 33.3 ms
+        Pair("attention", 30e9, 0.040),  # 1.2x
+        Pair("walk", 30e9, 0.035),  # 1.05x
+        Pair("attention", 31e9, 0.0400),
+        Pair("walk", 31e9, 0.0350),
+        # fast mode: 60 GB/s, floor 16.7 ms
+        Pair("attention", 60e9, 0.025),  # 1.5x
+        Pair("walk", 60e9, 0.022),  # 1.32x
+    ]
+    slow, middle, fast = _paired_summary(pairs, kv_bytes)
+    assert fast["probe_gb_s"] == pytest.approx([60.0, 60.0])
+    assert fast["median_ratio"] == pytest.approx({"attention": 1.5, "walk": 1.32})
+    assert slow["median_ratio"] == pytest.approx({"attention": 1.2, "walk": 1.05})
+    assert sum(sum(group["pairs"].values()) for group in (slow, middle, fast)) == len(pairs)
+    lines = _paired_lines([fast])
+    assert lines == ["paired with a probe at 60.0-60.0 GB/s (medians): attention 1.50x, walk 1.32x"]
+    single = _paired_summary(pairs[:2], kv_bytes)  # too few to split: one group
+    assert len(single) == 1 and single[0]["pairs"] == {"attention": 1, "walk": 1}
