@@ -1,9 +1,9 @@
 """Where one mixed-length decode step's time goes (SmolLM2-135M, dynamic CPU path).
 
 Run: `python benchmarks/decode_step_breakdown.py [--rows 1|8|32] [--weights float32|stored]
-[--pages shuffled|allocated] [--threads N] [--plan] [--reps R] [--pairs N] [--json FILE]` (about a
-minute with `--plan`). To compare
-two commits, run it in a worktree of each in the same minutes, under `flock /tmp/bench.lock`.
+[--pages shuffled|allocated] [--threads N] [--plan] [--reps R] [--pairs N] [--json FILE]`
+(about a minute with `--plan`). To compare two commits, run it in a worktree of each in the
+same minutes, under `flock /tmp/bench.lock`.
 
 Method: a decode case of `model_step_times.py` (block size 32, random K/V, pages shuffled, or
 with `--pages allocated` each row's pages consecutive, as a fresh pool hands them out):
