@@ -1,10 +1,9 @@
-"""`benchmarks/decode_step_breakdown.py` refuses bad flags before loading a model or timing,
-and says what a negative rest means."""
+"""`benchmarks/decode_step_breakdown.py`: what a negative rest means, the allocated page order,
+the paired ratios (its flags: `test_benchmark_flags.py`)."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,40 +14,10 @@ from benchmarks.decode_step_breakdown import (
     _paired_summary,
     _rest_lines,
     _step_inputs,
-    main,
 )
 from benchmarks.model_step_times import BLOCK_SIZE, _cases
 from models.decoder import DecoderModel, random_state_dict
 from models.llama import LlamaArgs
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--reps", "0"], "argument --reps: 0 is invalid: allowed is an integer >= 1"),
-        (["--passes", "-1"], "argument --passes: -1 is invalid: allowed is an integer >= 1"),
-        (["--threads", "x"], "argument --threads: 'x' is not an integer"),
-        (["--peak-gflops", "-1"], "argument --peak-gflops: -1 is invalid"),
-        (["--rows", "7"], "argument --rows: invalid choice: 7"),
-        (["--pages", "random"], "argument --pages: invalid choice: 'random'"),
-    ],
-)
-def test_a_bad_flag_is_refused_naming_it(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_a_json_path_in_a_missing_folder_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    target = tmp_path / "missing" / "out.json"
-    with pytest.raises(SystemExit):
-        main(["--json", str(target)])
-    assert f"the folder {target.parent} does not exist" in capsys.readouterr().err
 
 
 def test_a_positive_rest_is_one_line() -> None:

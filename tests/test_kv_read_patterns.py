@@ -1,5 +1,5 @@
-"""`benchmarks/kv_read_patterns.py` builds its reader, reads every pattern, splits the rounds by
-the host's memory mode, and refuses bad flags before building anything."""
+"""`benchmarks/kv_read_patterns.py` builds its reader, reads every pattern and splits the pairs
+by the host's memory mode (its flags: `test_benchmark_flags.py`)."""
 
 from __future__ import annotations
 
@@ -27,33 +27,6 @@ def test_pairs_split_into_thirds_by_rate_only_where_the_rates_spread(
     rates: list[float], groups: list[list[int]]
 ) -> None:
     assert modes(rates) == groups
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--rounds", "0"], "argument --rounds: 0 is invalid: allowed is an integer >= 1"),
-        (["--pause", "-1"], "argument --pause: -1 is invalid: allowed are 0-60 seconds"),
-        (["--pause", "soon"], "argument --pause: 'soon' is not a number"),
-        (["--layers", "x"], "argument --layers: 'x' is not an integer"),
-    ],
-)
-def test_a_bad_flag_is_refused_naming_it(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_a_json_path_in_a_missing_folder_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    target = tmp_path / "missing" / "out.json"
-    with pytest.raises(SystemExit):
-        main(["--json", str(target)])
-    assert f"the folder {target.parent} does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"the reader needs a C compiler (gcc): {REASON}")
