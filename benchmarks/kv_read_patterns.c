@@ -210,16 +210,17 @@ int main(int argc, char **argv) {
         for (; j > 0 && keys[order[j - 1]] < keys[r]; --j) order[j] = order[j - 1];
         order[j] = r;
     }
-    const step_shape shape = {rows, layers, kv, head_dim, (max_keys + 31) / 32, keys, order};
+    const step_shape shape = {rows, layers, kv, head_dim, 0 /* per pattern */, keys, order};
     const int64_t step_bytes = 2 * total_keys * layers * kv * head_dim * 4;
     /* Room for the largest page table (pages of 256 tokens round each row up further). */
     int64_t most_pages = 0;
     int64_t *tables[sizeof(patterns) / sizeof(patterns[0])];
+    step_shape shapes[sizeof(patterns) / sizeof(patterns[0])]; /* page-table width per block */
     for (int i = 0; i < n_patterns; ++i) {
-        step_shape wide = shape;
-        wide.width = (max_keys + patterns[i].block - 1) / patterns[i].block;
+        shapes[i] = shape;
+        shapes[i].width = (max_keys + patterns[i].block - 1) / patterns[i].block;
         int64_t pages = 0;
-        tables[i] = page_table(&wide, patterns[i].block, patterns[i].shuffled, &pages);
+        tables[i] = page_table(&shapes[i], patterns[i].block, patterns[i].shuffled, &pages);
         if (tables[i] == NULL) return 1;
         const int64_t blocks = pages * patterns[i].block / 32;
         most_pages = blocks > most_pages ? blocks : most_pages;
@@ -247,9 +248,7 @@ int main(int argc, char **argv) {
                 seconds = chunks_in_order(k, v, step_bytes / 2 / chunk * chunk, chunk, threads,
                                           &sink);
             } else {
-                step_shape wide = shape;
-                wide.width = (max_keys + patterns[i].block - 1) / patterns[i].block;
-                seconds = walk(&wide, &patterns[i], tables[i], k, v, threads, &sink);
+                seconds = walk(&shapes[i], &patterns[i], tables[i], k, v, threads, &sink);
             }
             if (round >= 0) printf("%s%.3f %.4f", i < 0 ? "" : " ", step_bytes / base / 1e9, seconds / base);
         }

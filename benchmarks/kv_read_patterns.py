@@ -50,7 +50,7 @@ def build(directory: Path) -> Path:
     """The pattern reader, compiled into `directory` (SystemExit naming the compiler on failure)."""
     from runtime.backends import native_kernels
 
-    compiler = native_kernels._compiler()
+    compiler = native_kernels.c_compiler()
     binary = directory / "kv_read_patterns"
     command = [compiler, "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(SOURCE)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 import torch
 
@@ -36,18 +37,7 @@ def test_a_negative_rest_says_to_measure_longer() -> None:
 def test_allocated_pages_are_consecutive_per_row_with_the_shuffled_cases_rows() -> None:
     """`--pages allocated` changes only where the pages are: the same rows, positions and
     tokens as the shuffled case, each row's pages one consecutive run."""
-    args = LlamaArgs(
-        dim=16,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        vocab_size=128,
-        ffn_dim=16,
-        head_dim=8,
-        max_seq_len=1024,
-        rope_theta=10000.0,
-        name="tiny-random-pages",
-    )
+    args = attrs.evolve(LlamaArgs.tiny_random("gqa"), max_seq_len=1024)  # contexts to 520
     model = DecoderModel.from_state_dict(args, random_state_dict(args, seed=3))
     seen = {}
     for order in ("shuffled", "allocated"):

@@ -29,8 +29,8 @@ from models.decoder.bound_cache import BoundCache
 from models.decoder.fused_decode import FusedDecodeStack, StackSource, fused_unsupported_reason
 from models.decoder.kernels import (
     FUSED_MAX_ROWS,
-    HEAD_IN_STACK_UP_TO,
     KernelPlan,
+    head_in_call_by_default,
     int8_activations_available,
     int16_activations_available,
 )
@@ -138,7 +138,7 @@ def _choose(model: TimedDecoder, plan: KernelPlan) -> KernelPlan:
 def _head_in_call(bucket: int, in_call: float, apart: float) -> bool:
     """Whether a bucket's steps run the LM head in the stack's call, from its two timings:
     the default placement unless the other measured faster by more than HEAD_MARGIN."""
-    if bucket <= HEAD_IN_STACK_UP_TO:
+    if head_in_call_by_default(bucket):
         return in_call <= apart * (1 + HEAD_MARGIN)
     return in_call < apart * (1 - HEAD_MARGIN)
 

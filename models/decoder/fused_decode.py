@@ -166,8 +166,7 @@ class FusedDecodeStack:
         `fused_activations`: "float32", "int16" or "int8"); `spread_attention`: the
         attention's prefetch placement (the plan's `decode_attention` is
         "paged_inplace_spread"); `head_rows`: the buckets of `rows` whose steps run the LM
-        head in the call (the plan's `fused_head`; None: those of at most
-        `kernels.HEAD_IN_STACK_UP_TO` rows)."""
+        head in the call (the plan's `fused_head`; None: `kernels.head_in_call_by_default`)."""
         args = model.args
         self.activations = activations
         self.spread_attention = spread_attention
@@ -175,7 +174,7 @@ class FusedDecodeStack:
         self._buckets = tuple(sorted(buckets))
         self._rows = frozenset(rows)
         if head_rows is None:
-            head_rows = (bucket for bucket in rows if bucket <= kernels.HEAD_IN_STACK_UP_TO)
+            head_rows = filter(kernels.head_in_call_by_default, rows)
         self._head_rows = frozenset(head_rows)
         self._kernel = native_kernels.fused_decode_layers()
         layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]

@@ -62,6 +62,12 @@ RESTORE_MARGIN = 0.05
 STORED: tuple[Layout, bool] = ("out_in", False)
 
 
+def head_in_call_by_default(bucket: int) -> bool:
+    """Whether the fused stack runs the LM head in its call for `bucket` where no measured
+    choice says otherwise (`HEAD_IN_STACK_UP_TO`)."""
+    return bucket <= HEAD_IN_STACK_UP_TO
+
+
 def _linear(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return F.linear(rows, weight)
 
@@ -297,7 +303,7 @@ class KernelPlan:
         """The fused buckets whose steps run the LM head in the stack's call."""
         if self.fused_head is not None:
             return tuple(bucket for bucket in self.fused_head if bucket in self.fused_decode)
-        return tuple(bucket for bucket in self.fused_decode if bucket <= HEAD_IN_STACK_UP_TO)
+        return tuple(filter(head_in_call_by_default, self.fused_decode))
 
     def to_json(self) -> dict[str, JSONValue]:
         """JSON-ready (the format `--kernels FILE` reads back)."""

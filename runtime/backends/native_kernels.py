@@ -79,7 +79,8 @@ def _cache_dir() -> Path:
     return Path.home() / ".cache" / "llm-runtime" / "native"
 
 
-def _compiler() -> str:
+def c_compiler() -> str:
+    """The C compiler the native kernels are built with: `CC`, else `cc` or `gcc`."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelsUnavailable("no C compiler found (set CC or install gcc)")
@@ -860,7 +861,7 @@ class NativeKernels:
 @functools.cache
 def _load() -> NativeKernels | str:
     try:
-        library = ctypes.CDLL(str(_build(_compiler())))
+        library = ctypes.CDLL(str(_build(c_compiler())))
         return NativeKernels(
             PagedDecodeAttention(library),
             SmallRowsMatmul(library),
