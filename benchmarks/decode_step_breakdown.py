@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kv_read_patterns import modes
 from benchmarks.model_step_times import BLOCK_SIZE, PAGE_ORDERS, _cases
-from models.cli.argument_types import positive_int
+from models.cli.argument_types import positive_int, writable_file
 from models.cli.main import _silence_stdout
 from models.decoder import DecoderModel, load_model
 from models.decoder import dynamic_addressing as dynamic
@@ -165,16 +165,6 @@ def _positive_rate(text: str) -> float:
     return value
 
 
-def _writable_path(text: str) -> Path:
-    """`--json FILE`: refused before a minute of timing if its folder does not exist."""
-    path = Path(text)
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder: allowed is a file path")
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=positive_int, default=2)
@@ -205,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peak-gflops", type=_positive_rate, default=None, help="default: measured here"
     )
     parser.add_argument(
-        "--json", type=_writable_path, default=None, help="also write the numbers to this file"
+        "--json", type=writable_file, default=None, help="also write the numbers to this file"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

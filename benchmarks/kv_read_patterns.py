@@ -33,7 +33,12 @@ from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.cli.argument_types import number_between, positive_int
+from models.cli.argument_types import (
+    non_negative_int,
+    number_between,
+    positive_int,
+    writable_file,
+)
 from models.cli.main import _silence_stdout
 from runtime.backends.cpu_features import CpuFeatures
 
@@ -133,17 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds between rounds, so that they sample the host's memory modes (default 1)",
     )
     parser.add_argument("--threads", type=positive_int, default=2)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the rows' key counts")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the rows' key counts"
+    )
     parser.add_argument(
         "--layers",
         type=positive_int,
         default=CASE[3],
         help="layers of K/V read a step (default 30: 405 MB; fewer for a quick look)",
     )
-    parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument(
+        "--json", type=writable_file, default=None, help="also write the numbers to this file"
+    )
     args = parser.parse_args(argv)
-    if args.json is not None and not Path(args.json).parent.is_dir():
-        parser.error(f"--json {args.json}: the folder {Path(args.json).parent} does not exist")
     case = (*CASE[:3], args.layers, *CASE[4:])
     with tempfile.TemporaryDirectory() as scratch:
         binary = build(Path(scratch))
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             **report,
             "modes": groups,
         }
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+        args.json.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

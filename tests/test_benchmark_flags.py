@@ -32,6 +32,7 @@ AT_LEAST_1 = "is invalid: allowed is an integer >= 1"
         ("patterns", ["--pause", "-1"], "--pause: -1 is invalid: allowed are 0-60 seconds"),
         ("patterns", ["--pause", "soon"], "argument --pause: 'soon' is not a number"),
         ("patterns", ["--layers", "x"], "argument --layers: 'x' is not an integer"),
+        ("patterns", ["--seed", "-1"], "--seed: -1 is invalid: allowed is an integer >= 0"),
     ],
 )
 def test_a_bad_flag_is_refused_naming_it(
@@ -50,4 +51,6 @@ def test_a_json_path_in_a_missing_folder_is_refused(
     target = tmp_path / "missing" / "out.json"
     with pytest.raises(SystemExit):
         SCRIPTS[script](["--json", str(target)])
-    assert f"the folder {target.parent} does not exist" in capsys.readouterr().err
+    assert f"argument --json: {target}: the folder {target.parent} does not exist" in (
+        capsys.readouterr().err
+    )

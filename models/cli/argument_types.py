@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -42,6 +43,17 @@ def number_between(low: float, high: float, unit: str) -> Callable[[str], float]
         return value
 
     return parse
+
+
+def writable_file(text: str) -> Path:
+    """An argparse type: a file to write at the end (a report): refused at once, before the
+    minutes of work that produce it, if its folder does not exist or it names a folder."""
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: allowed is a file path")
+    return path
 
 
 def temperature(text: str) -> float:
