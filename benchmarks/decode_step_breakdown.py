@@ -13,7 +13,10 @@ default forms. Then, best and median of `reps` calls, passes alternating: the wh
 `model.decode` (the fused stack where the plan chose it, and the per-op path beside it); the
 native paged attention over every layer's cache (the step's queries replaced by random ones
 of the same shape; the plan's prefetch placement, the read pass without `--plan`) and,
-beside it, its page walk (the same reads in the same order, without the math); each
+beside it, its page walk (the same reads in the same order, without the math); where the
+step runs fused, the step again with its attention phase reading only
+(`FusedDecodeLayers.attention_reads_only`: the walk where the attention runs, in the stack's
+thread team between its other phases, without 30 calls' overhead); each
 projection kind over every layer, through the model's `Projection` (the plan's form) and
 through a plain `F.linear`; the KV writes. "rest" is the per-op step minus the parts: norms,
 rotary, SwiGLU, residual adds, views and per-op overhead.
@@ -23,9 +26,10 @@ that size (a `sum` over 512 MiB timed in the same alternating passes as the part
 both see the same memory: on shared hosts its rate is bimodal); the page walk against it is
 the cost of the access pattern, attention against the walk the math the reads do not hide.
 Since the host's read mode can change between passes, the attention, its walk and the fused
-step are also timed `--pairs` times each right after a probe, and their ratios to the floor
-at that probe's rate reported per pair: medians over all pairs and, where the probe rates
-spread, over the fastest third (the fast mode).
+step (normal and reading only) are also timed `--pairs` times each right after a probe, and
+their ratios to the floor at that probe's rate reported per pair: medians over all pairs
+and, where the probe rates spread, by thirds of those rates (the fastest third: the fast
+mode).
 Projections, their FLOPs at the best GEMM rate `gemm_candidates.py` measured on this CPU,
 measured here as `gemm_candidates.py` does (its best form on a 1024^3 product), or
 `--peak-gflops` (the peak differs 2.3x between Zen 4 and Zen 5: 211 against 494 GFLOP/s).
@@ -67,6 +71,8 @@ PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 WALK = "attention page walk (reads only)"
 ATTENTION = "attention (native, all layers)"
 FUSED_ATTENTION = "attention in the fused step"
+FUSED_WALK = "page walk in the fused step"
+READS_ONLY_STEP = "step, attention reads only"
 PROBE = "read probe (sum of 512 MiB)"
 
 
@@ -215,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         PROBE: probe.sum,
     }
     fused = model.fused_decode
-    phases: list[list[float]] = []  # the fused step's phases, seconds, one list per call
+    # The fused step's phases, seconds, one list per call: normal calls, and calls whose
+    # attention phase only reads its pages (the page walk where the attention runs).
+    phases: list[list[float]] = []
+    walk_phases: list[list[float]] = []
     if fused is not None and fused.runs(args.rows):
         stack = native_kernels.fused_decode_layers()
 
@@ -226,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
             return logits
 
         timed["step (model.decode)"] = timed_step
+
+        def reads_only_step() -> torch.Tensor:
+            with stack.attention_reads_only(), stack.timing() as seconds:
+                logits = call()
+            walk_phases.append(seconds.tolist())
+            return logits
+
+        timed[READS_ONLY_STEP] = reads_only_step
 
         def per_op() -> torch.Tensor:
             model.fused_decode = None
@@ -257,16 +274,28 @@ def main(argv: list[str] | None = None) -> int:
         name: {"min": min(times) * 1e3, "median": statistics.median(times) * 1e3}
         for name, times in zip(STACK_PHASES, zip(*phases, strict=True), strict=bool(phases))
     }
+    walk_ms = [_attention_phase(seconds) * 1e3 for seconds in walk_phases]
+    if walk_ms:
+        phase_ms["attention, reads only"] = {
+            "min": min(walk_ms),
+            "median": statistics.median(walk_ms),
+        }
     for name, ms in phase_ms.items():
         print(f"{'  fused: ' + name:32s} min {ms['min']:8.2f} ms   median {ms['median']:8.2f} ms")
     rates = [_MEMORY_PROBE_BYTES / seconds for seconds in samples[PROBE]]
-    fused_attention = phase_ms["attention"]["min"] if phase_ms else None
-    lines, floors = _floors(model, inputs, best, peak, rates, fused_attention)
+    fused = (phase_ms["attention"]["min"], min(walk_ms)) if walk_ms else None
+    lines, floors = _floors(model, inputs, best, peak, rates, fused)
     attention_parts: dict[str, Callable[[], object]] = {n: timed[n] for n in (ATTENTION, WALK)}
     if phases:
         attention_parts[FUSED_ATTENTION] = timed["step (model.decode)"]
+        attention_parts[FUSED_WALK] = timed[READS_ONLY_STEP]
     with torch.inference_mode():
-        pairs = _paired(probe.sum, attention_parts, phases, args.pairs)
+        pairs = _paired(
+            probe.sum,
+            attention_parts,
+            {FUSED_ATTENTION: phases, FUSED_WALK: walk_phases},
+            args.pairs,
+        )
     kv_mb = floors["kv_mb"]
     assert isinstance(kv_mb, float)
     paired = _paired_summary(pairs, kv_mb * 1e6)
@@ -303,14 +332,19 @@ class Pair(NamedTuple):
     seconds: float
 
 
+def _attention_phase(seconds: list[float]) -> float:
+    """The attention phase's seconds among one fused call's phases."""
+    return dict(zip(STACK_PHASES, seconds, strict=True))["attention"]
+
+
 def _paired(
     probe: Callable[[], object],
     parts: dict[str, Callable[[], object]],
-    phases: list[list[float]],
+    phases: dict[str, list[list[float]]],
     count: int,
 ) -> list[Pair]:
-    """`count` rounds of each part timed right after the probe (for the fused step, the
-    seconds of its attention phase: the step's call appends its phases to `phases`)."""
+    """`count` rounds of each part timed right after the probe (for a part named in `phases`,
+    a fused step, the seconds of its attention phase: its call appends its phases there)."""
     pairs = []
     for _ in range(count):
         for name, part in parts.items():
@@ -319,8 +353,8 @@ def _paired(
             middle = time.perf_counter()
             part()
             seconds = time.perf_counter() - middle
-            if name == FUSED_ATTENTION:
-                seconds = dict(zip(STACK_PHASES, phases[-1], strict=True))["attention"]
+            if name in phases:
+                seconds = _attention_phase(phases[name][-1])
             pairs.append(Pair(name, _MEMORY_PROBE_BYTES / (middle - start), seconds))
     return pairs
 
@@ -370,10 +404,11 @@ def _floors(
     best: dict[str, float],
     peak: float,
     rates: list[float],
-    fused_attention: float | None,
+    fused: tuple[float, float] | None,
 ) -> tuple[list[str], dict[str, object]]:
     """Attention and projections against their floors (see the module docstring): the
-    printed lines, and the numbers behind them."""
+    printed lines, and the numbers behind them. `fused`: the fused step's attention phase
+    and that phase reading only (ms), where the step runs fused."""
     args = model.args
     keys = int((inputs["positions"].long() + 1).sum())
     kv_bytes = keys * args.n_kv_heads * args.head_dim * 4 * 2 * len(model.layers)
@@ -394,7 +429,8 @@ def _floors(
         "kv_mb": kv_bytes / 1e6,
         "attention_floor_ms": attention_floor,
         "attention_walk_ms": walk,
-        "attention_in_fused_step_ms": fused_attention,
+        "attention_in_fused_step_ms": None if fused is None else fused[0],
+        "attention_walk_in_fused_step_ms": None if fused is None else fused[1],
         "projection_floor_ms": projection_floor,
     }
     return [
@@ -406,9 +442,9 @@ def _floors(
         f"{attention - walk:.2f} ms of math not hidden under the reads"
         + (
             ""
-            if fused_attention is None
-            else f"; in the fused step {fused_attention:.2f} ms "
-            f"({fused_attention / attention_floor:.2f}x)"
+            if fused is None
+            else f"; in the fused step {fused[0]:.2f} ms ({fused[0] / attention_floor:.2f}x), "
+            f"its reads alone {fused[1]:.2f} ms ({fused[1] / attention_floor:.2f}x)"
         ),
         f"projection floor: {flops / 1e9:.2f} GFLOP at {peak:.0f} GFLOP/s or "
         f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "

@@ -4,6 +4,7 @@ the paired ratios (its flags: `test_benchmark_flags.py`)."""
 from __future__ import annotations
 
 import random
+import time
 
 import attrs
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from benchmarks.decode_step_breakdown import (
     Pair,
+    _paired,
     _paired_lines,
     _paired_summary,
     _rest_lines,
@@ -19,6 +21,7 @@ from benchmarks.decode_step_breakdown import (
 from benchmarks.model_step_times import BLOCK_SIZE, _cases
 from models.decoder import DecoderModel, random_state_dict
 from models.llama import LlamaArgs
+from runtime.backends.native_kernels import STACK_PHASES
 
 
 def test_a_positive_rest_is_one_line() -> None:
@@ -78,3 +81,26 @@ def test_paired_ratios_use_each_pairs_own_probe_and_split_by_read_mode() -> None
     assert lines == ["paired with a probe at 60.0-60.0 GB/s (medians): attention 1.50x, walk 1.32x"]
     single = _paired_summary(pairs[:2], kv_bytes)  # too few to split: one group
     assert len(single) == 1 and single[0]["pairs"] == {"attention": 1, "walk": 1}
+
+
+def test_a_fused_parts_pair_times_its_attention_phase_and_the_others_their_call() -> None:
+    """`_paired`: for the fused step and its reads-only twin, the seconds are the attention
+    phase their own call recorded, not the whole call; other parts are timed whole."""
+    phases: dict[str, list[list[float]]] = {"fused": [], "fused walk": []}
+
+    def fused_call(name: str, attention: float) -> None:
+        seconds = [0.5] * len(STACK_PHASES)
+        seconds[STACK_PHASES.index("attention")] = attention
+        phases[name].append(seconds)
+
+    parts = {
+        "plain": lambda: None,
+        "fused": lambda: fused_call("fused", 0.012),
+        "fused walk": lambda: fused_call("fused walk", 0.009),
+    }
+    pairs = _paired(lambda: time.sleep(1e-4), parts, phases, 2)
+    assert [pair.part for pair in pairs] == ["plain", "fused", "fused walk"] * 2
+    by_part = {pair.part: pair.seconds for pair in pairs}
+    assert by_part["fused"] == 0.012 and by_part["fused walk"] == 0.009
+    assert by_part["plain"] < 0.1
+    assert len(phases["fused"]) == len(phases["fused walk"]) == 2

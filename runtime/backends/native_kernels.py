@@ -65,6 +65,9 @@ _HEADERS = tuple(
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64: type[ctypes.c_int64] = ctypes.c_int64
+# The attention's `mode` bits (ATTENTION_* in paged_decode_attention.c).
+_ATTENTION_SPREAD = 1
+_ATTENTION_READS_ONLY = 2
 _PTR: type[ctypes.c_void_p] = ctypes.c_void_p
 
 
@@ -259,7 +262,7 @@ class PagedDecodeAttention:
             width,
             float(scale),
             torch.get_num_threads(),
-            int(spread),
+            _ATTENTION_SPREAD if spread else 0,
         )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch buffers")
@@ -730,6 +733,7 @@ class FusedDecodeLayers:
         )
         self._kernel.restype = ctypes.c_int
         self._phases: torch.Tensor | None = None
+        self._reads_only = False
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[torch.Tensor]:
@@ -744,6 +748,18 @@ class FusedDecodeLayers:
             yield seconds
         finally:
             self._phases = previous
+
+    @contextlib.contextmanager
+    def attention_reads_only(self) -> Iterator[None]:
+        """Within the block, every call's attention phase reads its pages as the attention
+        does (order, read pass, prefetches) and skips the math, leaving its outputs at zero:
+        for benchmarks, the page walk timed where the attention runs, in the stack's own
+        thread team and between its other phases. The calls' results are meaningless."""
+        previous, self._reads_only = self._reads_only, True
+        try:
+            yield
+        finally:
+            self._reads_only = previous
 
     def unchecked(
         self,
@@ -836,7 +852,8 @@ class FusedDecodeLayers:
             g.norm_eps,
             g.head_dim**-0.5,
             _threads(),
-            int(spread),
+            (_ATTENTION_SPREAD if spread else 0)
+            | (_ATTENTION_READS_ONLY if self._reads_only else 0),
             0 if self._phases is None else self._phases.data_ptr(),
         )
         if failed:

@@ -259,6 +259,47 @@ def test_timing_a_fused_step_changes_nothing_and_times_every_phase() -> None:
     assert torch.equal(seconds, kept)
 
 
+@needs_native
+@pytest.mark.parametrize("spread", [False, True])
+def test_attention_reads_only_skips_just_the_attentions_math(spread: bool) -> None:
+    """`FusedDecodeLayers.attention_reads_only`, the benchmarks' page walk inside the step:
+    its logits and K/V writes are those of the same model with the attention's output
+    projection zeroed (the attention adds nothing, all else runs), and the next call outside
+    the block is the normal step again."""
+    args = LlamaArgs(
+        dim=64, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=96, ffn_dim=96,
+        head_dim=16, max_seq_len=128, rope_theta=10000.0, name="tiny-random-reads-only",
+    )  # fmt: skip
+    weights = random_state_dict(args, seed=4)
+    silent = {
+        name: torch.zeros_like(tensor) if name.endswith("o_proj.weight") else tensor
+        for name, tensor in weights.items()
+    }
+    model, without_attention = (
+        DecoderModel.from_state_dict(args, state) for state in (weights, silent)
+    )
+    for each in (model, without_attention):
+        each.apply_kernel_plan(_plan(each, {}))
+    positions = [3, 17, 40, 9, 70]
+
+    def step(of: DecoderModel) -> tuple[torch.Tensor, torch.Tensor]:
+        _, logits, _, cache = _decode_both_ways(
+            of, block_size=8, positions=positions, shared_pages=False, seed=1, spread=spread
+        )
+        return logits, torch.cat([t.flatten() for t in cache])
+
+    normal, _ = step(model)
+    expected, expected_cache = step(without_attention)
+    kernel = native_kernels.fused_decode_layers()
+    with kernel.attention_reads_only():
+        walked, walked_cache = step(model)
+    torch.testing.assert_close(walked, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(walked_cache, expected_cache, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(walked, normal, atol=1e-3)
+    again, _ = step(model)
+    assert torch.equal(again, normal)
+
+
 @pytest.fixture
 def fused_tiny_models() -> Iterator[None]:
     """Route the (cached, shared) tiny models' decode through the fused stack, then back."""

@@ -396,7 +396,7 @@ void paged_attention_team_f32(void *memory, const float *q, int64_t q_stride,
                               const float *k_cache, const float *v_cache, const int64_t *pages,
                               const int64_t *n_keys, float *out, int64_t batch, int64_t kv,
                               int64_t group, int64_t head_dim, int64_t block_size, int64_t width,
-                              float scale, int64_t spans, int spread, int *failed);
+                              float scale, int64_t spans, int mode, int *failed);
 
 /* The stack; `parts` NULL: float32 projections from the table in `layouts`, else from parts. */
 static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t *parts, float *x,
@@ -405,7 +405,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                      float *logits, int64_t vocab, int64_t rows, int64_t n_layers, int64_t dim,
                      int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
                      int64_t block_size, int64_t width, float eps, float scale, int n_threads,
-                     int spread, double *phase_seconds) {
+                     int attention_mode, double *phase_seconds) {
     const int64_t q_out = n_heads * head_dim, kv_out = kv * head_dim;
     const int64_t qkv_out = q_out + 2 * kv_out, group = n_heads / kv;
     int64_t max_keys = 1;
@@ -519,7 +519,7 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
                  * `paged_decode_attention.c`'s own items, run by this team */
                 paged_attention_team_f32(attention, qkv, qkv_out, k_cache, v_cache, pages, n_keys,
                                          attended, rows, kv, group, head_dim, block_size, width,
-                                         scale, spans, spread, &attention_failed);
+                                         scale, spans, attention_mode, &attention_failed);
                 LAP(PHASE_ATTENTION)
                 /* (implicit barrier) 4. O projection into the residual stream */
                 new_stage(&q4);
@@ -597,7 +597,8 @@ static int run_stack(const int64_t *table, const int64_t *layouts, const int64_t
 }
 
 /* The exported stack: `layouts` for float32 projections from the table, or `parts` (the
- * other NULL) for the mixed stack; `spread` picks the attention's prefetch placement;
+ * other NULL) for the mixed stack; `attention_mode`: the attention's ATTENTION_* bits
+ * (`paged_decode_attention.c`: its prefetch placement, or its reads alone for benchmarks);
  * `phase_seconds` (or NULL) [STACK_PHASES] accumulates each phase's time over the layers. */
 int fused_decode_layers(const int64_t *table, const int64_t *layouts, const int64_t *parts,
                         float *x, const float *cos, const float *sin, const int64_t *pages,
@@ -605,9 +606,9 @@ int fused_decode_layers(const int64_t *table, const int64_t *layouts, const int6
                         float *logits, int64_t vocab, int64_t rows, int64_t n_layers,
                         int64_t dim, int64_t n_heads, int64_t kv, int64_t head_dim, int64_t ffn,
                         int64_t block_size, int64_t width, float eps, float scale,
-                        int n_threads, int spread, double *phase_seconds) {
+                        int n_threads, int attention_mode, double *phase_seconds) {
     if ((layouts == NULL) == (parts == NULL)) return 2;
     return run_stack(table, layouts, parts, x, cos, sin, pages, n_keys, final_norm, head,
                      logits, vocab, rows, n_layers, dim, n_heads, kv, head_dim, ffn,
-                     block_size, width, eps, scale, n_threads, spread, phase_seconds);
+                     block_size, width, eps, scale, n_threads, attention_mode, phase_seconds);
 }

@@ -37,6 +37,13 @@
 #include "exp_nonpositive.h"
 #include "scratch_alloc.h"
 
+/* Bits of the calls' `mode`: the spread prefetch placement (see DEFINE_SPAN), and, for
+ * benchmarks, the reads without the math: every page read in the kernel's order with its
+ * prefetches, the outputs left at zero (the page walk where the attention runs, e.g. inside
+ * the fused decode stack's team). The exported callers pass these values. */
+#define ATTENTION_SPREAD 1
+#define ATTENTION_READS_ONLY 2
+
 /* Floats of per-item scratch (scores, a key block, states) kept on the stack; more is allocated. */
 #define STACK_FLOATS 8192
 /* Work items per thread below which rows are split into key spans. */
@@ -462,8 +469,9 @@ static void touch_page(const void *keys, const void *values, const void *next_ke
                      const int64_t *row_pages, int64_t first, int64_t last, int64_t kv,       \
                      int64_t h0, int64_t h1, int64_t group, int64_t head_dim,                 \
                      int64_t block_size, float scale, float *scores,                          \
-                     const span_state *states, int64_t apart, int spread) {                   \
-        const int vector = head_dim % LANES == 0, through_math = vector && spread;           \
+                     const span_state *states, int64_t apart, int mode) {                     \
+        const int vector = head_dim % LANES == 0;                                             \
+        const int through_math = vector && (mode & ATTENTION_SPREAD);                         \
         const int64_t stride = score_stride(block_size);                                      \
         const int64_t head_floats = block_size * head_dim, pair_dim = group * head_dim;       \
         KV_T *tail = (KV_T *)(scores + group * stride);                                       \
@@ -485,6 +493,7 @@ static void touch_page(const void *keys, const void *values, const void *next_ke
                 const float *qh = q_row + h * pair_dim;                                       \
                 touch_page(k_cache + base, v_cache + base, next_keys, next_values,            \
                            count * head_dim * (int64_t)sizeof(KV_T), through_math);           \
+                if (mode & ATTENTION_READS_ONLY) continue;                                    \
                 if (vector)                                                                   \
                     PAGE_VECTOR(qh, k_cache + base, v_cache + base, count, group, head_dim,   \
                                 scale, stride, scores, &states[(h - h0) * apart], tail,       \
@@ -589,13 +598,13 @@ void paged_attention_team_prepare(void *memory, const int64_t *n_keys, int64_t b
  * loops: the standalone kernel opens its own team; the fused decode stack calls it from
  * inside its one). Work items are (row, key span) over all KV heads, longest rows first;
  * split rows are merged after the items. q rows `q_stride` floats apart (`[kv, g, hd]` at
- * the start of each), out `[batch, kv, g, hd]`; `spread` as in DEFINE_SPAN. Sets *failed
- * when an item's scratch cannot be allocated. */
+ * the start of each), out `[batch, kv, g, hd]`; `mode`: ATTENTION_* bits. Sets *failed when
+ * an item's scratch cannot be allocated. */
 #define DEFINE_TEAM(NAME, SPAN, KV_T)                                                          \
     void NAME(void *memory, const float *q, int64_t q_stride, const KV_T *k_cache,            \
               const KV_T *v_cache, const int64_t *pages, const int64_t *n_keys, float *out,   \
               int64_t batch, int64_t kv, int64_t group, int64_t head_dim, int64_t block_size, \
-              int64_t width, float scale, int64_t spans, int spread, int *failed) {           \
+              int64_t width, float scale, int64_t spans, int mode, int *failed) {             \
         const team_memory m = team_layout(memory, batch, kv, spans);         \
         const int64_t pair_dim = group * head_dim, per_state = state_floats(group, head_dim); \
         /* Scratch: scores [g, stride], a padded key block [LANES, hd], kv states. */         \
@@ -624,7 +633,7 @@ void paged_attention_team_prepare(void *memory, const int64_t *n_keys, int64_t b
             }                                                                                 \
             SPAN(q + b * q_stride, k_cache, v_cache, pages + b * width,                       \
                  first < keys ? first : keys, last < keys ? last : keys, kv, 0, kv, group,    \
-                 head_dim, block_size, scale, scratch, row_states, spans, spread);            \
+                 head_dim, block_size, scale, scratch, row_states, spans, mode);              \
             if (m.kept == NULL)                                                               \
                 for (int64_t h = 0; h < kv; ++h)                                              \
                     merge_spans(&row_states[h], 1, group, head_dim,                           \
@@ -642,12 +651,12 @@ void paged_attention_team_prepare(void *memory, const int64_t *n_keys, int64_t b
 DEFINE_TEAM(paged_attention_team_f32, attend_span_f32, float)
 DEFINE_TEAM(paged_attention_team_bf16, attend_span_bf16, uint16_t)
 
-/* Returns 0, or 1 when scratch memory cannot be allocated. `spread`: see DEFINE_SPAN. */
+/* Returns 0, or 1 when scratch memory cannot be allocated. `mode`: ATTENTION_* bits. */
 #define DEFINE_KERNEL(NAME, TEAM, KV_T)                                                        \
     int NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *pages,  \
              const int64_t *n_keys, float *out, int64_t batch, int64_t kv, int64_t group,     \
              int64_t head_dim, int64_t block_size, int64_t width, float scale,                \
-             int n_threads, int spread) {                                                     \
+             int n_threads, int mode) {                                                       \
         int64_t longest = 0;                                                                  \
         for (int64_t b = 0; b < batch; ++b) longest = n_keys[b] > longest ? n_keys[b] : longest; \
         const int64_t spans = spans_per_row(batch, longest, block_size, n_threads);           \
@@ -657,7 +666,7 @@ DEFINE_TEAM(paged_attention_team_bf16, attend_span_bf16, uint16_t)
         int failed = 0;                                                                       \
         _Pragma("omp parallel num_threads(n_threads)")                                        \
         TEAM(memory, q, kv * group * head_dim, k_cache, v_cache, pages, n_keys, out, batch,   \
-             kv, group, head_dim, block_size, width, scale, spans, spread, &failed);          \
+             kv, group, head_dim, block_size, width, scale, spans, mode, &failed);            \
         free(memory);                                                                         \
         return failed;                                                                        \
     }
