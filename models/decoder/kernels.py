@@ -397,6 +397,61 @@ def _error(where: str, message: str) -> KernelPlanError:
     return KernelPlanError(f"{where}: {message}")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _row_counts(value: object, field: str, where: str) -> tuple[int, ...]:
+    """A list of row counts (positive integers), e.g. the plan's decode buckets."""
+    if not isinstance(value, list) or any(type(b) is not int or b < 1 for b in value):
+        raise _error(where, f"{field}={value!r} is invalid: allowed is a list of row counts >= 1")
+    return tuple(value)
+
+
+def _thread_count(value: object, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise _error(where, f"threads={value!r} is invalid: allowed is an integer >= 0")
+    return value
+
+
+def _notes(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise _error(where, f"notes={value!r} is invalid: allowed is a list of strings")
+    return tuple(value)
+
+
+def _numbers(value: object, field: str, where: str) -> tuple[float, ...]:
+    """A list of recorded microseconds."""
+    if not isinstance(value, list) or not all(_is_number(us) for us in value):
+        raise _error(where, f"{field}={value!r} is invalid: allowed is a list of numbers")
+    return tuple(float(us) for us in value)
+
+
+def _measured(entry: dict[str, object], where: str) -> list[dict[str, object]]:
+    """The fused stack's recorded timings, one object per bucket with its `bucket` and numeric
+    fields (which fields depends on what warmup timed: each parser reads its own)."""
+    items = entry.get("measured_us", [])
+    if not isinstance(items, list) or not all(
+        isinstance(item, dict)
+        and type(item.get("bucket")) is int
+        and all(_is_number(v) for k, v in item.items() if k != "bucket")
+        for item in items
+    ):
+        raise _error(
+            where,
+            f"fused_decode measured_us={items!r} is invalid: allowed is a list of objects, "
+            "each with an integer 'bucket' and numbers of microseconds",
+        )
+    return items
+
+
+def _timed(item: dict[str, object], key: str) -> float:
+    """One of `_measured`'s numbers (checked there)."""
+    value = item[key]
+    assert isinstance(value, int | float)
+    return float(value)
+
+
 def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
     """A plan from its JSON form (or a coverage manifest holding one under "kernels").
 
@@ -420,7 +475,7 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
         (name, _parse_projection(name, entry, where))
         for name, entry in sorted(data["projections"].items())
     ]
-    buckets = tuple(int(b) for b in data.get("buckets", ()))
+    buckets = _row_counts(data.get("buckets", []), "buckets", where)
     fused, timings = _parse_fused(data.get("fused_decode"), buckets, where)
     activations, variant_timings = _parse_fused_activations(data.get("fused_decode"), where)
     head, head_timings = _parse_fused_head(data.get("fused_decode"), fused, where)
@@ -430,9 +485,9 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
         buckets=buckets,
         source=str(data.get("source", "file")),
         dtype=str(data.get("dtype", "")),
-        threads=int(data.get("threads", 0)),
+        threads=_thread_count(data.get("threads", 0), where),
         cpu=str(data.get("cpu", "")),
-        notes=tuple(str(n) for n in data.get("notes", ())),
+        notes=_notes(data.get("notes", []), where),
         fused_decode=fused,
         fused_timings=timings,
         fused_activations=activations,
@@ -457,9 +512,9 @@ def _parse_fused_head(
             f"the fused stack runs ({list(fused)})",
         )
     timings = tuple(
-        (int(item["bucket"]), float(item["head_in_call"]), float(item["head_apart"]))
-        for item in entry.get("measured_us", ())
-        if isinstance(item, dict) and "head_in_call" in item and "head_apart" in item
+        (int(_timed(item, "bucket")), _timed(item, "head_in_call"), _timed(item, "head_apart"))
+        for item in _measured(entry, where)
+        if "head_in_call" in item and "head_apart" in item
     )
     return tuple(sorted(set(chosen))), timings
 
@@ -479,9 +534,8 @@ def _parse_fused_activations(
             f"{list(FUSED_ACTIVATIONS)}",
         )
     timings = tuple(
-        (variant, int(item["bucket"]), float(item[f"fused_{variant}"]))
-        for item in entry.get("measured_us", ())
-        if isinstance(item, dict)
+        (variant, int(_timed(item, "bucket")), _timed(item, f"fused_{variant}"))
+        for item in _measured(entry, where)
         for variant in FUSED_ACTIVATIONS
         if f"fused_{variant}" in item
     )
@@ -506,8 +560,9 @@ def _parse_fused(
             f"decode buckets of the plan ({list(buckets)}) of at most {FUSED_MAX_ROWS} rows",
         )
     timings = tuple(
-        (int(item["bucket"]), float(item["fused"]), float(item["per_op"]))
-        for item in entry.get("measured_us", ())
+        (int(_timed(item, "bucket")), _timed(item, "fused"), _timed(item, "per_op"))
+        for item in _measured(entry, where)
+        if "fused" in item and "per_op" in item
     )
     return tuple(sorted(set(chosen))), timings
 
@@ -531,7 +586,7 @@ def _parse_projection(name: str, entry: object, where: str) -> ProjectionChoice:
     split = entry.get("split", False)
     if not isinstance(split, bool):
         raise _error(where, f"{name}.split={split!r} is invalid: allowed is true or false")
-    micro = tuple(float(us) for us in entry.get("microseconds", ()))
+    micro = _numbers(entry.get("microseconds", []), f"{name}.microseconds", where)
     if blocks and (layout != "out_in" or split):
         raise _error(where, f"{name} holds {blocks} blocks: allowed is out_in, unsplit")
     candidates_raw = entry.get("candidates_us", {})

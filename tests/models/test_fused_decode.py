@@ -421,6 +421,53 @@ def test_a_plan_with_bad_fused_buckets_is_refused_naming_it(entry: object) -> No
         parse_kernel_plan(data, where="--kernels k.json")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("buckets", ["x"], r"buckets=\['x'\] is invalid: allowed is a list of row counts >= 1"),
+        ("buckets", 5, r"buckets=5 is invalid"),
+        ("buckets", [0, 2], r"buckets=\[0, 2\] is invalid"),
+        ("threads", "two", r"threads='two' is invalid: allowed is an integer >= 0"),
+        ("notes", 5, r"notes=5 is invalid: allowed is a list of strings"),
+        ("measured_us", 7, r"fused_decode measured_us=7 is invalid: allowed is a list of objects"),
+        ("measured_us", [1], r"fused_decode measured_us=\[1\] is invalid"),
+        (
+            "measured_us",
+            [{"bucket": "a", "fused": 1.0, "per_op": 2.0}],
+            r"fused_decode measured_us=.* is invalid",
+        ),
+        (
+            "measured_us",
+            [{"bucket": 1, "fused": "fast", "per_op": 2.0}],
+            r"fused_decode measured_us=.* is invalid",
+        ),
+        (
+            "microseconds",
+            ["x"],
+            r"\w+\.microseconds=\['x'\] is invalid: allowed is a list of numbers",
+        ),
+    ],
+)
+def test_a_hand_edited_plans_bad_field_is_refused_naming_the_file(
+    field: str, value: object, message: str
+) -> None:
+    """The plan's other fields are checked as its choices are: a value of the wrong kind is a
+    named refusal (`--kernels FILE: field=value ...: allowed is ...`), not a traceback."""
+    data = _plan(_model(LlamaArgs.tiny_random("gqa")), {}).to_json()
+    fused, projections = data["fused_decode"], data["projections"]
+    assert isinstance(fused, dict) and isinstance(projections, dict)
+    if field == "measured_us":
+        fused[field] = value
+    elif field == "microseconds":
+        first = projections[sorted(projections)[0]]
+        assert isinstance(first, dict)
+        first[field] = value
+    else:
+        data[field] = value
+    with pytest.raises(KernelPlanError, match=r"--kernels k\.json: " + message):
+        parse_kernel_plan(data, where="--kernels k.json")
+
+
 @pytest.mark.usefixtures("no_compiler")
 def test_without_a_compiler_warmup_keeps_the_per_op_path_and_says_why() -> None:
     model = _model(LlamaArgs.tiny_random("gqa"))
