@@ -754,7 +754,9 @@ class FusedDecodeLayers:
         """Within the block, every call's attention phase reads its pages as the attention
         does (order, read pass, prefetches) and skips the math, leaving its outputs at zero:
         for benchmarks, the page walk timed where the attention runs, in the stack's own
-        thread team and between its other phases. The calls' results are meaningless."""
+        thread team and between its other phases. The calls' results are meaningless, and as
+        with `timing` the kernels are one per process: calls from other threads in the block
+        (lanes run as threads) read only too. Never for serving."""
         previous, self._reads_only = self._reads_only, True
         try:
             yield
