@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 typedef int32_t vint __attribute__((vector_size(64)));
+typedef float vfloat __attribute__((vector_size(64)));
 
 static double now(void) {
     struct timespec t;
@@ -137,7 +138,10 @@ static double walk(const step_shape *s, const pattern *p, const int64_t *table, 
     return now() - start;
 }
 
-/* Seconds for each thread to read its contiguous share of `bytes` (one stream a thread). */
+/* Seconds for each thread to read its contiguous share of `bytes` (one stream a thread), each
+ * line added into one float vector: the fastest C loop measured on Zen 4, 0.98-1.0x of
+ * `torch.sum` over the same huge pages (ORing the lines into a vector of which two lanes are
+ * used read at 0.89x in the host's fast memory mode). */
 static double sequential(const char *buffer, int64_t bytes, int threads, int *sink) {
     int seen = 0;
     const double start = now();
@@ -145,13 +149,15 @@ static double sequential(const char *buffer, int64_t bytes, int threads, int *si
     {
         const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
         const int64_t lines = bytes / 64, first = lines * id / n, last = lines * (id + 1) / n;
-        vint acc = {0};
+        vfloat acc = {0};
         for (int64_t line = first; line < last; ++line) {
-            vint x;
+            vfloat x;
             memcpy(&x, buffer + line * 64, 64);
-            acc |= x;
+            acc += x;
         }
-        seen |= acc[0] | acc[7];
+        float total = 0.0f;
+        for (int lane = 0; lane < 16; ++lane) total += acc[lane];
+        seen |= total != 0.0f;
     }
     *sink |= seen;
     return now() - start;
