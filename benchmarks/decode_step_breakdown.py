@@ -110,9 +110,8 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
     group = args.n_heads // args.n_kv_heads
     q = torch.randn(rows, args.n_kv_heads, group, args.head_dim)
     attention = native_kernels.paged_decode_attention()
-    # The walk's inputs checked and converted once, as the model's decode does for the kernel.
+    # The walk's inputs checked once, as the model's decode does for the kernel.
     attention.walk(q, *cache[0], path.pages, path.n_keys, args.head_dim**-0.5)
-    pages64, keys64 = path.pages.long().contiguous(), path.n_keys.long().contiguous()
     spread = model.decode_attention == SPREAD  # the plan's prefetch placement
     parts: dict[str, Callable[[], object]] = {
         ATTENTION: lambda: [
@@ -121,7 +120,9 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
             )
             for k, v in cache
         ],
-        WALK: lambda: [attention.unchecked_walk(q.shape, k, v, pages64, keys64) for k, v in cache],
+        WALK: lambda: [
+            attention.unchecked_walk(q.shape, k, v, path.pages, path.n_keys) for k, v in cache
+        ],
     }
     groups = model.projection_groups()
     for name in PROJECTIONS:

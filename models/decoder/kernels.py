@@ -19,7 +19,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard
 
 import attrs
 import torch
@@ -397,7 +397,7 @@ def _error(where: str, message: str) -> KernelPlanError:
     return KernelPlanError(f"{where}: {message}")
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -476,9 +476,11 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
         for name, entry in sorted(data["projections"].items())
     ]
     buckets = _row_counts(data.get("buckets", []), "buckets", where)
-    fused, timings = _parse_fused(data.get("fused_decode"), buckets, where)
-    activations, variant_timings = _parse_fused_activations(data.get("fused_decode"), where)
-    head, head_timings = _parse_fused_head(data.get("fused_decode"), fused, where)
+    entry = data.get("fused_decode")
+    measured = _measured(entry, where) if isinstance(entry, dict) else []
+    fused, timings = _parse_fused(entry, buckets, measured, where)
+    activations, variant_timings = _parse_fused_activations(entry, measured, where)
+    head, head_timings = _parse_fused_head(entry, fused, measured, where)
     return KernelPlan(
         projections=tuple(projections),
         decode_attention=attention,
@@ -498,7 +500,7 @@ def parse_kernel_plan(data: object, *, where: str) -> KernelPlan:
 
 
 def _parse_fused_head(
-    entry: object, fused: Sequence[int], where: str
+    entry: object, fused: Sequence[int], measured: list[dict[str, object]], where: str
 ) -> tuple[tuple[int, ...] | None, tuple[tuple[int, float, float], ...]]:
     """Where the fused stack runs the LM head (absent before warmup measured it: None, the
     default rule) and the timings behind that choice."""
@@ -513,14 +515,14 @@ def _parse_fused_head(
         )
     timings = tuple(
         (int(_timed(item, "bucket")), _timed(item, "head_in_call"), _timed(item, "head_apart"))
-        for item in _measured(entry, where)
+        for item in measured
         if "head_in_call" in item and "head_apart" in item
     )
     return tuple(sorted(set(chosen))), timings
 
 
 def _parse_fused_activations(
-    entry: object, where: str
+    entry: object, measured: list[dict[str, object]], where: str
 ) -> tuple[str, tuple[tuple[str, int, float], ...]]:
     """A plan's fused-stack activations (absent before int8 existed: float32) and the rounded
     variants' timings (`fused_int16`, `fused_int8` beside each bucket's)."""
@@ -535,7 +537,7 @@ def _parse_fused_activations(
         )
     timings = tuple(
         (variant, int(_timed(item, "bucket")), _timed(item, f"fused_{variant}"))
-        for item in _measured(entry, where)
+        for item in measured
         for variant in FUSED_ACTIVATIONS
         if f"fused_{variant}" in item
     )
@@ -543,7 +545,7 @@ def _parse_fused_activations(
 
 
 def _parse_fused(
-    entry: object, buckets: Sequence[int], where: str
+    entry: object, buckets: Sequence[int], measured: list[dict[str, object]], where: str
 ) -> tuple[tuple[int, ...], tuple[tuple[int, float, float], ...]]:
     """A plan's `fused_decode` record (absent in version 1 plans: fused decode off)."""
     if entry is None:
@@ -561,7 +563,7 @@ def _parse_fused(
         )
     timings = tuple(
         (int(_timed(item, "bucket")), _timed(item, "fused"), _timed(item, "per_op"))
-        for item in _measured(entry, where)
+        for item in measured
         if "fused" in item and "per_op" in item
     )
     return tuple(sorted(set(chosen))), timings
@@ -604,7 +606,7 @@ def _candidate_times(times: list[object], field: str, where: str) -> tuple[float
     for us in times:
         if us is None:
             out.append(math.nan)
-        elif isinstance(us, int | float) and not isinstance(us, bool):
+        elif _is_number(us):
             out.append(float(us))
         else:
             raise _error(where, f"{field} holds {us!r}: allowed are numbers and null")

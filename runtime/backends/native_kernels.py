@@ -181,8 +181,7 @@ class PagedDecodeAttention:
         access pattern's and the math's that does not hide under the reads."""
         self._check(*inputs)
         q, k_cache, v_cache, pages, n_keys, _scale = inputs
-        pages64, keys64 = _int64_indices(pages, n_keys)
-        return self.unchecked_walk(q.shape, k_cache, v_cache, pages64, keys64)
+        return self.unchecked_walk(q.shape, k_cache, v_cache, pages, n_keys)
 
     def unchecked_walk(
         self,
@@ -192,21 +191,22 @@ class PagedDecodeAttention:
         pages: torch.Tensor,
         n_keys: torch.Tensor,
     ) -> int:
-        """`walk` for inputs already checked, with `pages` and `n_keys` contiguous int64: a
-        benchmark timing the walk over every layer checks and converts once, so that its
-        time is the reads' (checking each call added ~50 us a layer on Zen 4)."""
+        """`walk` for inputs already checked, as `unchecked` is to `__call__`: a benchmark
+        timing the walk over every layer checks once, so that its time is the reads' (checking
+        each call added ~50 us a layer on Zen 4)."""
         batch, kv, _, head_dim = q_shape
+        pages64, keys64 = _int64_indices(pages, n_keys)
         seen = self._walk(
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             k_cache.element_size(),
-            pages.data_ptr(),
-            n_keys.data_ptr(),
+            pages64.data_ptr(),
+            keys64.data_ptr(),
             batch,
             kv,
             head_dim,
             k_cache.shape[2],
-            pages.shape[1],
+            pages64.shape[1],
             torch.get_num_threads(),
         )
         if seen < 0:

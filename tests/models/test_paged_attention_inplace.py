@@ -184,8 +184,8 @@ def test_walk_reads_the_last_byte_of_a_region_shorter_than_a_vector() -> None:
     q = torch.zeros(1, 1, 1, 8)
     attention = native_kernels.paged_decode_attention()
     assert attention.walk(q, k, v, torch.tensor([[1]]), torch.tensor([3]), 1.0) == 0x5A
-    # Unchecked, with the indices converted by the caller (as the breakdown times it).
-    pages, n_keys = torch.tensor([[1]], dtype=torch.int64), torch.tensor([3], dtype=torch.int64)
+    # Unchecked (as the breakdown times it, checking once).
+    pages, n_keys = torch.tensor([[1]]), torch.tensor([3])
     assert attention.unchecked_walk(q.shape, k, v, pages, n_keys) == 0x5A
     assert attention.unchecked_walk(q.shape, k, v, pages, n_keys - 1) == 0
 
