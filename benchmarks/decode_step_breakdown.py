@@ -13,10 +13,13 @@ default forms. Then, best and median of `reps` calls, passes alternating: the wh
 `model.decode` (the fused stack where the plan chose it, and the per-op path beside it); the
 native paged attention over every layer's cache (the step's queries replaced by random ones
 of the same shape; the plan's prefetch placement, the read pass without `--plan`) and,
-beside it, its page walk (the same reads in the same order, without the math); where the
+beside it, its page walk (the same reads in the same order, without the math) and its CPU
+work alone (the same rows and math with every page mapped to one of two, whose K/V then stay
+in cache: where that takes most of the floor, no page order or prefetch meets it); where the
 step runs fused, the step again with its attention phase reading only
 (`FusedDecodeLayers.attention_reads_only`: the walk where the attention runs, in the stack's
-thread team between its other phases, without 30 calls' overhead); each
+thread team between its other phases, without 30 calls' overhead) and with the CPU-work
+page table above (its attention phase then the stack's CPU work alone); each
 projection kind over every layer, through the model's `Projection` (the plan's form) and
 through a plain `F.linear`; the KV writes. "rest" is the per-op step minus the parts: norms,
 rotary, SwiGLU, residual adds, views and per-op overhead.
@@ -71,10 +74,13 @@ _MEMORY_PROBE_BYTES = 512 << 20
 CASES = {1: "decode b1 ctx160", 8: "decode b8 ctx128-192", 32: "decode b32 ctx48-520"}
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 WALK = "attention page walk (reads only)"
+IN_CACHE = "attention, K/V in cache (its CPU work)"
 ATTENTION = "attention (native, all layers)"
 FUSED_ATTENTION = "attention in the fused step"
 FUSED_WALK = "page walk in the fused step"
+FUSED_IN_CACHE = "attention in the fused step, K/V in cache"
 READS_ONLY_STEP = "step, attention reads only"
+IN_CACHE_STEP = "step, K/V in cache"
 PROBE = "read probe (sum of 512 MiB)"  # on huge pages, as the K/V caches
 
 
@@ -86,7 +92,7 @@ def _step_inputs(model: DecoderModel, call: Callable[[], torch.Tensor]) -> dict[
     def record(
         tokens: torch.Tensor, *, positions: torch.Tensor, page_table: torch.Tensor
     ) -> torch.Tensor:
-        seen.update(positions=positions, page_table=page_table)
+        seen.update(tokens=tokens, positions=positions, page_table=page_table)
         return decode(tokens, positions=positions, page_table=page_table)
 
     model.decode = record  # type: ignore[method-assign]
@@ -113,6 +119,7 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
     # The walk's inputs checked once, as the model's decode does for the kernel.
     attention.walk(q, *cache[0], path.pages, path.n_keys, args.head_dim**-0.5)
     spread = model.decode_attention == SPREAD  # the plan's prefetch placement
+    in_cache = cache_resident(path.pages)
     parts: dict[str, Callable[[], object]] = {
         ATTENTION: lambda: [
             attention.unchecked(
@@ -122,6 +129,10 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
         ],
         WALK: lambda: [
             attention.unchecked_walk(q.shape, k, v, path.pages, path.n_keys) for k, v in cache
+        ],
+        IN_CACHE: lambda: [
+            attention.unchecked(q, k, v, in_cache, path.n_keys, args.head_dim**-0.5, spread=spread)
+            for k, v in cache
         ],
     }
     groups = model.projection_groups()
@@ -138,10 +149,17 @@ def _parts(model: DecoderModel, inputs: dict[str, torch.Tensor]) -> dict[str, Ca
     return parts
 
 
+def cache_resident(pages: torch.Tensor) -> torch.Tensor:
+    """The page table with every mapped page replaced by page 0 or 1 (unmapped ones kept):
+    the same rows, key counts and math, its K/V (two pages a layer) served from cache, so
+    that the attention's time is its CPU work alone, with no memory to wait for."""
+    return torch.where(pages >= 0, pages % 2, pages)
+
+
 def _beside(name: str) -> bool:
     """Whether a timed piece is a whole step or a reference timed beside a part (not one
     of the parts that add up to the per-op step)."""
-    return "F.linear" in name or "step" in name or name in (WALK, PROBE)
+    return "F.linear" in name or "step" in name or name in (WALK, IN_CACHE, PROBE)
 
 
 def _rest_lines(step_ms: float, parts_ms: float) -> list[str]:
@@ -229,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     # attention phase only reads its pages (the page walk where the attention runs).
     phases: list[list[float]] = []
     walk_phases: list[list[float]] = []
+    cache_phases: list[list[float]] = []
     if fused is not None and fused.runs(args.rows):
         stack = native_kernels.fused_decode_layers()
 
@@ -247,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
             return logits
 
         timed[READS_ONLY_STEP] = reads_only_step
+        resident = cache_resident(inputs["page_table"])
+
+        def in_cache_step() -> torch.Tensor:
+            with stack.timing() as seconds:
+                logits = model.decode(
+                    inputs["tokens"], positions=inputs["positions"], page_table=resident
+                )
+            cache_phases.append(seconds.tolist())
+            return logits
+
+        timed[IN_CACHE_STEP] = in_cache_step
 
         def per_op() -> torch.Tensor:
             model.fused_decode = None
@@ -278,26 +308,34 @@ def main(argv: list[str] | None = None) -> int:
         name: {"min": min(times) * 1e3, "median": statistics.median(times) * 1e3}
         for name, times in zip(STACK_PHASES, zip(*phases, strict=True), strict=bool(phases))
     }
-    walk_ms = [_attention_phase(seconds) * 1e3 for seconds in walk_phases]
-    if walk_ms:
-        phase_ms["attention, reads only"] = {
-            "min": min(walk_ms),
-            "median": statistics.median(walk_ms),
-        }
+    for label, runs in (("reads only", walk_phases), ("K/V in cache", cache_phases)):
+        if runs:
+            ms = [_attention_phase(seconds) * 1e3 for seconds in runs]
+            phase_ms[f"attention, {label}"] = {"min": min(ms), "median": statistics.median(ms)}
     for name, ms in phase_ms.items():
         print(f"{'  fused: ' + name:32s} min {ms['min']:8.2f} ms   median {ms['median']:8.2f} ms")
     rates = [_MEMORY_PROBE_BYTES / seconds for seconds in samples[PROBE]]
-    fused = (phase_ms["attention"]["min"], min(walk_ms)) if walk_ms else None
+    fused = (
+        None
+        if not walk_phases
+        else tuple(
+            phase_ms[name]["min"]
+            for name in ("attention", "attention, reads only", "attention, K/V in cache")
+        )
+    )
     lines, floors = _floors(model, inputs, best, peak, rates, fused)
-    attention_parts: dict[str, Callable[[], object]] = {n: timed[n] for n in (ATTENTION, WALK)}
+    attention_parts: dict[str, Callable[[], object]] = {
+        n: timed[n] for n in (ATTENTION, WALK, IN_CACHE)
+    }
     if phases:
         attention_parts[FUSED_ATTENTION] = timed["step (model.decode)"]
         attention_parts[FUSED_WALK] = timed[READS_ONLY_STEP]
+        attention_parts[FUSED_IN_CACHE] = timed[IN_CACHE_STEP]
     with torch.inference_mode():
         pairs = _paired(
             probe.sum,
             attention_parts,
-            {FUSED_ATTENTION: phases, FUSED_WALK: walk_phases},
+            {FUSED_ATTENTION: phases, FUSED_WALK: walk_phases, FUSED_IN_CACHE: cache_phases},
             args.pairs,
         )
     kv_mb = floors["kv_mb"]
@@ -408,11 +446,12 @@ def _floors(
     best: dict[str, float],
     peak: float,
     rates: list[float],
-    fused: tuple[float, float] | None,
+    fused: tuple[float, ...] | None,
 ) -> tuple[list[str], dict[str, object]]:
     """Attention and projections against their floors (see the module docstring): the
-    printed lines, and the numbers behind them. `fused`: the fused step's attention phase
-    and that phase reading only (ms), where the step runs fused."""
+    printed lines, and the numbers behind them. `fused`: the fused step's attention phase,
+    that phase reading only and that phase with its K/V in cache (ms), where the step runs
+    fused."""
     args = model.args
     keys = int((inputs["positions"].long() + 1).sum())
     kv_bytes = keys * args.n_kv_heads * args.head_dim * 4 * 2 * len(model.layers)
@@ -425,7 +464,7 @@ def _floors(
     weight_bytes = sum(m.resident_bytes for m in modules)
     projection_floor = max(flops / peak / 1e6, weight_bytes / bandwidth * 1e3)
     projections = sum(best[f"{name} (plan form)"] for name in PROJECTIONS)
-    attention, walk = best[ATTENTION], best[WALK]
+    attention, walk, in_cache = best[ATTENTION], best[WALK], best[IN_CACHE]
     floors = {
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_range_gb_s": [min(rates) / 1e9, bandwidth / 1e9],
@@ -433,8 +472,10 @@ def _floors(
         "kv_mb": kv_bytes / 1e6,
         "attention_floor_ms": attention_floor,
         "attention_walk_ms": walk,
+        "attention_in_cache_ms": in_cache,
         "attention_in_fused_step_ms": None if fused is None else fused[0],
         "attention_walk_in_fused_step_ms": None if fused is None else fused[1],
+        "attention_in_cache_in_fused_step_ms": None if fused is None else fused[2],
         "projection_floor_ms": projection_floor,
     }
     return [
@@ -443,12 +484,14 @@ def _floors(
         f"attention floor: {kv_bytes / 1e6:.0f} MB of K/V = {attention_floor:.2f} ms; "
         f"measured {attention:.2f} ms ({attention / attention_floor:.2f}x): the page walk "
         f"alone {walk:.2f} ms ({walk / attention_floor:.2f}x, the access pattern) + "
-        f"{attention - walk:.2f} ms of math not hidden under the reads"
+        f"{attention - walk:.2f} ms of math not hidden under the reads; with its K/V in "
+        f"cache (its CPU work alone) {in_cache:.2f} ms ({in_cache / attention_floor:.2f}x)"
         + (
             ""
             if fused is None
             else f"; in the fused step {fused[0]:.2f} ms ({fused[0] / attention_floor:.2f}x), "
-            f"its reads alone {fused[1]:.2f} ms ({fused[1] / attention_floor:.2f}x)"
+            f"its reads alone {fused[1]:.2f} ms ({fused[1] / attention_floor:.2f}x), "
+            f"its K/V in cache {fused[2]:.2f} ms ({fused[2] / attention_floor:.2f}x)"
         ),
         f"projection floor: {flops / 1e9:.2f} GFLOP at {peak:.0f} GFLOP/s or "
         f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "

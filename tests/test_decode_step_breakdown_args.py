@@ -17,10 +17,12 @@ from benchmarks.decode_step_breakdown import (
     _paired_summary,
     _rest_lines,
     _step_inputs,
+    cache_resident,
 )
 from benchmarks.model_step_times import BLOCK_SIZE, _cases
 from models.decoder import DecoderModel, random_state_dict
 from models.llama import LlamaArgs
+from runtime.backends import native_kernels
 from runtime.backends.native_kernels import STACK_PHASES
 
 
@@ -104,3 +106,31 @@ def test_a_fused_parts_pair_times_its_attention_phase_and_the_others_their_call(
     assert by_part["fused"] == 0.012 and by_part["fused walk"] == 0.009
     assert by_part["plain"] < 0.1
     assert len(phases["fused"]) == len(phases["fused walk"]) == 2
+
+
+def test_the_cache_resident_table_keeps_the_rows_and_math_on_two_pages() -> None:
+    """The CPU-work reference: every mapped page becomes page 0 or 1, unmapped ones stay -1,
+    so the kernel does the same math over K/V that fit in cache; its output is the attention
+    over those two pages' keys, which the per-row gather of the same table reproduces."""
+    pages = torch.tensor([[7, 12, 3, -1], [5, -1, 8, 9]])
+    resident = cache_resident(pages)
+    assert resident.tolist() == [[1, 0, 1, -1], [1, -1, 0, 1]]
+    assert torch.equal(pages, torch.tensor([[7, 12, 3, -1], [5, -1, 8, 9]]))  # not changed
+    kv, group, head_dim, block = 2, 3, 16, 4
+    k = torch.randn(16, kv, block, head_dim)
+    v = torch.randn(16, kv, block, head_dim)
+    q = torch.randn(2, kv, group, head_dim)
+    n_keys = torch.tensor([14, 16])
+    out = native_kernels.paged_decode_attention().unchecked(q, k, v, resident, n_keys, 0.25)
+    for row in range(2):
+        keys, values = [], []
+        for slot in range(4):
+            page = int(resident[row, slot])
+            count = min(block, int(n_keys[row]) - slot * block)
+            if page >= 0 and count > 0:
+                keys.append(k[page, :, :count])
+                values.append(v[page, :, :count])
+        kk, vv = torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [kv, keys, hd]
+        weights = torch.softmax(torch.einsum("hgd,hkd->hgk", q[row], kk) * 0.25, dim=-1)
+        expected = torch.einsum("hgk,hkd->hgd", weights, vv)
+        assert torch.allclose(out[row], expected, atol=1e-5)
