@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             return logits
 
         timed[READS_ONLY_STEP] = reads_only_step
+        # Its K/V writes land in pages 0 and 1 too: the values there change, not the timing.
         resident = cache_resident(inputs["page_table"])
 
         def in_cache_step() -> torch.Tensor:
@@ -310,20 +311,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     for label, runs in (("reads only", walk_phases), ("K/V in cache", cache_phases)):
         if runs:
-            ms = [_attention_phase(seconds) * 1e3 for seconds in runs]
-            phase_ms[f"attention, {label}"] = {"min": min(ms), "median": statistics.median(ms)}
+            took = [_attention_phase(seconds) * 1e3 for seconds in runs]
+            phase_ms[f"attention, {label}"] = {"min": min(took), "median": statistics.median(took)}
     for name, ms in phase_ms.items():
         print(f"{'  fused: ' + name:32s} min {ms['min']:8.2f} ms   median {ms['median']:8.2f} ms")
     rates = [_MEMORY_PROBE_BYTES / seconds for seconds in samples[PROBE]]
-    fused = (
-        None
-        if not walk_phases
-        else tuple(
-            phase_ms[name]["min"]
-            for name in ("attention", "attention, reads only", "attention, K/V in cache")
+    fused_attention = (
+        FusedAttention(
+            *(
+                phase_ms[name]["min"]
+                for name in ("attention", "attention, reads only", "attention, K/V in cache")
+            )
         )
+        if phases
+        else None
     )
-    lines, floors = _floors(model, inputs, best, peak, rates, fused)
+    lines, floors = _floors(model, inputs, best, peak, rates, fused_attention)
     attention_parts: dict[str, Callable[[], object]] = {
         n: timed[n] for n in (ATTENTION, WALK, IN_CACHE)
     }
@@ -364,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+class FusedAttention(NamedTuple):
+    """The fused step's attention phase (best call, ms): normal, reading only, K/V in cache."""
+
+    normal: float
+    reads_only: float
+    in_cache: float
 
 
 class Pair(NamedTuple):
@@ -446,12 +457,10 @@ def _floors(
     best: dict[str, float],
     peak: float,
     rates: list[float],
-    fused: tuple[float, ...] | None,
+    fused: FusedAttention | None,
 ) -> tuple[list[str], dict[str, object]]:
     """Attention and projections against their floors (see the module docstring): the
-    printed lines, and the numbers behind them. `fused`: the fused step's attention phase,
-    that phase reading only and that phase with its K/V in cache (ms), where the step runs
-    fused."""
+    printed lines, and the numbers behind them (`fused`: where the step runs fused)."""
     args = model.args
     keys = int((inputs["positions"].long() + 1).sum())
     kv_bytes = keys * args.n_kv_heads * args.head_dim * 4 * 2 * len(model.layers)
@@ -473,9 +482,9 @@ def _floors(
         "attention_floor_ms": attention_floor,
         "attention_walk_ms": walk,
         "attention_in_cache_ms": in_cache,
-        "attention_in_fused_step_ms": None if fused is None else fused[0],
-        "attention_walk_in_fused_step_ms": None if fused is None else fused[1],
-        "attention_in_cache_in_fused_step_ms": None if fused is None else fused[2],
+        "attention_in_fused_step_ms": None if fused is None else fused.normal,
+        "attention_walk_in_fused_step_ms": None if fused is None else fused.reads_only,
+        "attention_in_cache_in_fused_step_ms": None if fused is None else fused.in_cache,
         "projection_floor_ms": projection_floor,
     }
     return [
@@ -489,9 +498,10 @@ def _floors(
         + (
             ""
             if fused is None
-            else f"; in the fused step {fused[0]:.2f} ms ({fused[0] / attention_floor:.2f}x), "
-            f"its reads alone {fused[1]:.2f} ms ({fused[1] / attention_floor:.2f}x), "
-            f"its K/V in cache {fused[2]:.2f} ms ({fused[2] / attention_floor:.2f}x)"
+            else f"; in the fused step {fused.normal:.2f} ms "
+            f"({fused.normal / attention_floor:.2f}x), its reads alone {fused.reads_only:.2f} "
+            f"ms ({fused.reads_only / attention_floor:.2f}x), its K/V in cache "
+            f"{fused.in_cache:.2f} ms ({fused.in_cache / attention_floor:.2f}x)"
         ),
         f"projection floor: {flops / 1e9:.2f} GFLOP at {peak:.0f} GFLOP/s or "
         f"{weight_bytes / 1e6:.0f} MB of weights read, whichever is longer = "
